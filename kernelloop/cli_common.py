@@ -1,0 +1,43 @@
+"""Options and helpers shared by every command group."""
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+console = Console()
+err_console = Console(stderr=True)
+
+DbOption = typer.Option(None, "--db", envvar="KERNELLOOP_DB",
+                        help="SQLite file or SQLAlchemy URL of the store [default: ./kernelloop.db]")
+DeviceOption = typer.Option(None, "--device", "-d",
+                            help="cuda or cpu [default: cuda if a GPU is visible, else cpu]")
+SetOption = typer.Option(None, "--set", help="size override name=value (repeatable), e.g. --set batch_size=16")
+
+
+def resolve_device(device: Optional[str]) -> str:
+    import torch
+
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cuda", "cpu"):
+        fail(f"--device must be cuda or cpu, not {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda: no CUDA GPU is visible to torch "
+             f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'})")
+    return device
+
+
+def open_store(db: Optional[str]):
+    from store import Store, StoreError
+
+    try:
+        return Store(db)
+    except StoreError as exc:
+        fail(str(exc))
+
+
+def fail(message: str, code: int = 2) -> "typer.Exit":
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(code)

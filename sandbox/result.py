@@ -1,0 +1,168 @@
+"""The data model that flows out of the sandbox: one typed ``EvalResult`` per evaluation.
+
+Everything the critic, the loop's prompts and the reports say about an attempt comes
+from these fields, so each figure carries its unit in its name (``_ms``, ``_s``, ``_us``).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from enum import Enum
+from typing import Any, Optional
+
+from pydantic import BaseModel, Field
+
+
+class Status(str, Enum):
+    compile_error = "compile_error"
+    load_error = "load_error"
+    runtime_error = "runtime_error"
+    timeout = "timeout"
+    incorrect = "incorrect"
+    correct = "correct"
+
+
+class FlagKind(str, Enum):
+    no_custom_kernel = "no_custom_kernel"   # no kernel of the candidate's own ran
+    fallback = "fallback"                   # a path back to PyTorch (try/except, reference Model)
+    precision = "precision"                 # lowered precision (half, bf16, tf32) in the candidate
+    suspicious = "suspicious"               # evidence of tampering with the harness or the timer
+    impossible = "impossible"               # faster than the roofline floor allows
+    inputs_mutated = "inputs_mutated"
+
+
+class Flag(BaseModel):
+    kind: FlagKind
+    reason: str
+
+
+class Tolerance(BaseModel):
+    atol: float
+    rtol: float
+
+
+class EvalConfig(BaseModel):
+    """Everything that changes a verdict or a timing; its hash keys the evaluation cache."""
+
+    trials: int = Field(5, ge=1)
+    warmup_runs: int = Field(3, ge=0)
+    timed_runs: int = Field(20, ge=1)
+    tol_fp32: Tolerance = Tolerance(atol=1e-4, rtol=1e-4)
+    tol_half: Tolerance = Tolerance(atol=1e-2, rtol=1e-2)
+    build_timeout_s: float = 600.0
+    run_timeout_s: float = 300.0
+    memory_limit_mb: Optional[int] = None      # address-space limit of the candidate worker (cpu)
+    time_compile: bool = True                  # also time the reference under torch.compile
+    profile: bool = True
+    flush_l2: bool = True
+
+    def hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
+
+
+class BuildInfo(BaseModel):
+    ok: bool
+    seconds: float = 0.0
+    cached: bool = False
+    extensions: list[str] = []               # content-hashed extension names
+    log: str = ""                            # capped
+    first_error: Optional[str] = None        # first compiler error line, verbatim
+    first_error_line: Optional[int] = None   # its line within the candidate's source file
+
+
+class OutputCheck(BaseModel):
+    index: int
+    shape: list[int]
+    dtype: str
+    ref_shape: list[int]
+    ref_dtype: str
+    max_abs_err: Optional[float] = None
+    max_rel_err: Optional[float] = None
+    mismatched: int = 0                      # elements outside tolerance
+    numel: int = 0
+    nan_count: int = 0                       # NaN in the candidate where the reference is finite
+    inf_count: int = 0
+    ref_nonfinite: int = 0
+    mismatch_pattern: Optional[str] = None   # everywhere | some_rows | tile_edges | scattered
+    bad_rows: Optional[list[int]] = None     # first few rows (leading dims) with mismatches
+    tolerance: Tolerance
+
+
+class Trial(BaseModel):
+    index: int
+    candidate_first: bool
+    passed: bool
+    reason: Optional[str] = None             # first failing check, in words
+    outputs: list[OutputCheck] = []
+
+
+class Timing(BaseModel):
+    median_ms: float
+    iqr_ms: float
+    mean_ms: float
+    min_ms: float
+    max_ms: float
+    runs: int
+    clock: str                               # cuda_event | perf_counter
+
+
+class KernelStat(BaseModel):
+    name: str
+    count: int
+    total_us: float
+    share: float                             # of all device (or CPU op) time
+    own: bool = False                        # declared in the candidate's source
+
+
+class EvalResult(BaseModel):
+    status: Status
+    task: str
+    task_sha256: str = ""
+    candidate_sha256: str = ""
+    device: str                              # cuda | cpu
+    device_name: str = ""
+    torch_version: str = ""
+    config: EvalConfig = EvalConfig()
+    seconds: float = 0.0                     # wall time of the whole evaluation
+
+    build: Optional[BuildInfo] = None
+    error_type: Optional[str] = None
+    error_message: Optional[str] = None
+    traceback: Optional[str] = None
+    stdout: str = ""
+    stderr: str = ""
+
+    trials: list[Trial] = []
+    candidate_time: Optional[Timing] = None
+    eager_time: Optional[Timing] = None
+    compile_time: Optional[Timing] = None
+    speedup_eager: Optional[float] = None
+    speedup_compile: Optional[float] = None
+
+    flags: list[Flag] = []
+    custom_calls_per_forward: Optional[float] = None   # calls into the candidate's own extensions
+    profile: list[KernelStat] = []                     # candidate
+    reference_profile: list[KernelStat] = []
+
+    floor_ms: Optional[float] = None
+    floor_fraction: Optional[float] = None             # floor_ms / candidate median
+
+    @property
+    def correct(self) -> bool:
+        return self.status is Status.correct
+
+    @property
+    def clean(self) -> bool:
+        """Correct and carrying no flag that casts doubt on the verdict or the timing."""
+        bad = {FlagKind.suspicious, FlagKind.impossible, FlagKind.no_custom_kernel,
+               FlagKind.fallback, FlagKind.inputs_mutated}
+        return self.correct and not any(f.kind in bad for f in self.flags)
+
+    def has_flag(self, kind: FlagKind | str) -> bool:
+        return any(f.kind == FlagKind(kind) for f in self.flags)
+
+    def add_flag(self, kind: FlagKind | str, reason: str) -> None:
+        self.flags.append(Flag(kind=FlagKind(kind), reason=reason))
+
+    def first_failed_trial(self) -> Optional[Trial]:
+        return next((t for t in self.trials if not t.passed), None)

@@ -1,0 +1,105 @@
+"""One timing routine for everything: reference eager, reference torch.compile, candidates.
+
+Policy (GPU): warm-up runs, then for each timed run: fresh input buffers (made before the
+clock starts), the L2 cache flushed by writing a buffer larger than it, a CUDA event
+recorded, the call, a *device-wide* synchronize (so work left on side streams is
+counted), a second event; median and IQR of the event times. CPU: the same policy with a
+monotonic clock and a buffer larger than the last-level cache.
+
+The clock and synchronize functions are bound when this module is imported (before any
+candidate code runs in a worker), so a candidate that later patches ``time`` or
+``torch.cuda`` does not change what this module calls.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from sandbox.result import Timing
+
+_perf_counter_ns = time.perf_counter_ns
+_cuda_sync = getattr(torch._C, "_cuda_synchronize", None)
+_Event = torch.cuda.Event
+_elapsed_time = torch.cuda.Event.elapsed_time
+_record = torch.cuda.Event.record
+
+CPU_FLUSH_BYTES = 64 << 20
+GPU_FLUSH_BYTES = 256 << 20   # > 2x the largest L2 on the devices we target (H100 50 MB, H200 50 MB)
+
+
+def original_functions() -> dict[str, Any]:
+    """What the timing code relies on; the worker checks these are unchanged after a candidate ran."""
+    return {"time.perf_counter_ns": (time, "perf_counter_ns", _perf_counter_ns),
+            "torch.cuda.Event.elapsed_time": (torch.cuda.Event, "elapsed_time", _elapsed_time),
+            "torch.cuda.Event.record": (torch.cuda.Event, "record", _record),
+            "torch._C._cuda_synchronize": (torch._C, "_cuda_synchronize", _cuda_sync)}
+
+
+def tampered_functions() -> list[str]:
+    return [name for name, (owner, attr, orig) in original_functions().items()
+            if orig is not None and getattr(owner, attr, None) is not orig]
+
+
+def device_sync(device: str) -> None:
+    if device == "cuda":
+        _cuda_sync()
+
+
+class L2Flusher:
+    def __init__(self, device: str, enabled: bool = True):
+        self.enabled = enabled
+        self.buffer = None
+        if enabled:
+            nbytes = GPU_FLUSH_BYTES if device == "cuda" else CPU_FLUSH_BYTES
+            self.buffer = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+
+    def __call__(self) -> None:
+        if self.buffer is not None:
+            self.buffer.zero_()
+
+
+def summarize(samples_ms: Sequence[float], clock: str) -> Timing:
+    s = sorted(samples_ms)
+    if len(s) >= 4:
+        q = statistics.quantiles(s, n=4, method="inclusive")
+        iqr = q[2] - q[0]
+    else:
+        iqr = s[-1] - s[0]
+    return Timing(median_ms=statistics.median(s), iqr_ms=iqr, mean_ms=statistics.fmean(s),
+                  min_ms=s[0], max_ms=s[-1], runs=len(s), clock=clock)
+
+
+def time_runs(fn: Callable[..., Any], make_args: Callable[[int], Sequence[Any]], device: str,
+              warmup: int = 3, runs: int = 20, flush_l2: bool = True) -> Timing:
+    """Time ``fn(*make_args(i))`` for ``runs`` runs; each run gets its own argument set."""
+    flusher = L2Flusher(device, flush_l2)
+    arg_sets = [tuple(make_args(i)) for i in range(runs)]
+    with torch.no_grad():
+        for i in range(warmup):
+            fn(*arg_sets[i % runs])
+        device_sync(device)
+        samples: list[float] = []
+        if device == "cuda":
+            start, end = _Event(enable_timing=True), _Event(enable_timing=True)
+            for args in arg_sets:
+                flusher()
+                device_sync(device)
+                _record(start)
+                fn(*args)
+                device_sync(device)
+                _record(end)
+                _cuda_sync()
+                samples.append(_elapsed_time(start, end))
+            clock = "cuda_event"
+        else:
+            for args in arg_sets:
+                flusher()
+                t0 = _perf_counter_ns()
+                fn(*args)
+                samples.append((_perf_counter_ns() - t0) / 1e6)
+            clock = "perf_counter"
+    del arg_sets
+    return summarize(samples, clock)

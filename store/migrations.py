@@ -1,0 +1,137 @@
+"""Append-only schema migrations.
+
+Each migration is a function of a connection, frozen once released: it describes the
+tables as they were *at that version* (SQLAlchemy Core, so any SQLAlchemy backend works)
+and never imports the ORM models. New needs get a new migration at the end of the list;
+an existing one is never edited. ``kernelloop_meta.schema_version`` records how many ran.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import sqlalchemy as sa
+
+APP_ID = "kernelloop"
+
+
+def _id() -> sa.Column:
+    return sa.Column("id", sa.Integer, primary_key=True, autoincrement=True)
+
+
+def _created() -> sa.Column:
+    return sa.Column("created_at", sa.DateTime, nullable=False)
+
+
+def m001_tasks_and_baselines(conn: sa.Connection) -> None:
+    md = sa.MetaData()
+    sa.Table("tasks", md, _id(),
+             sa.Column("name", sa.String(200), nullable=False, index=True),
+             sa.Column("path", sa.Text, nullable=False),
+             sa.Column("sha256", sa.String(64), nullable=False, unique=True),
+             sa.Column("source", sa.Text, nullable=False),
+             _created())
+    sa.Table("device_probes", md, _id(),
+             sa.Column("device", sa.String(16), nullable=False),
+             sa.Column("device_name", sa.String(200), nullable=False),
+             sa.Column("torch_version", sa.String(64), nullable=False),
+             sa.Column("bandwidth_gbps", sa.Float, nullable=False),
+             sa.Column("flops", sa.JSON, nullable=False),
+             _created())
+    sa.Table("baselines", md, _id(),
+             sa.Column("task_id", sa.Integer, sa.ForeignKey("tasks.id"), nullable=False, index=True),
+             sa.Column("task_key", sa.String(32), nullable=False),
+             sa.Column("overrides", sa.JSON, nullable=False),
+             sa.Column("device", sa.String(16), nullable=False),
+             sa.Column("device_name", sa.String(200), nullable=False),
+             sa.Column("torch_version", sa.String(64), nullable=False),
+             sa.Column("eager_ms", sa.Float),
+             sa.Column("compile_ms", sa.Float),
+             sa.Column("floor_ms", sa.Float),
+             sa.Column("flops", sa.Float),
+             sa.Column("min_bytes", sa.Float),
+             sa.Column("details", sa.JSON, nullable=False),
+             _created())
+    md.create_all(conn)
+
+
+def m002_runs_calls_attempts_evaluations_analyses(conn: sa.Connection) -> None:
+    md = sa.MetaData()
+    sa.Table("tasks", md, sa.Column("id", sa.Integer, primary_key=True))
+    sa.Table("runs", md, _id(),
+             sa.Column("kind", sa.String(16), nullable=False),
+             sa.Column("status", sa.String(16), nullable=False),
+             sa.Column("model", sa.String(200), nullable=False),
+             sa.Column("critic", sa.String(32), nullable=False),
+             sa.Column("device", sa.String(16), nullable=False),
+             sa.Column("device_name", sa.String(200), nullable=False),
+             sa.Column("torch_version", sa.String(64), nullable=False),
+             sa.Column("code_version", sa.String(64), nullable=False),
+             sa.Column("config", sa.JSON, nullable=False),
+             sa.Column("parent_run_id", sa.Integer, sa.ForeignKey("runs.id")),
+             sa.Column("started_at", sa.DateTime, nullable=False),
+             sa.Column("finished_at", sa.DateTime))
+    sa.Table("model_calls", md, _id(),
+             sa.Column("run_id", sa.Integer, sa.ForeignKey("runs.id"), index=True),
+             sa.Column("task_id", sa.Integer, sa.ForeignKey("tasks.id")),
+             sa.Column("round", sa.Integer),
+             sa.Column("purpose", sa.String(16), nullable=False),
+             sa.Column("model", sa.String(200), nullable=False),
+             sa.Column("template", sa.String(200), nullable=False),
+             sa.Column("prompt_sha256", sa.String(64), nullable=False),
+             sa.Column("messages", sa.JSON, nullable=False),
+             sa.Column("response_text", sa.Text),
+             sa.Column("finish_reason", sa.String(32)),
+             sa.Column("prompt_tokens", sa.Integer),
+             sa.Column("completion_tokens", sa.Integer),
+             sa.Column("latency_s", sa.Float),
+             sa.Column("cost_usd", sa.Float),
+             sa.Column("error", sa.Text),
+             _created())
+    sa.Table("attempts", md, _id(),
+             sa.Column("run_id", sa.Integer, sa.ForeignKey("runs.id"), nullable=False, index=True),
+             sa.Column("task_id", sa.Integer, sa.ForeignKey("tasks.id"), nullable=False),
+             sa.Column("round", sa.Integer, nullable=False),
+             sa.Column("sample", sa.Integer, nullable=False),
+             sa.Column("model_call_id", sa.Integer, sa.ForeignKey("model_calls.id")),
+             sa.Column("parse_status", sa.String(32), nullable=False),
+             sa.Column("parse_error", sa.Text),
+             sa.Column("source", sa.Text),
+             sa.Column("sha256", sa.String(64), index=True),
+             sa.Column("parent_ids", sa.JSON, nullable=False),
+             _created(),
+             sa.UniqueConstraint("run_id", "task_id", "round", "sample"))
+    sa.Table("evaluations", md, _id(),
+             sa.Column("attempt_id", sa.Integer, sa.ForeignKey("attempts.id"), index=True),
+             sa.Column("run_id", sa.Integer, sa.ForeignKey("runs.id"), index=True),
+             sa.Column("candidate_sha256", sa.String(64), nullable=False, index=True),
+             sa.Column("task_key", sa.String(32), nullable=False),
+             sa.Column("device", sa.String(16), nullable=False),
+             sa.Column("device_name", sa.String(200), nullable=False),
+             sa.Column("torch_version", sa.String(64), nullable=False),
+             sa.Column("config_hash", sa.String(32), nullable=False),
+             sa.Column("status", sa.String(32), nullable=False),
+             sa.Column("candidate_ms", sa.Float),
+             sa.Column("eager_ms", sa.Float),
+             sa.Column("compile_ms", sa.Float),
+             sa.Column("speedup_eager", sa.Float),
+             sa.Column("speedup_compile", sa.Float),
+             sa.Column("reused_from", sa.Integer, sa.ForeignKey("evaluations.id")),
+             sa.Column("result", sa.JSON, nullable=False),
+             _created())
+    sa.Table("analyses", md, _id(),
+             sa.Column("run_id", sa.Integer, sa.ForeignKey("runs.id"), nullable=False, index=True),
+             sa.Column("task_id", sa.Integer, sa.ForeignKey("tasks.id"), nullable=False),
+             sa.Column("round", sa.Integer, nullable=False),
+             sa.Column("critic", sa.String(32), nullable=False),
+             sa.Column("markdown", sa.Text, nullable=False),
+             sa.Column("findings", sa.JSON, nullable=False),
+             sa.Column("model_call_id", sa.Integer, sa.ForeignKey("model_calls.id")),
+             _created())
+    md.create_all(conn, tables=[t for name, t in md.tables.items() if name != "tasks"])
+
+
+MIGRATIONS: list[Callable[[sa.Connection], None]] = [
+    m001_tasks_and_baselines,
+    m002_runs_calls_attempts_evaluations_analyses,
+]
+SCHEMA_VERSION = len(MIGRATIONS)

@@ -1,0 +1,72 @@
+"""Small, named write and read operations on the store, shared by every command."""
+from __future__ import annotations
+
+from typing import Optional
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from sandbox.result import EvalConfig, EvalResult
+from sandbox.tasks import TaskSpec
+from store.models import Analysis, Attempt, Evaluation, Run, Task
+
+
+def upsert_task(session: Session, spec: TaskSpec) -> Task:
+    task = session.scalar(sa.select(Task).where(Task.sha256 == spec.sha256))
+    if task is None:
+        task = Task(name=spec.name, path=spec.path, sha256=spec.sha256, source=spec.source)
+        session.add(task)
+        session.flush()
+    return task
+
+
+def cached_evaluation(session: Session, sha256: str, task_key: str, device_name: str,
+                      torch_version: str, config: EvalConfig) -> Optional[Evaluation]:
+    """An earlier evaluation of the same candidate on the same device, torch and config."""
+    return session.scalar(
+        sa.select(Evaluation)
+        .where(Evaluation.candidate_sha256 == sha256, Evaluation.task_key == task_key,
+               Evaluation.device_name == device_name, Evaluation.torch_version == torch_version,
+               Evaluation.config_hash == config.hash(), Evaluation.reused_from.is_(None))
+        .order_by(Evaluation.id).limit(1))
+
+
+def evaluation_row(result: EvalResult, task_key: str, attempt_id: Optional[int], run_id: Optional[int],
+                   reused_from: Optional[int] = None) -> Evaluation:
+    return Evaluation(
+        attempt_id=attempt_id, run_id=run_id, candidate_sha256=result.candidate_sha256,
+        task_key=task_key, device=result.device, device_name=result.device_name,
+        torch_version=result.torch_version, config_hash=result.config.hash(),
+        status=result.status.value,
+        candidate_ms=result.candidate_time.median_ms if result.candidate_time else None,
+        eager_ms=result.eager_time.median_ms if result.eager_time else None,
+        compile_ms=result.compile_time.median_ms if result.compile_time else None,
+        speedup_eager=result.speedup_eager, speedup_compile=result.speedup_compile,
+        reused_from=reused_from, result=result.model_dump(mode="json"))
+
+
+def eval_result(evaluation: Evaluation) -> EvalResult:
+    return EvalResult.model_validate(evaluation.result)
+
+
+def run_attempts(session: Session, run_id: int, task_id: Optional[int] = None) -> list[Attempt]:
+    q = sa.select(Attempt).where(Attempt.run_id == run_id)
+    if task_id is not None:
+        q = q.where(Attempt.task_id == task_id)
+    return list(session.scalars(q.order_by(Attempt.task_id, Attempt.round, Attempt.sample)))
+
+
+def latest_evaluation(attempt: Attempt) -> Optional[Evaluation]:
+    return attempt.evaluations[-1] if attempt.evaluations else None
+
+
+def get_run(session: Session, run_id: int) -> Run:
+    run = session.get(Run, run_id)
+    if run is None:
+        raise LookupError(f"no run {run_id} in this store (kernelloop runs lists them)")
+    return run
+
+
+def latest_analysis(session: Session, run_id: int, task_id: int) -> Optional[Analysis]:
+    return session.scalar(sa.select(Analysis).where(Analysis.run_id == run_id, Analysis.task_id == task_id)
+                          .order_by(Analysis.id.desc()).limit(1))
