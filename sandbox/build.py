@@ -1,0 +1,257 @@
+"""Building candidates' extensions: content-hashed, cached, lock-safe and fast.
+
+Candidates call ``torch.utils.cpp_extension.load_inline`` at import. Inside a sandbox
+worker that function is replaced by ``HookedBuilder.load_inline``, which
+
+* names the extension and its build directory by a hash of everything that shapes the
+  binary (sources, functions, flags, torch version, CUDA arch), so an identical candidate
+  is a cache hit and costs nothing;
+* holds an ``fcntl`` lock per build directory (released by the OS when a killed build
+  dies) and clears torch's own ``lock`` baton left by a killed build, so a stale lock
+  never hangs a later build;
+* applies the build-speed levers: a precompiled ``torch/extension.h`` for the C++ side
+  (built once under a global lock), no implicit torch headers on CUDA sources that do
+  not use torch, one CUDA architecture (the GPU's), bounded ninja jobs;
+* records each build (name, seconds, cached, log) and wraps the returned module so the
+  harness can count calls into the candidate's own functions.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from filelock import FileLock
+
+LOG_CAP = 20_000
+_TORCH_USE_RE = re.compile(r"\b(torch::|at::|c10::|TORCH_CHECK|AT_DISPATCH|#\s*include\s*<(torch|ATen|c10)/)")
+_PYBIND_NAME_RE = re.compile(r"PYBIND11_MODULE\(\s*([A-Za-z_][A-Za-z0-9_]*)\s*,")
+_GLOBAL_FN_RE = re.compile(r"__global__\s+(?:__launch_bounds__\([^)]*\)\s*)?(?:static\s+)?[\w:<>\s\*]*?\b([A-Za-z_]\w*)\s*\(")
+
+
+def build_cache_dir() -> Path:
+    from kernelloop.paths import cache_dir
+
+    d = cache_dir() / "builds"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def cuda_arch_list() -> Optional[str]:
+    """The visible GPU's architecture only (e.g. ``9.0``), unless the user set one."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return os.environ["TORCH_CUDA_ARCH_LIST"]
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability(0)
+            return f"{major}.{minor}"
+    except Exception:  # noqa: BLE001
+        return None
+    return None
+
+
+def _as_list(x: Any) -> list[str]:
+    if x is None:
+        return []
+    if isinstance(x, str):
+        return [x]
+    return [str(s) for s in x]
+
+
+@dataclass
+class BuildRecord:
+    name: str
+    requested_name: str
+    directory: str
+    seconds: float
+    cached: bool
+    ok: bool
+    log: str = ""
+    cuda: bool = False
+    kernel_names: list[str] = field(default_factory=list)
+
+
+class CallCounter:
+    """Counts calls into candidate extensions; owned by the harness."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.by_function: dict[str, int] = {}
+
+    def reset(self) -> None:
+        self.calls = 0
+        self.by_function.clear()
+
+
+class ExtensionProxy:
+    """What a candidate gets back from ``load_inline``: the real module, its calls counted."""
+
+    def __init__(self, module: Any, name: str, counter: CallCounter):
+        object.__setattr__(self, "_module", module)
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_counter", counter)
+
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self._module, attr)
+        if not callable(value) or attr.startswith("__"):
+            return value
+        counter, label = self._counter, f"kernelloop_ext::{attr}"
+
+        def counted(*args, **kwargs):
+            import torch
+
+            counter.calls += 1
+            counter.by_function[attr] = counter.by_function.get(attr, 0) + 1
+            with torch.profiler.record_function(label):
+                return value(*args, **kwargs)
+
+        counted.__name__ = attr
+        return counted
+
+    def __setattr__(self, attr: str, value: Any) -> None:
+        setattr(self._module, attr, value)
+
+    def __dir__(self):
+        return dir(self._module)
+
+
+def extension_key(kwargs: dict[str, Any], torch_version: str, arch: Optional[str]) -> str:
+    shaping = {k: kwargs.get(k) for k in ("cpp_sources", "cuda_sources", "functions", "extra_cflags",
+                                          "extra_cuda_cflags", "extra_ldflags", "extra_include_paths",
+                                          "with_cuda", "with_pytorch_error_handling", "is_python_module")}
+    shaping["cpp_sources"] = _as_list(shaping["cpp_sources"])
+    shaping["cuda_sources"] = _as_list(shaping["cuda_sources"])
+    blob = json.dumps({"args": shaping, "torch": torch_version, "arch": arch, "v": 2},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+class HookedBuilder:
+    """Replaces ``load_inline`` for the lifetime of a worker."""
+
+    def __init__(self, cache_root: Path | None = None, max_jobs: int | None = None,
+                 use_pch: bool = True):
+        self.cache_root = Path(cache_root) if cache_root else build_cache_dir()
+        self.cache_root.mkdir(parents=True, exist_ok=True)
+        self.records: list[BuildRecord] = []
+        self.counter = CallCounter()
+        self.use_pch = use_pch
+        self.arch = cuda_arch_list()
+        if max_jobs:
+            os.environ["MAX_JOBS"] = str(max_jobs)
+        if self.arch:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = self.arch
+        self._original: Optional[Callable] = None
+
+    def install(self) -> None:
+        from torch.utils import cpp_extension
+
+        self._original = cpp_extension.load_inline
+        cpp_extension.load_inline = self.load_inline  # type: ignore[assignment]
+
+    def _ensure_pch(self, extra_cflags: list[str], extra_include_paths: list[str]) -> None:
+        from torch.utils import cpp_extension
+
+        with FileLock(str(self.cache_root / "pch.lock")):
+            cpp_extension._check_and_build_extension_h_precompiler_headers(extra_cflags, extra_include_paths)
+
+    def load_inline(self, name: str, cpp_sources: Any, cuda_sources: Any = None, functions: Any = None,
+                    extra_cflags: Any = None, extra_cuda_cflags: Any = None, extra_ldflags: Any = None,
+                    extra_include_paths: Any = None, build_directory: Any = None, verbose: bool = False,
+                    with_cuda: Any = None, is_python_module: bool = True,
+                    with_pytorch_error_handling: bool = True, keep_intermediates: bool = True,
+                    use_pch: bool = False, no_implicit_headers: bool = False, **unused: Any) -> Any:
+        import torch
+
+        assert self._original is not None
+        cpp = _as_list(cpp_sources)
+        cuda = _as_list(cuda_sources)
+        kwargs = dict(cpp_sources=cpp, cuda_sources=cuda, functions=functions,
+                      extra_cflags=_as_list(extra_cflags), extra_cuda_cflags=_as_list(extra_cuda_cflags),
+                      extra_ldflags=_as_list(extra_ldflags), extra_include_paths=_as_list(extra_include_paths),
+                      with_cuda=with_cuda, is_python_module=is_python_module,
+                      with_pytorch_error_handling=with_pytorch_error_handling)
+        key = extension_key(kwargs, torch.__version__, self.arch if cuda else None)
+        literal = next((m.group(1) for s in cpp + cuda for m in _PYBIND_NAME_RE.finditer(s)
+                        if m.group(1) != "TORCH_EXTENSION_NAME"), None)
+        ext_name = literal or f"kl_{key[:20]}"
+        directory = self.cache_root / f"{ext_name}_{key[:20]}" if literal else self.cache_root / ext_name
+        directory.mkdir(parents=True, exist_ok=True)
+
+        # Levers. No implicit torch headers on CUDA sources that do not use torch.
+        implicit = not no_implicit_headers
+        if implicit and cuda and not any(_TORCH_USE_RE.search(s) for s in cuda):
+            no_implicit_headers = True
+            cpp = ["#include <torch/extension.h>"] + cpp
+            cuda = ["#include <cuda.h>", "#include <cuda_runtime.h>"] + cuda
+        pch = self.use_pch
+        kernel_names = sorted({m.group(1) for s in cuda for m in _GLOBAL_FN_RE.finditer(s)})
+
+        t0 = time.perf_counter()
+        marker = directory / ".built"
+        cached = marker.exists()
+        with FileLock(str(directory) + ".lock"):
+            stale = directory / "lock"      # torch's FileBaton left by a killed build
+            if stale.exists():
+                stale.unlink()
+            if pch:
+                self._ensure_pch(kwargs["extra_cflags"], kwargs["extra_include_paths"])
+            try:
+                module = self._original(
+                    name=ext_name, cpp_sources=cpp, cuda_sources=cuda or None, functions=functions,
+                    extra_cflags=kwargs["extra_cflags"] or None, extra_cuda_cflags=kwargs["extra_cuda_cflags"] or None,
+                    extra_ldflags=kwargs["extra_ldflags"] or None,
+                    extra_include_paths=kwargs["extra_include_paths"] or None,
+                    build_directory=str(directory), verbose=False, with_cuda=with_cuda,
+                    is_python_module=is_python_module, with_pytorch_error_handling=with_pytorch_error_handling,
+                    keep_intermediates=keep_intermediates, use_pch=pch, no_implicit_headers=no_implicit_headers)
+            except Exception as exc:
+                self.records.append(BuildRecord(ext_name, name, str(directory), time.perf_counter() - t0,
+                                                False, False, str(exc)[-LOG_CAP:], bool(cuda), kernel_names))
+                raise
+            marker.touch()
+        self.records.append(BuildRecord(ext_name, name, str(directory), time.perf_counter() - t0, cached, True,
+                                        "", bool(cuda), kernel_names))
+        if not is_python_module:
+            return module
+        return ExtensionProxy(module, ext_name, self.counter)
+
+
+_ERROR_RE = re.compile(r"^(?P<file>[^\s:]+\.(?:cpp|cu|cuh|h)):(?P<line>\d+)(?::\d+)?:\s*(?:fatal\s+)?error\b.*$"
+                       r"|^(?P<file2>[^\s(]+\.cu)\((?P<line2>\d+)\):\s*error.*$", re.MULTILINE)
+
+
+def first_compiler_error(log: str, candidate_source: str, build_dirs: list[str]) -> tuple[Optional[str], Optional[int]]:
+    """The first compiler error line, and the line of the candidate file it points at.
+
+    The build directory's ``main.cpp``/``cuda.cu`` line named by the error is looked up in
+    the candidate's source text; where that line occurs once (or first), its number is
+    the candidate line.
+    """
+    m = _ERROR_RE.search(log)
+    if not m:
+        alt = re.search(r"^.*\berror\b.*$", log, re.MULTILINE | re.IGNORECASE)
+        return (alt.group(0).strip()[:500] if alt else None), None
+    text = m.group(0).strip()
+    fname = m.group("file") or m.group("file2")
+    line = int(m.group("line") or m.group("line2"))
+    src_line: Optional[str] = None
+    for d in build_dirs:
+        path = Path(fname) if os.path.isabs(fname) else Path(d) / Path(fname).name
+        if path.is_file():
+            lines = path.read_text(errors="replace").splitlines()
+            if 0 < line <= len(lines):
+                src_line = lines[line - 1].strip()
+                break
+    if src_line:
+        for i, cand_line in enumerate(candidate_source.splitlines(), start=1):
+            if cand_line.strip() == src_line:
+                return text[:500], i
+    return text[:500], None

@@ -1,0 +1,394 @@
+"""Evaluating one candidate: the cascade from cheap to expensive checks.
+
+1. static scan (flags only);
+2. build, in a worker with the GPU hidden (runs in parallel with other candidates' runs);
+3. load: a fresh candidate worker imports the cached build and constructs ``ModelNew``;
+4. trials: fresh inputs from secret seeds, compared in *this* process with the
+   reference's outputs (computed by a separate, trusted reference worker); the candidate
+   runs first in trial 0; the cascade stops at the first failing trial;
+5. timing of reference eager, reference torch.compile and candidate by the same code,
+   with the device held exclusively, and a parent-side clock cross-check;
+6. profiler evidence and the roofline floor.
+
+A crash, hang, CUDA error or cheat ends in a status or a flag for this candidate only.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import threading
+import time
+from typing import Any, Optional
+
+import torch
+
+from sandbox import anticheat
+from sandbox.build import first_compiler_error
+from sandbox.compare import compare_outputs
+from sandbox.process import WorkerDied, WorkerProcess, WorkerTimeout
+from sandbox.result import (BuildInfo, EvalConfig, EvalResult, FlagKind, KernelStat, Status, Timing, Trial)
+from sandbox.tasks import TaskSpec
+
+REFERENCE_TIMEOUT_S = 900.0
+# A candidate whose reported time leaves this much of the parent's wall clock unexplained is flagged.
+CLOCK_SLACK_S = 0.25
+CLOCK_FACTOR = 3.0
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _load_outputs(path: str) -> list[torch.Tensor]:
+    data = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(data, list) or not all(type(t) is torch.Tensor for t in data):
+        raise ValueError("outputs are not a list of plain tensors")
+    return data
+
+
+def _device_name(device: str) -> str:
+    if device == "cuda":
+        return ""   # filled in from the reference worker, which owns a CUDA context
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+class ReferenceWorker:
+    """The trusted side of an evaluation: one persistent worker per task (and sizes)."""
+
+    def __init__(self, spec: TaskSpec, device: str, init_seed: int):
+        self.spec, self.device, self.init_seed = spec, device, init_seed
+        self.lock = threading.Lock()
+        self.proc: Optional[WorkerProcess] = None
+        self.profile: Optional[list[dict]] = None
+        self.counts: Optional[dict] = None
+        self.device_name = ""
+
+    def ensure(self) -> WorkerProcess:
+        if self.proc is not None and self.proc.proc.poll() is None:
+            return self.proc
+        self.proc = WorkerProcess("reference")
+        reply = self.proc.ask({"role": "reference", "device": self.device, "out_dir": str(self.proc.out_dir),
+                               "task": self.spec.__dict__, "init_seed": self.init_seed}, REFERENCE_TIMEOUT_S)
+        if not reply.get("ok"):
+            msg = reply.get("error_message", "unknown error")
+            self.proc.kill()
+            self.proc = None
+            raise RuntimeError(f"the reference of {self.spec.name} failed to load: {msg}")
+        self.device_name = reply.get("device_name", "")
+        return self.proc
+
+    def ask(self, payload: dict[str, Any], timeout: float = REFERENCE_TIMEOUT_S) -> dict[str, Any]:
+        reply = self.ensure().ask(payload, timeout)
+        if not reply.get("ok"):
+            raise RuntimeError(f"the reference of {self.spec.name} failed: {reply.get('error_message')}")
+        return reply
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.close()
+            self.proc.cleanup()
+            self.proc = None
+
+
+class Sandbox:
+    """Evaluates candidates for one device. Thread-safe: builds run in parallel (up to
+    ``build_slots``), runs hold the device exclusively so timings are not disturbed."""
+
+    def __init__(self, device: str, config: Optional[EvalConfig] = None, build_slots: Optional[int] = None,
+                 init_seed: Optional[int] = None):
+        self.device = device
+        self.config = config or EvalConfig()
+        cores = os.cpu_count() or 2
+        self.build_jobs = max(2, min(8, cores // max(1, build_slots or 1)))
+        self._build_sem = threading.Semaphore(build_slots or max(1, cores // 4))
+        self._device_lock = threading.Lock()
+        self._refs: dict[str, ReferenceWorker] = {}
+        self._refs_lock = threading.Lock()
+        # KernelBench's convention: one seed before both constructors; secret inputs seeds per trial.
+        self.init_seed = init_seed if init_seed is not None else secrets.randbits(31)
+        self.device_name = _device_name(device)
+        self.torch_version = torch.__version__
+
+    # ---------------------------------------------------------------- helpers
+    def reference(self, spec: TaskSpec) -> ReferenceWorker:
+        with self._refs_lock:
+            ref = self._refs.get(spec.key)
+            if ref is None:
+                ref = self._refs[spec.key] = ReferenceWorker(spec, self.device, self.init_seed)
+            return ref
+
+    def close(self) -> None:
+        with self._refs_lock:
+            for ref in self._refs.values():
+                ref.close()
+            self._refs.clear()
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _build(self, spec: TaskSpec, source: str, result: EvalResult) -> bool:
+        cfg = self.config
+        t0 = time.monotonic()
+        worker = WorkerProcess("build", hide_gpu=True,
+                               env={"KERNELLOOP_BUILD_JOBS": str(self.build_jobs)})
+        try:
+            reply = worker.ask({"role": "build", "device": self.device, "out_dir": str(worker.out_dir),
+                                "task": spec.__dict__, "source": source, "init_seed": 0}, cfg.build_timeout_s)
+        except WorkerTimeout:
+            result.status = Status.timeout
+            result.error_type = "BuildTimeout"
+            result.error_message = f"building the candidate took longer than {cfg.build_timeout_s:.0f} s"
+            result.build = BuildInfo(ok=False, seconds=time.monotonic() - t0, log=worker.output("stdout")[-4000:])
+            return False
+        except WorkerDied as exc:
+            result.status = Status.load_error
+            result.error_type = "WorkerDied"
+            result.error_message = f"{exc} while importing the candidate to build it"
+            result.stderr = worker.output("stderr")
+            return False
+        finally:
+            worker.kill()
+            stdout, stderr = worker.output("stdout"), worker.output("stderr")
+            worker.cleanup()
+        builds = reply.get("builds") or []
+        log = "\n".join(b.get("log", "") for b in builds if b.get("log")) or ""
+        info = BuildInfo(ok=reply.get("stage") != "build", seconds=round(time.monotonic() - t0, 3),
+                         cached=bool(builds) and all(b.get("cached") for b in builds),
+                         extensions=[b["name"] for b in builds], log=log[-20_000:])
+        result.build = info
+        if reply.get("stage") == "build":
+            full_log = log + "\n" + (reply.get("error_message") or "") + "\n" + stdout + "\n" + stderr
+            info.log = full_log[-20_000:]
+            info.first_error, info.first_error_line = first_compiler_error(
+                full_log, source, [b["directory"] for b in builds])
+            result.status = Status.compile_error
+            result.error_type = reply.get("error_type")
+            result.error_message = (info.first_error or reply.get("error_message") or "")[:2000]
+            return False
+        return True
+
+    # ---------------------------------------------------------------- evaluate
+    def evaluate(self, spec: TaskSpec, source: str) -> EvalResult:
+        t0 = time.monotonic()
+        result = EvalResult(status=Status.runtime_error, task=spec.name, task_sha256=spec.sha256,
+                            candidate_sha256=sha256_text(source), device=self.device,
+                            device_name=self.device_name, torch_version=self.torch_version,
+                            config=self.config)
+        result.flags.extend(anticheat.scan(source))
+        try:
+            with self._build_sem:
+                built = self._build(spec, source, result)
+            if built:
+                with self._device_lock:
+                    self._run(spec, source, result)
+        finally:
+            result.seconds = round(time.monotonic() - t0, 3)
+        return result
+
+    def _run(self, spec: TaskSpec, source: str, result: EvalResult) -> None:
+        cfg = self.config
+        ref = self.reference(spec)
+        with ref.lock:
+            ref.ensure()
+        result.device_name = ref.device_name or result.device_name
+        mem_fraction = None
+        cand = WorkerProcess("candidate", memory_limit_mb=cfg.memory_limit_mb if self.device == "cpu" else None,
+                             env={"KERNELLOOP_BUILD_JOBS": str(self.build_jobs)})
+        try:
+            self._run_candidate(spec, source, result, ref, cand, mem_fraction)
+        except WorkerTimeout as exc:
+            result.status = Status.timeout
+            result.error_type = "Timeout"
+            result.error_message = str(exc)
+        except WorkerDied as exc:
+            result.status = Status.runtime_error
+            result.error_type = "WorkerDied"
+            result.error_message = str(exc)
+        finally:
+            cand.kill()
+            result.stdout = cand.output("stdout")
+            result.stderr = cand.output("stderr")
+            cand.cleanup()
+
+    def _run_candidate(self, spec: TaskSpec, source: str, result: EvalResult, ref: ReferenceWorker,
+                       cand: WorkerProcess, mem_fraction: Optional[float]) -> None:
+        cfg = self.config
+        reply = cand.ask({"role": "candidate", "device": self.device, "out_dir": str(cand.out_dir),
+                          "task": spec.__dict__, "source": source, "init_seed": self.init_seed,
+                          "memory_fraction": mem_fraction}, cfg.build_timeout_s + cfg.run_timeout_s)
+        if not reply.get("ok"):
+            stage = reply.get("stage")
+            result.status = Status.compile_error if stage == "build" else Status.load_error
+            result.error_type = reply.get("error_type")
+            result.error_message = reply.get("error_message")
+            result.traceback = reply.get("traceback")
+            return
+        if reply.get("threads_started"):
+            result.add_flag(FlagKind.suspicious, f"started {reply['threads_started']} thread(s) while constructing ModelNew")
+
+        # ---- trials
+        calls: list[int] = []
+        output_bytes = 0
+        for index in range(cfg.trials):
+            seed = secrets.randbits(31)
+            candidate_first = index == 0
+            ask = {"op": "trial", "seed": seed, "index": index, "output_bytes": output_bytes}
+            if candidate_first:
+                c = cand.ask(ask, cfg.run_timeout_s)
+                r = ref.ask(ask)
+            else:
+                r = ref.ask(ask)
+                c = cand.ask(ask, cfg.run_timeout_s)
+            output_bytes = r.get("output_bytes", 0)
+            trial = Trial(index=index, candidate_first=candidate_first, passed=False)
+            result.trials.append(trial)
+            if not c.get("ok"):
+                trial.reason = f"{c.get('error_type')}: {c.get('error_message')}"
+                result.status = Status.runtime_error
+                result.error_type = c.get("error_type")
+                result.error_message = c.get("error_message")
+                result.traceback = c.get("traceback")
+                return
+            if c.get("threads_started"):
+                result.add_flag(FlagKind.suspicious, f"{c['threads_started']} thread(s) still running after forward returned")
+            if c.get("custom_calls") is not None:
+                calls.append(int(c["custom_calls"]))
+            if c.get("non_plain"):
+                trial.reason = f"the output is not a plain torch.Tensor ({', '.join(c['non_plain'])})"
+                result.status = Status.incorrect
+                return
+            if c.get("inputs_mutated"):
+                trial.reason = f"the candidate changed its input(s) {c['inputs_mutated']}"
+                result.add_flag(FlagKind.inputs_mutated, trial.reason)
+                result.status = Status.incorrect
+                return
+            try:
+                cand_out = _load_outputs(c["path"])
+            except Exception as exc:  # noqa: BLE001
+                trial.reason = f"the candidate's outputs could not be read as plain tensors ({type(exc).__name__})"
+                result.status = Status.incorrect
+                return
+            ref_out = _load_outputs(r["path"])
+            passed, reason, checks = compare_outputs(ref_out, cand_out, cfg)
+            for p in (c["path"], r["path"]):
+                try:
+                    os.unlink(p)
+                except OSError:
+                    pass
+            trial.outputs = checks
+            trial.passed = passed
+            trial.reason = reason
+            if c.get("aliases_input") and passed:
+                result.add_flag(FlagKind.suspicious, "returns a tensor that shares memory with an input")
+            if not passed:
+                result.status = Status.incorrect
+                return
+        result.custom_calls_per_forward = (sum(calls) / len(calls)) if calls else 0.0
+        if not calls or min(calls) == 0:
+            result.add_flag(FlagKind.no_custom_kernel,
+                            "no call into the candidate's own compiled extension during a forward")
+        result.status = Status.correct
+
+        # ---- timing (same routine, same policy, device held exclusively)
+        timing_seed = secrets.randbits(30)
+        timed = {"op": "time", "seed": timing_seed, "warmup": cfg.warmup_runs, "runs": cfg.timed_runs,
+                 "flush_l2": cfg.flush_l2}
+        w0 = time.monotonic()
+        eager = ref.ask(timed)
+        ref_wall = time.monotonic() - w0
+        result.eager_time = Timing(**eager["timing"])
+        if cfg.time_compile:
+            try:
+                comp = ref.ask({**timed, "compiled": True})
+                result.compile_time = Timing(**comp["timing"])
+            except RuntimeError as exc:
+                result.stderr += f"\n[kernelloop] torch.compile of the reference failed: {exc}"
+        w0 = time.monotonic()
+        ct = cand.ask(timed, cfg.run_timeout_s)
+        cand_wall = time.monotonic() - w0
+        if not ct.get("ok"):
+            result.status = Status.runtime_error
+            result.error_type = ct.get("error_type")
+            result.error_message = f"while timing: {ct.get('error_message')}"
+            result.traceback = ct.get("traceback")
+            return
+        result.candidate_time = Timing(**ct["timing"])
+        if ct.get("tampered"):
+            result.add_flag(FlagKind.suspicious, "changed timing functions: " + ", ".join(ct["tampered"]))
+        if ct.get("threads_started"):
+            result.add_flag(FlagKind.suspicious, "threads still running after the timed runs")
+        self._clock_check(result, ref_wall, cand_wall)
+        cand_ms = result.candidate_time.median_ms
+        if cand_ms > 0:
+            result.speedup_eager = result.eager_time.median_ms / cand_ms
+            if result.compile_time:
+                result.speedup_compile = result.compile_time.median_ms / cand_ms
+
+        # ---- evidence: profiles and the roofline floor
+        if cfg.profile:
+            prof = cand.ask({"op": "profile", "seed": timing_seed}, cfg.run_timeout_s)
+            if prof.get("ok"):
+                result.profile = [KernelStat(**row) for row in prof["profile"]]
+                if self.device == "cuda" and result.profile and not any(k.own for k in result.profile
+                                                                        if not k.name.startswith("kernelloop_ext::")):
+                    result.add_flag(FlagKind.no_custom_kernel, "the profiler shows no kernel declared in the candidate's source")
+            with ref.lock:
+                if ref.profile is None:
+                    ref.profile = ref.ask({"op": "profile", "seed": timing_seed})["profile"]
+            result.reference_profile = [KernelStat(**row) for row in ref.profile]
+        self._floor(spec, ref, result)
+
+    def _clock_check(self, result: EvalResult, ref_wall: float, cand_wall: float) -> None:
+        """The parent's own clock must roughly agree with the times the candidate worker reports."""
+        assert result.candidate_time is not None and result.eager_time is not None
+        runs = result.candidate_time.runs
+        ref_overhead = max(0.0, ref_wall - result.eager_time.mean_ms * runs / 1e3)
+        unexplained = cand_wall - result.candidate_time.mean_ms * runs / 1e3 - ref_overhead
+        reported = result.candidate_time.mean_ms * runs / 1e3
+        if unexplained > CLOCK_SLACK_S and unexplained > CLOCK_FACTOR * max(reported, 1e-3):
+            result.add_flag(FlagKind.suspicious,
+                            f"the parent's clock saw {cand_wall * 1e3:.1f} ms for {runs} timed runs the worker "
+                            f"reported as {reported * 1e3:.1f} ms in total")
+
+    def _floor(self, spec: TaskSpec, ref: ReferenceWorker, result: EvalResult) -> None:
+        try:
+            from evals.probe import get_probe
+            from evals.roofline import floor_from_counts
+        except ImportError:
+            return
+        try:
+            with ref.lock:
+                if ref.counts is None:
+                    ref.counts = ref.ask({"op": "roofline"})
+            probe = get_probe(self.device, measure=False)
+        except Exception:  # noqa: BLE001 - evidence is optional; the verdict stands without it
+            return
+        if probe is None or result.candidate_time is None:
+            return
+        floor = floor_from_counts(ref.counts["flops"], ref.counts["min_bytes"], ref.counts.get("dtype", "float32"), probe)
+        if not floor:
+            return
+        result.floor_ms = floor
+        result.floor_fraction = floor / result.candidate_time.median_ms
+        if result.candidate_time.median_ms < 0.9 * floor:
+            result.add_flag(FlagKind.impossible,
+                            f"median {result.candidate_time.median_ms:.4f} ms is below the roofline floor {floor:.4f} ms")
+
+
+def evaluate(spec: TaskSpec, source: str, device: str = "cpu", config: Optional[EvalConfig] = None) -> EvalResult:
+    """Evaluate one candidate with a sandbox of its own (see ``Sandbox`` to evaluate many)."""
+    with Sandbox(device, config) as sandbox:
+        return sandbox.evaluate(spec, source)

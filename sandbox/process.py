@@ -1,0 +1,158 @@
+"""A sandbox worker process as seen from the parent: start, ask, kill.
+
+Each worker gets a fresh temporary working directory, its stdout and stderr in files
+(capped when read back), a private socket for requests and replies, its own process
+group (so a kill takes its compilers and ninja with it), and optional memory limits.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Optional
+
+OUTPUT_CAP = 10_000
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class WorkerDied(Exception):
+    def __init__(self, message: str, returncode: Optional[int]):
+        super().__init__(message)
+        self.returncode = returncode
+
+
+class WorkerTimeout(Exception):
+    pass
+
+
+def _describe_exit(code: Optional[int]) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class WorkerProcess:
+    def __init__(self, role: str, hide_gpu: bool = False, memory_limit_mb: Optional[int] = None,
+                 env: Optional[dict[str, str]] = None):
+        self.role = role
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"kl-{role}-"))
+        self.out_dir = self.workdir / "out"
+        self.out_dir.mkdir()
+        parent_sock, child_sock = socket.socketpair()
+        self._stdout = open(self.workdir / "stdout.txt", "wb")
+        self._stderr = open(self.workdir / "stderr.txt", "wb")
+        child_env = dict(os.environ)
+        child_env["PYTHONPATH"] = os.pathsep.join([str(_REPO_ROOT)] + [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        child_env["PYTHONUNBUFFERED"] = "1"
+        if hide_gpu:
+            child_env["CUDA_VISIBLE_DEVICES"] = ""
+        child_env.update(env or {})
+        preexec = None
+        if memory_limit_mb:
+            limit = int(memory_limit_mb) << 20
+
+            def preexec() -> None:  # runs in the child before exec
+                import resource
+
+                resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sandbox.worker", str(child_sock.fileno())],
+            cwd=self.workdir, stdin=subprocess.DEVNULL, stdout=self._stdout, stderr=self._stderr,
+            pass_fds=(child_sock.fileno(),), env=child_env, start_new_session=True, preexec_fn=preexec)
+        child_sock.close()
+        self._sock = parent_sock
+        self.conn = Connection(os.dup(parent_sock.fileno()))
+        parent_sock.close()
+        self.started = time.monotonic()
+
+    def send(self, payload: dict[str, Any]) -> None:
+        try:
+            self.conn.send_bytes(json.dumps(payload).encode())
+        except OSError as exc:
+            raise WorkerDied(f"the {self.role} worker is gone ({exc})", self.proc.poll()) from None
+
+    def recv(self, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WorkerTimeout(f"the {self.role} worker did not answer within {timeout:.0f} s")
+            try:
+                ready = self.conn.poll(min(remaining, 0.5))
+            except (EOFError, OSError):
+                ready = True
+            if ready:
+                try:
+                    raw = self.conn.recv_bytes()
+                except (EOFError, OSError):
+                    code = self._wait_exit(5.0)
+                    raise WorkerDied(f"the {self.role} worker {_describe_exit(code)} before answering", code) from None
+                try:
+                    reply = json.loads(raw.decode())
+                except (UnicodeDecodeError, json.JSONDecodeError):
+                    raise WorkerDied(f"the {self.role} worker sent a reply that is not JSON", self.proc.poll()) from None
+                if not isinstance(reply, dict):
+                    raise WorkerDied(f"the {self.role} worker sent a malformed reply", self.proc.poll())
+                return reply
+            if self.proc.poll() is not None and not self.conn.poll(0):
+                code = self.proc.returncode
+                raise WorkerDied(f"the {self.role} worker {_describe_exit(code)} before answering", code)
+
+    def ask(self, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
+        self.send(payload)
+        return self.recv(timeout)
+
+    def _wait_exit(self, timeout: float) -> Optional[int]:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def output(self, which: str) -> str:
+        path = self.workdir / f"{which}.txt"
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return ""
+        text = data.decode(errors="replace")
+        if len(text) > OUTPUT_CAP:
+            text = f"[... {len(text) - OUTPUT_CAP} characters cut ...]\n" + text[-OUTPUT_CAP:]
+        return text
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                self.proc.kill()
+            self._wait_exit(10.0)
+        self.conn.close()
+        self._stdout.close()
+        self._stderr.close()
+
+    def close(self, grace: float = 5.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send({"op": "exit"})
+            except WorkerDied:
+                pass
+            if self._wait_exit(grace) is None:
+                pass
+        self.kill()
+
+    def cleanup(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.workdir, ignore_errors=True)

@@ -1,0 +1,57 @@
+"""Profiler evidence: which kernels (GPU) or operators (CPU) a forward launches.
+
+On ``cuda`` the rows are device kernels with their device time; on ``cpu`` they are the
+top-level operators (``aten::*``) and calls into the candidate's own extension functions
+(``kernelloop_ext::*``, recorded by the build hook's proxy) with their self CPU time.
+A row is ``own`` when it is a kernel the candidate's CUDA source declares, or a call
+into its extension.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def _is_own(name: str, own_kernels: Sequence[str]) -> bool:
+    if name.startswith("kernelloop_ext::"):
+        return True
+    return any(name == k or name.startswith(k + "(") or name.startswith(k + "<") or f" {k}(" in name
+               or f"::{k}(" in name or f"{k}<" in name for k in own_kernels)
+
+
+def profile_forward(model: Callable, make_args: Callable[[int], Sequence[Any]], device: str,
+                    runs: int = 3, own_kernels: Sequence[str] = ()) -> list[dict[str, Any]]:
+    arg_sets = [tuple(make_args(10_000 + i)) for i in range(runs)]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch.no_grad():
+        model(*arg_sets[0])      # warm
+        if device == "cuda":
+            torch.cuda.synchronize()
+        with profile(activities=activities) as prof:
+            for args in arg_sets:
+                model(*args)
+            if device == "cuda":
+                torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    if device == "cuda":
+        for evt in prof.events():
+            if getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA and evt.name:
+                dur = evt.time_range.end - evt.time_range.start
+                entry = totals.setdefault(evt.name, [0, 0.0])
+                entry[0] += 1
+                entry[1] += dur
+    else:
+        for evt in prof.key_averages():
+            name = evt.key
+            if not (name.startswith("aten::") or name.startswith("kernelloop_ext::")):
+                continue
+            entry = totals.setdefault(name, [0, 0.0])
+            entry[0] += evt.count
+            entry[1] += evt.self_cpu_time_total
+    grand = sum(v[1] for v in totals.values()) or 1.0
+    rows = [{"name": name, "count": int(round(c / runs)) or 1, "total_us": t / runs, "share": t / grand,
+             "own": _is_own(name, own_kernels)} for name, (c, t) in totals.items()]
+    rows.sort(key=lambda r: -r["total_us"])
+    return rows[:40]

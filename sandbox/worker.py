@@ -1,0 +1,263 @@
+"""The sandbox worker: one process per role, driven over a private socket.
+
+Run as ``python -m sandbox.worker FD``. The parent (``sandbox.evaluate``) starts it with
+a fresh temporary working directory, stdout/stderr sent to files, and one end of a
+socket pair as FD: the only channel results travel on. Messages are JSON (no pickle);
+output tensors are written with ``torch.save`` and read back by the parent with
+``weights_only=True``, so nothing a candidate returns can run code in the parent.
+
+Roles:
+* ``build``: execute the candidate module with the hooked ``load_inline`` (GPU hidden),
+  report the builds. Compilation happens here, in parallel with other candidates' runs.
+* ``candidate``: load the (cached) build, construct ``ModelNew``, then serve ``trial``,
+  ``time`` and ``profile`` requests.
+* ``reference``: the trusted side: the task's ``Model`` (and its ``torch.compile``),
+  serving the same requests. It never runs candidate code.
+
+Harness modules and the functions timing relies on are bound before candidate code runs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sandbox import timing
+from sandbox.harness import flatten_outputs, is_plain_tensor, make_inputs, make_model
+from sandbox.tasks import TaskSpec, exec_source, load_task
+
+_time_runs = timing.time_runs
+_tampered = timing.tampered_functions
+_save = torch.save
+_equal = torch.equal
+
+
+def _send(conn: Connection, payload: dict[str, Any]) -> None:
+    conn.send_bytes(json.dumps(payload, default=str).encode())
+
+
+def _recv(conn: Connection) -> dict[str, Any]:
+    return json.loads(conn.recv_bytes().decode())
+
+
+def _exc_payload(exc: BaseException) -> dict[str, Any]:
+    return {"error_type": type(exc).__name__, "error_message": str(exc)[:4000],
+            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-8000:]}
+
+
+class Worker:
+    def __init__(self, conn: Connection, init: dict[str, Any]):
+        self.conn = conn
+        self.role = init["role"]
+        self.device = init["device"]
+        self.out_dir = Path(init["out_dir"])
+        self.spec = TaskSpec(**init["task"])
+        self.source = init.get("source")
+        self.init_seed = int(init["init_seed"])
+        self.builder = None
+        self.model = None
+        self.compiled = None
+        self.kernel_names: list[str] = []
+        if self.device == "cuda" and init.get("memory_fraction"):
+            torch.cuda.set_per_process_memory_fraction(float(init["memory_fraction"]))
+
+    # ---- candidate code -------------------------------------------------------
+    def _exec_candidate(self) -> dict[str, Any]:
+        from sandbox.build import HookedBuilder
+
+        self.builder = HookedBuilder(max_jobs=int(os.environ.get("KERNELLOOP_BUILD_JOBS", "4")))
+        self.builder.install()
+        try:
+            namespace = exec_source(self.source, "candidate.py", module_name="kernelloop_candidate")
+        except SystemExit as exc:
+            return {"stage": "import", **_exc_payload(exc), "error_message": f"candidate called sys.exit({exc.code})"}
+        except BaseException as exc:  # noqa: BLE001
+            failed = [r for r in self.builder.records if not r.ok]
+            return {"stage": "build" if failed else "import", **_exc_payload(exc)}
+        finally:
+            self._builds = [r.__dict__ for r in self.builder.records]
+        self.namespace = namespace
+        return {}
+
+    def build(self) -> dict[str, Any]:
+        result = self._exec_candidate()
+        return {"builds": self._builds, **result}
+
+    def load_candidate(self) -> dict[str, Any]:
+        result = self._exec_candidate()
+        reply: dict[str, Any] = {"builds": self._builds}
+        if result:
+            return {**reply, **result}
+        cls = self.namespace.get("ModelNew")
+        if cls is None or not isinstance(cls, type):
+            return {**reply, "stage": "import", "error_type": "NameError",
+                    "error_message": "the candidate module defines no class ModelNew", "traceback": ""}
+        self.kernel_names = sorted({k for r in self.builder.records for k in r.kernel_names})
+        return {**reply, **self._construct(cls)}
+
+    def load_reference(self) -> dict[str, Any]:
+        self.task = load_task(self.spec, validate=False)
+        reply = self._construct(self.task.Model)
+        if self.device == "cuda":
+            reply["device_name"] = torch.cuda.get_device_name(0)
+        return reply
+
+    def _construct(self, cls: type) -> dict[str, Any]:
+        if not hasattr(self, "task"):
+            self.task = load_task(self.spec, validate=False)
+        threads_before = threading.active_count()
+        try:
+            self.model = make_model(cls, self.task, self.init_seed, self.device)
+        except SystemExit as exc:
+            return {"stage": "construct", **_exc_payload(exc), "error_message": f"sys.exit({exc.code}) in __init__"}
+        except BaseException as exc:  # noqa: BLE001
+            return {"stage": "construct", **_exc_payload(exc)}
+        if self.device == "cuda":
+            timing.device_sync("cuda")
+        return {"ok": True, "threads_started": threading.active_count() - threads_before}
+
+    # ---- requests ---------------------------------------------------------------
+    def _poison(self, nbytes: int) -> None:
+        """Fill memory the candidate might read uninitialised with NaN."""
+        if self.role != "candidate" or nbytes <= 0:
+            return
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+        poison = torch.full((max(nbytes, 1 << 20) // 4,), float("nan"), device=self.device)
+        del poison
+
+    def trial(self, req: dict[str, Any]) -> dict[str, Any]:
+        seed, index = int(req["seed"]), int(req["index"])
+        inputs = make_inputs(self.task, seed, self.device)
+        tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+        in_bytes = sum(x.numel() * x.element_size() for x in tensors)
+        self._poison(2 * in_bytes + int(req.get("output_bytes", 0)) * 2)
+        originals = [x.clone() for x in tensors]
+        ptrs = {x.data_ptr() for x in tensors if x.numel()}
+        if self.builder is not None:
+            self.builder.counter.reset()
+        threads_before = threading.active_count()
+        try:
+            with torch.no_grad():
+                out = self.model(*inputs)
+            timing.device_sync(self.device)
+        except SystemExit as exc:
+            return {"ok": False, **_exc_payload(exc), "error_message": f"sys.exit({exc.code}) in forward"}
+        except BaseException as exc:  # noqa: BLE001
+            return {"ok": False, **_exc_payload(exc)}
+        threads_after = threading.active_count()
+        flat = flatten_outputs(out)
+        kinds = [type(x).__module__ + "." + type(x).__qualname__ for x in flat]
+        non_plain = [k for x, k in zip(flat, kinds) if not is_plain_tensor(x)]
+        reply: dict[str, Any] = {"ok": True, "output_types": kinds, "non_plain": non_plain,
+                                 "threads_started": threads_after - threads_before,
+                                 "custom_calls": self.builder.counter.calls if self.builder else None}
+        if non_plain:
+            return reply
+        reply["aliases_input"] = any(x.numel() and x.data_ptr() in ptrs for x in flat)
+        mutated = [i for i, (a, b) in enumerate(zip(tensors, originals))
+                   if a.shape != b.shape or not _equal_nan(a, b)]
+        reply["inputs_mutated"] = mutated
+        path = self.out_dir / f"{self.role}_{index}.pt"
+        _save([x.detach().to("cpu").contiguous() for x in flat], str(path))
+        reply["path"] = str(path)
+        reply["output_bytes"] = sum(x.numel() * x.element_size() for x in flat)
+        return reply
+
+    def _make_args(self, seed: int):
+        return lambda i: make_inputs(self.task, seed + i, self.device)
+
+    def time(self, req: dict[str, Any]) -> dict[str, Any]:
+        fn = self.model
+        if req.get("compiled"):
+            if self.compiled is None:
+                self.compiled = torch.compile(self.model)
+            fn = self.compiled
+        threads_before = threading.active_count()
+        try:
+            t = _time_runs(fn, self._make_args(int(req["seed"])), self.device, int(req["warmup"]),
+                           int(req["runs"]), bool(req.get("flush_l2", True)))
+        except BaseException as exc:  # noqa: BLE001
+            return {"ok": False, **_exc_payload(exc)}
+        finally:
+            if self.device == "cuda":
+                torch.cuda.empty_cache()
+        return {"ok": True, "timing": t.model_dump(), "tampered": _tampered(),
+                "threads_started": threading.active_count() - threads_before}
+
+    def profile(self, req: dict[str, Any]) -> dict[str, Any]:
+        from sandbox.profiling import profile_forward
+
+        try:
+            stats = profile_forward(self.model, self._make_args(int(req["seed"])), self.device,
+                                    runs=int(req.get("runs", 3)), own_kernels=self.kernel_names)
+        except BaseException as exc:  # noqa: BLE001
+            return {"ok": False, **_exc_payload(exc)}
+        return {"ok": True, "profile": stats}
+
+    def roofline(self, req: dict[str, Any]) -> dict[str, Any]:
+        try:
+            from evals.roofline import count_task
+        except ImportError as exc:
+            return {"ok": False, **_exc_payload(exc)}
+        try:
+            counts = count_task(self.spec, self.device)
+        except BaseException as exc:  # noqa: BLE001
+            return {"ok": False, **_exc_payload(exc)}
+        return {"ok": True, "flops": counts.flops, "min_bytes": counts.min_bytes, "dtype": counts.dtype}
+
+
+def _equal_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype.is_floating_point or a.dtype.is_complex:
+        return bool(torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0))
+                    and torch.equal(torch.isnan(a), torch.isnan(b)))
+    return bool(_equal(a, b))
+
+
+def serve(conn: Connection) -> None:
+    init = _recv(conn)
+    worker = Worker(conn, init)
+    if worker.role == "build":
+        _send(conn, worker.build())
+        return
+    reply = worker.load_candidate() if worker.role == "candidate" else worker.load_reference()
+    _send(conn, reply)
+    if not reply.get("ok"):
+        return
+    handlers = {"trial": worker.trial, "time": worker.time, "profile": worker.profile,
+                "roofline": worker.roofline}
+    while True:
+        try:
+            req = _recv(conn)
+        except (EOFError, OSError):
+            return
+        op = req.get("op")
+        if op == "exit":
+            return
+        handler = handlers.get(op)
+        _send(conn, handler(req) if handler else {"ok": False, "error_message": f"unknown op {op!r}"})
+
+
+def main() -> None:
+    fd = int(sys.argv[1])
+    conn = Connection(fd)
+    try:
+        serve(conn)
+    finally:
+        try:
+            conn.close()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
