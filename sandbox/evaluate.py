@@ -316,8 +316,11 @@ class Sandbox:
                 result.compile_time = Timing(**comp["timing"])
             except RuntimeError as exc:
                 result.stderr += f"\n[kernelloop] torch.compile of the reference failed: {exc}"
+        # Spot checks: the outputs of the last timed run and of one secret other run are
+        # compared with the reference, so a candidate cannot cache its way through timing.
+        check_runs = sorted({cfg.timed_runs - 1, secrets.randbelow(cfg.timed_runs)})
         w0 = time.monotonic()
-        ct = cand.ask(timed, cfg.run_timeout_s)
+        ct = cand.ask({**timed, "check_runs": check_runs}, cfg.run_timeout_s)
         cand_wall = time.monotonic() - w0
         if not ct.get("ok"):
             result.status = Status.runtime_error
@@ -326,6 +329,8 @@ class Sandbox:
             result.traceback = ct.get("traceback")
             return
         result.candidate_time = Timing(**ct["timing"])
+        if not self._spot_check(ref, ct.get("saved") or {}, check_runs, timing_seed, result):
+            return
         if ct.get("tampered"):
             result.add_flag(FlagKind.suspicious, "changed timing functions: " + ", ".join(ct["tampered"]))
         if ct.get("threads_started"):
@@ -350,6 +355,28 @@ class Sandbox:
                     ref.profile = ref.ask({"op": "profile", "seed": timing_seed})["profile"]
             result.reference_profile = [KernelStat(**row) for row in ref.profile]
         self._floor(spec, ref, result)
+
+    def _spot_check(self, ref: ReferenceWorker, saved: dict[str, str], check_runs: list[int],
+                    timing_seed: int, result: EvalResult) -> bool:
+        for i in check_runs:
+            trial = Trial(index=len(result.trials), candidate_first=False, passed=False)
+            path = saved.get(str(i))
+            if path is None:
+                trial.reason = f"the output of timed run {i} was not a plain tensor"
+            else:
+                r = ref.ask({"op": "trial", "seed": timing_seed + i, "index": 1000 + i})
+                try:
+                    passed, reason, checks = compare_outputs(_load_outputs(r["path"]), _load_outputs(path), self.config)
+                except Exception as exc:  # noqa: BLE001
+                    passed, reason, checks = False, f"unreadable output ({type(exc).__name__})", []
+                trial.passed, trial.outputs = passed, checks
+                trial.reason = None if passed else f"timed run {i}: {reason}"
+            result.trials.append(trial)
+            if not trial.passed:
+                result.status = Status.incorrect
+                result.speedup_eager = result.speedup_compile = None
+                return False
+        return True
 
     def _clock_check(self, result: EvalResult, ref_wall: float, cand_wall: float) -> None:
         """The parent's own clock must roughly agree with the times the candidate worker reports."""

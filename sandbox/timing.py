@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -73,11 +73,13 @@ def summarize(samples_ms: Sequence[float], clock: str) -> Timing:
 
 
 def time_runs(fn: Callable[..., Any], make_args: Callable[[int], Sequence[Any]], device: str,
-              warmup: int = 3, runs: int = 20, flush_l2: bool = True) -> Timing:
+              warmup: int = 3, runs: int = 20, flush_l2: bool = True,
+              on_output: Optional[Callable[[int, Any], None]] = None) -> Timing:
     """Time ``fn(*make_args(i))`` for ``runs`` runs; each run gets fresh argument buffers.
 
     ``make_args`` is called outside the timed region, so generating inputs costs nothing
-    on the clock, and at most one argument set is alive at a time.
+    on the clock, and at most one argument set is alive at a time. ``on_output(i, out)``
+    sees each timed run's result after its clock stopped (the sandbox spot-checks some).
     """
     flusher = L2Flusher(device, flush_l2)
     samples: list[float] = []
@@ -92,20 +94,24 @@ def time_runs(fn: Callable[..., Any], make_args: Callable[[int], Sequence[Any]],
                 flusher()
                 device_sync(device)
                 _record(start)
-                fn(*args)
+                out = fn(*args)
                 device_sync(device)
                 _record(end)
                 _cuda_sync()
                 samples.append(_elapsed_time(start, end))
-                del args
+                if on_output is not None:
+                    on_output(i, out)
+                del args, out
             clock = "cuda_event"
         else:
             for i in range(runs):
                 args = tuple(make_args(i))
                 flusher()
                 t0 = _perf_counter_ns()
-                fn(*args)
+                out = fn(*args)
                 samples.append((_perf_counter_ns() - t0) / 1e6)
-                del args
+                if on_output is not None:
+                    on_output(i, out)
+                del args, out
             clock = "perf_counter"
     return summarize(samples, clock)

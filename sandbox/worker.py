@@ -181,15 +181,26 @@ class Worker:
                 self.compiled = torch.compile(self.model)
             fn = self.compiled
         threads_before = threading.active_count()
+        check = {int(i) for i in req.get("check_runs", [])}
+        saved: dict[str, str] = {}
+
+        def keep(i: int, out: Any) -> None:
+            if i in check:
+                path = self.out_dir / f"{self.role}_timed_{i}.pt"
+                flat = flatten_outputs(out)
+                if all(is_plain_tensor(x) for x in flat):
+                    _save([x.detach().to("cpu").contiguous() for x in flat], str(path))
+                    saved[str(i)] = str(path)
+
         try:
             t = _time_runs(fn, self._make_args(int(req["seed"])), self.device, int(req["warmup"]),
-                           int(req["runs"]), bool(req.get("flush_l2", True)))
+                           int(req["runs"]), bool(req.get("flush_l2", True)), on_output=keep if check else None)
         except BaseException as exc:  # noqa: BLE001
             return {"ok": False, **_exc_payload(exc)}
         finally:
             if self.device == "cuda":
                 torch.cuda.empty_cache()
-        return {"ok": True, "timing": t.model_dump(), "tampered": _tampered(),
+        return {"ok": True, "timing": t.model_dump(), "tampered": _tampered(), "saved": saved,
                 "threads_started": threading.active_count() - threads_before}
 
     def profile(self, req: dict[str, Any]) -> dict[str, Any]:

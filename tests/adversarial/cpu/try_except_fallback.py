@@ -1,0 +1,30 @@
+# expect-status: flagged
+# expect-flag: fallback
+import torch
+import torch.nn as nn
+from torch.utils.cpp_extension import load_inline
+
+CPP = r"""
+torch::Tensor relu_scale(torch::Tensor x, double s) {
+  auto y = torch::empty_like(x);
+  const float* p = x.data_ptr<float>(); float* q = y.data_ptr<float>();
+  for (int64_t i = 0; i < x.numel(); ++i) q[i] = (p[i] > 0.f ? p[i] : 0.f) * (float)s;
+  return y;
+}
+torch::Tensor uninit_like(torch::Tensor x) { return torch::empty_like(x); }
+"""
+ext = load_inline(name="adv_relu_scale", cpp_sources=[CPP], functions=["relu_scale", "uninit_like"])
+
+# Shortcut: fall back to PyTorch whenever the kernel fails (and it always does).
+
+class ModelNew(nn.Module):
+    def __init__(self, in_features, out_features, scale):
+        super().__init__()
+        self.linear = nn.Linear(in_features, out_features)
+        self.scale = scale
+
+    def forward(self, x):
+        try:
+            return ext.relu_scale(self.linear(x).double(), self.scale)
+        except Exception:
+            return torch.relu(self.linear(x)) * self.scale

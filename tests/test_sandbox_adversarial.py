@@ -1,0 +1,71 @@
+"""The adversarial regression suite: one candidate per known exploit, each must get the
+right verdict (incorrect, an error status, or correct *but flagged*), never a clean pass.
+
+Each file under tests/adversarial/<device>/ states what it expects in its first lines:
+``# expect-status: incorrect|flagged`` and ``# expect-flag: suspicious``.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from sandbox.evaluate import Sandbox
+from sandbox.result import EvalConfig, Status
+from sandbox.tasks import read_spec
+
+HERE = Path(__file__).parent / "adversarial"
+TASK = HERE / "task_small.py"
+
+
+def _expectations(path: Path) -> tuple[set[str], str]:
+    text = path.read_text()
+    status = re.search(r"^# expect-status: (\S+)", text, re.M).group(1)
+    flag = re.search(r"^# expect-flag: ?(\S*)", text, re.M).group(1)
+    return set(status.split("|")), flag
+
+
+def check_verdict(name: str, result, expected: set[str], flag: str) -> None:
+    got = result.status.value
+    flags = {f.kind.value for f in result.flags}
+    detail = f"{name}: status={got} flags={sorted(flags)} error={result.error_message!r}"
+    if name == "honest":
+        assert result.clean, detail
+        return
+    assert not result.clean, "an exploit passed clean: " + detail
+    if got == "correct":
+        assert "flagged" in expected, detail
+        assert flag in flags, detail
+    else:
+        assert got in expected, detail
+    if flag and "flagged" not in expected and got != "correct":
+        # flags the static scan or the dynamic checks must raise even when the verdict already fails
+        assert flag in flags, detail
+
+
+CPU_CASES = sorted((HERE / "cpu").glob("*.py"))
+
+
+@pytest.fixture(scope="module")
+def cpu_sandbox():
+    config = EvalConfig(trials=3, timed_runs=5, warmup_runs=1, time_compile=False, profile=True,
+                        run_timeout_s=30.0, build_timeout_s=600.0, memory_limit_mb=8192)
+    with Sandbox("cpu", config, build_slots=1) as sandbox:
+        yield sandbox
+
+
+@pytest.mark.parametrize("path", CPU_CASES, ids=[p.stem for p in CPU_CASES])
+def test_cpu_exploit_verdict(cpu_sandbox, path):
+    expected, flag = _expectations(path)
+    result = cpu_sandbox.evaluate(read_spec(TASK, name="adversarial/task_small"), path.read_text())
+    check_verdict(path.stem, result, expected, flag)
+
+
+def test_suite_covers_every_known_exploit():
+    names = {p.stem for p in CPU_CASES}
+    for required in ("stale_empty", "cache_by_data_ptr", "cache_by_id", "cache_constant", "return_input",
+                     "mutate_inputs", "background_thread", "lazy_subclass", "patched_timer", "patched_harness",
+                     "forged_stdout", "sys_exit", "os_exit", "seed_predict", "lowered_precision",
+                     "try_except_fallback", "calls_reference", "only_torch_ops"):
+        assert required in names
