@@ -6,8 +6,11 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-console = Console()
-err_console = Console(stderr=True)
+import sys
+
+# Rich falls back to 80 columns when output is not a terminal; tables are wider than that.
+console = Console(width=None if sys.stdout.isatty() else 200)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 
 DbOption = typer.Option(None, "--db", envvar="KERNELLOOP_DB",
                         help="SQLite file or SQLAlchemy URL of the store [default: ./kernelloop.db]")

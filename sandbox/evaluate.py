@@ -49,7 +49,7 @@ def _load_outputs(path: str) -> list[torch.Tensor]:
 
 def _device_name(device: str) -> str:
     if device == "cuda":
-        return ""   # filled in from the reference worker, which owns a CUDA context
+        return torch.cuda.get_device_name(0)
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -393,7 +393,7 @@ class Sandbox:
     def _floor(self, spec: TaskSpec, ref: ReferenceWorker, result: EvalResult) -> None:
         try:
             from evals.probe import get_probe
-            from evals.roofline import floor_from_counts
+            from evals.roofline import RooflineCounts, floor_ms
         except ImportError:
             return
         try:
@@ -405,7 +405,9 @@ class Sandbox:
             return
         if probe is None or result.candidate_time is None:
             return
-        floor = floor_from_counts(ref.counts["flops"], ref.counts["min_bytes"], ref.counts.get("dtype", "float32"), probe)
+        counts = RooflineCounts(**ref.counts["counts"])
+        result.floor_flops, result.floor_bytes = float(counts.flops), float(counts.min_bytes)
+        floor = floor_ms(counts, probe)
         if not floor:
             return
         result.floor_ms = floor

@@ -144,8 +144,10 @@ class EvalResult(BaseModel):
     profile: list[KernelStat] = []                     # candidate
     reference_profile: list[KernelStat] = []
 
-    floor_ms: Optional[float] = None
+    floor_ms: Optional[float] = None                   # max(bytes / bandwidth, flops / rate) on this device
     floor_fraction: Optional[float] = None             # floor_ms / candidate median
+    floor_flops: Optional[float] = None                # FLOPs of one forward (FlopCounterMode)
+    floor_bytes: Optional[float] = None                # fewest bytes one forward must move
 
     @property
     def correct(self) -> bool:

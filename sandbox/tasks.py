@@ -126,15 +126,23 @@ def _cpu_preset_of(spec: TaskSpec) -> dict[str, Any]:
     except SyntaxError:
         return {}
     for node in tree.body:
-        if isinstance(node, ast.Assign) and any(
-                isinstance(t, ast.Name) and t.id == CPU_PRESET_NAME for t in node.targets):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:   # CPU_SIZES: dict[...] = {...}
+            targets = [node.target]
+        else:
+            continue
+        if any(isinstance(t, ast.Name) and t.id == CPU_PRESET_NAME for t in targets):
             try:
                 value = ast.literal_eval(node.value)
             except ValueError:
                 if isinstance(node.value, ast.Call) and getattr(node.value.func, "id", "") == "dict":
-                    return {kw.arg: ast.literal_eval(kw.value) for kw in node.value.keywords}
+                    try:
+                        return {kw.arg: ast.literal_eval(kw.value) for kw in node.value.keywords}
+                    except ValueError:
+                        return {}
                 return {}
-            return dict(value)
+            return dict(value) if isinstance(value, dict) else {}
     return {}
 
 

@@ -222,7 +222,7 @@ class Worker:
             counts = count_task(self.spec, self.device)
         except BaseException as exc:  # noqa: BLE001
             return {"ok": False, **_exc_payload(exc)}
-        return {"ok": True, "flops": counts.flops, "min_bytes": counts.min_bytes, "dtype": counts.dtype}
+        return {"ok": True, "counts": counts.to_dict()}
 
 
 def _equal_nan(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -1,0 +1,349 @@
+"""``kernelloop optimize``, ``runs``, ``show`` and ``replay``."""
+from __future__ import annotations
+
+import signal
+from typing import Any, Optional
+
+import sqlalchemy as sa
+import typer
+from rich.live import Live
+from rich.table import Table
+
+from kernelloop.cli_common import DbOption, DeviceOption, SetOption, console, err_console, fail, open_store, resolve_device
+
+
+def _fmt(x: Optional[float], unit: str = "", digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.{digits}g}{unit}"
+
+
+def device_facts(device: str, sandbox_name: str) -> Any:
+    import torch
+
+    from agent.types import DeviceFacts
+
+    facts = DeviceFacts(device=device, name=sandbox_name, torch_version=torch.__version__)
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        facts.compute_capability = f"{props.major}.{props.minor}"
+        facts.sm_count = props.multi_processor_count
+    try:
+        from evals.probe import get_probe
+
+        probe = get_probe(device, measure=False)
+    except Exception:  # noqa: BLE001 - device facts are optional context
+        probe = None
+    if probe is not None:
+        facts.bandwidth_gbps = probe.bandwidth_gbps
+        facts.tflops = dict(probe.tflops)
+    return facts
+
+
+def _load_specs(tasks: list[str], overrides: dict[str, Any]) -> list[Any]:
+    from sandbox.tasks import TaskError, discover, load_task, read_spec
+
+    try:
+        specs = [read_spec(p, overrides) for p in discover(tasks)]
+        for sp in specs:
+            load_task(sp)   # validate every task before anything is stored or asked
+    except TaskError as exc:
+        fail(str(exc))
+    if not specs:
+        fail("no task files found in " + " ".join(tasks))
+    return specs
+
+
+def _summary_table(progress: list[Any], title: str) -> Table:
+    table = Table(title=title)
+    for col in ("task", "round", "attempts", "correct", "eager ms", "compile ms", "best ms", "floor ms",
+                "vs eager", "vs compile", "stopped"):
+        table.add_column(col, justify="left" if col in ("task", "stopped") else "right")
+    for p in progress:
+        table.add_row(p.name, str(p.round), str(p.attempts), str(p.correct), _fmt(p.eager_ms), _fmt(p.compile_ms),
+                      _fmt(p.best_ms), _fmt(p.floor_ms), _fmt(p.best_speedup, "x"), _fmt(p.best_compile_speedup, "x"),
+                      p.error or p.stopped)
+    return table
+
+
+def optimize_command(
+    tasks: list[str] = typer.Argument(None, help="task files, directories or bundled names (seeds, level1/...)"),
+    model: str = typer.Option("builtin", "--model", "-m", help="builtin | openai:<model> | replay:<run>"),
+    rounds: int = typer.Option(3, "--rounds", "-r", min=1),
+    samples: int = typer.Option(2, "--samples", "-n", min=1, help="candidates per task per round"),
+    device: Optional[str] = DeviceOption,
+    critic: Optional[str] = typer.Option(None, "--critic", help="grounded | llm [default: follows the model]"),
+    target_speedup: Optional[float] = typer.Option(None, "--target-speedup", help="stop a task at this speedup over eager"),
+    patience: Optional[int] = typer.Option(None, "--patience", help="stop a task after K rounds without improvement"),
+    trials: int = typer.Option(5, "--trials", min=1, help="correctness trials per candidate"),
+    timed_runs: int = typer.Option(20, "--timed-runs", min=1),
+    no_compile: bool = typer.Option(False, "--no-compile", help="do not time the reference under torch.compile"),
+    temperature: Optional[float] = typer.Option(None, "--temperature"),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens"),
+    concurrency: Optional[int] = typer.Option(None, "--concurrency", help="model calls in flight at once"),
+    set_: Optional[list[str]] = SetOption,
+    resume: Optional[int] = typer.Option(None, "--resume", help="continue run RUN where it stopped"),
+    db: Optional[str] = DbOption,
+) -> None:
+    """Optimise tasks: each round samples candidates, evaluates, critiques and refines."""
+    from agent.backends.base import BackendError, get_backend
+    from agent.loop import LoopConfig, OptimizeLoop
+    from kernelloop.paths import code_version
+    from sandbox.evaluate import Sandbox
+    from sandbox.result import EvalConfig
+    from sandbox.tasks import TaskError, TaskSpec, parse_overrides
+    from store.models import Run, Task
+
+    store = open_store(db)
+    if resume is not None:
+        with store.reader() as s:
+            run = s.get(Run, resume)
+            if run is None:
+                fail(f"no run {resume} in {store.url} (kernelloop runs lists them)")
+            cfg = LoopConfig.from_json(run.config)
+            specs = []
+            for t in run.config["tasks"]:
+                task_row = s.scalar(sa.select(Task).where(Task.sha256 == t["sha256"]))
+                specs.append(TaskSpec(name=t["name"], path=t["path"], source=task_row.source,
+                                      overrides=run.config["overrides"].get(t["name"], {})))
+        run_id = resume
+        resolve_device(cfg.device)
+    else:
+        dev = resolve_device(device)
+        try:
+            overrides = parse_overrides(set_)
+        except TaskError as exc:
+            fail(str(exc))
+        specs = _load_specs(tasks or ["seeds"], overrides)
+        options = {k: v for k, v in {"temperature": temperature, "max_tokens": max_tokens,
+                                     "concurrency": concurrency}.items() if v is not None}
+        cfg = LoopConfig(model=model, device=dev, rounds=rounds, samples=samples, critic=critic,
+                         target_speedup=target_speedup, patience=patience,
+                         eval=EvalConfig(trials=trials, timed_runs=timed_runs, time_compile=not no_compile),
+                         backend_options=options)
+    if cfg.critic not in (None, "grounded", "llm"):
+        fail(f"--critic must be grounded or llm, not {cfg.critic!r}")
+    try:
+        backend = get_backend(cfg.model, store=store, **cfg.backend_options)
+    except BackendError as exc:
+        fail(str(exc))
+
+    sandbox = Sandbox(cfg.device, cfg.eval)
+    facts = device_facts(cfg.device, sandbox.device_name)
+    state: dict[str, Any] = {}
+
+    def render() -> Table:
+        return _summary_table(list(state.values()), f"kernelloop optimize · {cfg.model} · {facts.name}")
+
+    loop = OptimizeLoop(store, backend, sandbox, cfg, facts, on_progress=lambda p: state.__setitem__(p.name, p))
+    if resume is None:
+        run_id = loop.start_run(specs, code_version())
+    else:
+        with store.session() as s:
+            s.get(Run, run_id).status = "running"
+    console.print(f"run {run_id}: {len(specs)} task(s), {cfg.rounds} round(s) x {cfg.samples} sample(s), "
+                  f"model {cfg.model}, device {cfg.device} ({facts.name}), store {store.url}")
+    status = "finished"
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        with Live(render(), console=console, refresh_per_second=2, transient=not console.is_terminal) as live:
+            loop.on_progress = lambda p: (state.__setitem__(p.name, p), live.update(render()))
+            progress = loop.run(run_id, specs)
+    except KeyboardInterrupt:
+        loop.stop()
+        status = "interrupted"
+        progress = list(state.values())
+        err_console.print(f"interrupted: continue with kernelloop optimize --resume {run_id}")
+    except BackendError as exc:
+        status = "failed"
+        loop.finish_run(run_id, status)
+        fail(str(exc))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        sandbox.close()
+    if any(p.error for p in progress) and status == "finished":
+        status = "finished"   # per-task errors are in the table; the run itself completed
+    loop.finish_run(run_id, status)
+    console.print(_summary_table(progress, f"run {run_id} · {status}"))
+    for p in progress:
+        if p.error:
+            err_console.print(f"[red]{p.name}[/]: {p.error}", highlight=False)
+    store.close()
+
+
+def runs_command(db: Optional[str] = DbOption, limit: int = typer.Option(20, "-n", help="newest N runs")) -> None:
+    """List runs: id, kind, status, model, device, tasks, attempts, correct."""
+    from store.models import Attempt, Evaluation, Run
+
+    store = open_store(db)
+    with store.reader() as s:
+        runs = list(s.scalars(sa.select(Run).order_by(Run.id.desc()).limit(limit)))
+        table = Table(title=f"runs in {store.url}")
+        for col in ("id", "kind", "status", "model", "device", "tasks", "attempts", "correct", "started", "parent"):
+            table.add_column(col)
+        for r in runs:
+            n_att = s.scalar(sa.select(sa.func.count(Attempt.id)).where(Attempt.run_id == r.id))
+            n_tasks = s.scalar(sa.select(sa.func.count(sa.distinct(Attempt.task_id))).where(Attempt.run_id == r.id))
+            n_ok = s.scalar(sa.select(sa.func.count(sa.distinct(Evaluation.attempt_id)))
+                            .where(Evaluation.run_id == r.id, Evaluation.status == "correct"))
+            table.add_row(str(r.id), r.kind, r.status, r.model, f"{r.device} {r.device_name}", str(n_tasks),
+                          str(n_att), str(n_ok), r.started_at.strftime("%Y-%m-%d %H:%M"), str(r.parent_run_id or ""))
+    console.print(table)
+
+
+def attempts_table(session: Any, run_id: int, task_id: Optional[int] = None, title: str = "") -> Table:
+    from agent.critic.evidence import attempt_views, run_task_ids
+    from store.models import Task
+
+    table = Table(title=title)
+    for col in ("task", "attempt", "round", "sample", "answer", "status", "runtime ms", "vs eager", "vs compile", "flags", "cause"):
+        table.add_column(col, overflow="fold")
+    for tid in ([task_id] if task_id else run_task_ids(session, run_id)):
+        task = session.get(Task, tid)
+        for v in attempt_views(session, run_id, tid):
+            r = v.result
+            cause = ""
+            if r is not None and r.status.value != "correct":
+                cause = (r.build.first_error if r.build and r.build.first_error else
+                         (r.first_failed_trial().reason if r.first_failed_trial() else r.error_message)) or ""
+            elif r is None:
+                cause = v.parse_error or ""
+            table.add_row(task.name, str(v.attempt_id), str(v.round), str(v.sample), v.parse_status,
+                          r.status.value if r else "-",
+                          _fmt(r.candidate_time.median_ms if r and r.candidate_time else None),
+                          _fmt(r.speedup_eager if r else None, "x"), _fmt(r.speedup_compile if r else None, "x"),
+                          ",".join(sorted({f.kind.value for f in r.flags})) if r else "", cause[:160])
+    return table
+
+
+def show_command(run: int = typer.Argument(..., help="run id"),
+                 task: Optional[str] = typer.Argument(None, help="a task name of the run, e.g. seeds/conv2d_divide_leakyrelu"),
+                 db: Optional[str] = DbOption) -> None:
+    """Show a run's attempts with their verdicts; with TASK, also its latest analysis."""
+    from rich.markdown import Markdown
+
+    from agent.critic.cli import _match_tasks
+    from store.repo import get_run, latest_analysis
+
+    store = open_store(db)
+    with store.reader() as s:
+        try:
+            r = get_run(s, run)
+        except LookupError as exc:
+            fail(str(exc))
+        console.print(f"run {r.id} · {r.kind} · {r.status} · model {r.model} · critic {r.critic} · "
+                      f"{r.device} {r.device_name} · torch {r.torch_version} · code {r.code_version}")
+        tasks = _match_tasks(s, run, task) if task else [None]
+        if task and not tasks:
+            fail(f"run {run} has no task matching {task!r}")
+        for t in tasks:
+            console.print(attempts_table(s, run, t.id if t else None, title=t.name if t else f"run {run}"))
+            if t is not None:
+                a = latest_analysis(s, run, t.id)
+                if a is not None:
+                    console.print(Markdown(a.markdown))
+
+
+def replay_command(run: int = typer.Argument(..., help="the stored run whose candidates to re-evaluate"),
+                   device: Optional[str] = DeviceOption,
+                   tasks: Optional[list[str]] = typer.Option(None, "--tasks", "-t", help="only these task names"),
+                   force: bool = typer.Option(False, "--force", help="re-evaluate even where this device, torch and config already have a result"),
+                   no_compile: bool = typer.Option(False, "--no-compile"),
+                   db: Optional[str] = DbOption) -> None:
+    """Re-evaluate a run's stored candidates on this machine as a new run linked to the old one,
+    and show verdict and speed changes side by side."""
+    from agent.critic.cli import critique_run
+    from agent.loop import LoopConfig
+    from kernelloop.paths import code_version
+    from sandbox.evaluate import Sandbox
+    from sandbox.result import EvalResult
+    from sandbox.tasks import TaskSpec, with_device_sizes
+    from store.models import Attempt, Evaluation, Run, Task
+    from store.repo import cached_evaluation, evaluation_row, get_run, latest_evaluation
+
+    store = open_store(db)
+    dev = resolve_device(device)
+    with store.reader() as s:
+        try:
+            old = get_run(s, run)
+        except LookupError as exc:
+            fail(str(exc))
+        cfg = LoopConfig.from_json(old.config)
+        overrides = (old.config or {}).get("overrides", {})
+        old_attempts = [a for a in s.scalars(sa.select(Attempt).where(Attempt.run_id == run).order_by(Attempt.id))]
+        rows = []
+        for a in old_attempts:
+            t = s.get(Task, a.task_id)
+            if tasks and t.name not in tasks:
+                continue
+            ev = latest_evaluation(a)
+            rows.append((a, t, EvalResult.model_validate(ev.result) if ev else None))
+    if not rows:
+        fail(f"run {run} has no attempts" + (f" for {', '.join(tasks)}" if tasks else ""))
+    eval_cfg = cfg.eval.model_copy(update={"time_compile": cfg.eval.time_compile and not no_compile})
+    sandbox = Sandbox(dev, eval_cfg)
+    with store.session() as s:
+        new = Run(kind="replay", status="running", model=f"replay:{run}", critic="grounded", device=dev,
+                  device_name=sandbox.device_name, torch_version=sandbox.torch_version, code_version=code_version(),
+                  config={**old.config, "device": dev, "eval": eval_cfg.model_dump(mode="json")}, parent_run_id=run)
+        s.add(new)
+        s.flush()
+        new_id = new.id
+    table = Table(title=f"replay of run {run} ({old.device_name}, torch {old.torch_version}) as run {new_id} "
+                        f"({sandbox.device_name}, torch {sandbox.torch_version})")
+    for col in ("task", "attempt", "old status", "new status", "old ms", "new ms", "old vs eager", "new vs eager", "change"):
+        table.add_column(col)
+    try:
+        for a, t, old_result in rows:
+            spec = with_device_sizes(TaskSpec(name=t.name, path=t.path, source=t.source,
+                                              overrides=overrides.get(t.name, {})), dev)
+            with store.session() as s:
+                na = Attempt(run_id=new_id, task_id=t.id, round=a.round, sample=a.sample, model_call_id=a.model_call_id,
+                             parse_status=a.parse_status, parse_error=a.parse_error, source=a.source, sha256=a.sha256,
+                             parent_ids=[a.id])
+                s.add(na)
+                s.flush()
+                new_attempt_id = na.id
+            result = None
+            if a.parse_status == "ok" and a.source:
+                with store.session() as s:
+                    hit = None if force else cached_evaluation(s, a.sha256, spec.key, sandbox.device_name,
+                                                                sandbox.torch_version, eval_cfg)
+                    if hit is not None:
+                        result = EvalResult.model_validate(hit.result)
+                        s.add(evaluation_row(result, spec.key, new_attempt_id, new_id, reused_from=hit.id))
+                if result is None:
+                    result = sandbox.evaluate(spec, a.source)
+                    with store.session() as s:
+                        s.add(evaluation_row(result, spec.key, new_attempt_id, new_id))
+            change = _change(old_result, result)
+            table.add_row(t.name, str(a.id), old_result.status.value if old_result else a.parse_status,
+                          result.status.value if result else a.parse_status,
+                          _fmt(old_result.candidate_time.median_ms if old_result and old_result.candidate_time else None),
+                          _fmt(result.candidate_time.median_ms if result and result.candidate_time else None),
+                          _fmt(old_result.speedup_eager if old_result else None, "x"),
+                          _fmt(result.speedup_eager if result else None, "x"), change)
+        critique_run(store, new_id, critic="grounded", explicit=False)
+        status = "finished"
+    except KeyboardInterrupt:
+        status = "interrupted"
+    finally:
+        sandbox.close()
+        with store.session() as s:
+            import datetime as dt
+
+            r = s.get(Run, new_id)
+            r.status = status
+            r.finished_at = dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)
+    console.print(table)
+
+
+def _change(old: Any, new: Any) -> str:
+    if old is None or new is None:
+        return "-"
+    if old.status != new.status:
+        return f"{old.status.value} -> {new.status.value}"
+    if old.speedup_eager and new.speedup_eager:
+        return f"{new.speedup_eager / old.speedup_eager:.2f}x relative speedup"
+    return "same verdict"

@@ -1,0 +1,329 @@
+"""The optimisation loop: propose, evaluate, critique, refine — every step stored.
+
+Per task and round: render the prompt from the task's stored history (best and most
+instructive attempts, the critic's latest analysis), ask the backend for N samples
+(concurrently), store each model call with the attempt parsed from it (one transaction,
+so a kill never leaves a call without its attempt), evaluate the attempts through the
+shared sandbox (builds in parallel, the device held for runs; a candidate already
+evaluated on the same device, torch and config is not evaluated again), then critique.
+A task stops after R rounds, at a target speedup, or after K rounds without improvement.
+
+Every decision is derived from the store, so ``--resume RUN`` continues an interrupted
+run (Ctrl-C or kill -9) where it stopped: stored samples are not asked for again, stored
+evaluations are not redone, nothing is duplicated.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import sqlalchemy as sa
+
+from agent.backends.base import ModelBackend
+from agent.critic.evidence import attempt_views
+from agent.parse import parse_answer
+from agent.prompts import build_proposal_messages
+from agent.types import AttemptView, Completion, DeviceFacts, ProposalRequest
+from sandbox.evaluate import Sandbox
+from sandbox.result import EvalConfig, EvalResult
+from sandbox.tasks import TaskSpec, with_device_sizes
+from store import Store
+from store.models import Analysis, Attempt, Evaluation, ModelCall, Run, Task
+from store.repo import cached_evaluation, evaluation_row, upsert_task
+
+
+@dataclass
+class LoopConfig:
+    model: str
+    device: str
+    rounds: int = 3
+    samples: int = 2
+    critic: Optional[str] = None            # grounded | llm; default follows the backend
+    target_speedup: Optional[float] = None  # stop a task once its best clean speedup reaches this
+    patience: Optional[int] = None          # stop after this many rounds without improvement
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    backend_options: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": self.model, "device": self.device, "rounds": self.rounds, "samples": self.samples,
+                "critic": self.critic, "target_speedup": self.target_speedup, "patience": self.patience,
+                "eval": self.eval.model_dump(mode="json"),
+                "backend_options": {k: v for k, v in self.backend_options.items() if k != "store"}}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "LoopConfig":
+        return cls(model=data["model"], device=data["device"], rounds=data["rounds"], samples=data["samples"],
+                   critic=data.get("critic"), target_speedup=data.get("target_speedup"),
+                   patience=data.get("patience"), eval=EvalConfig(**data.get("eval", {})),
+                   backend_options=dict(data.get("backend_options") or {}))
+
+
+@dataclass
+class TaskProgress:
+    name: str
+    round: int = 0
+    attempts: int = 0
+    correct: int = 0
+    best_speedup: Optional[float] = None
+    best_ms: Optional[float] = None
+    eager_ms: Optional[float] = None
+    compile_ms: Optional[float] = None
+    floor_ms: Optional[float] = None
+    best_compile_speedup: Optional[float] = None
+    stopped: str = ""
+    error: Optional[str] = None
+
+
+def best_clean(views: list[AttemptView]) -> Optional[AttemptView]:
+    clean = [v for v in views if v.result is not None and v.result.clean and v.result.speedup_eager]
+    return max(clean, key=lambda v: v.result.speedup_eager) if clean else None
+
+
+def choose_parents(views: list[AttemptView], limit: int = 3) -> list[int]:
+    """The fastest clean attempt, then the latest instructive failures of distinct kinds."""
+    parents: list[int] = []
+    best = best_clean(views)
+    if best is not None:
+        parents.append(best.attempt_id)
+    seen: set[str] = set()
+    for v in sorted(views, key=lambda v: (-v.round, v.sample)):
+        kind = v.result.status.value if v.result is not None else v.parse_status
+        if v.correct and v.result.clean or kind in seen or v.attempt_id in parents:
+            continue
+        seen.add(kind)
+        parents.append(v.attempt_id)
+        if len(parents) >= limit:
+            break
+    return parents
+
+
+class OptimizeLoop:
+    def __init__(self, store: Store, backend: ModelBackend, sandbox: Sandbox, config: LoopConfig,
+                 device_facts: DeviceFacts, on_progress: Optional[Callable[[TaskProgress], None]] = None):
+        self.store = store
+        self.backend = backend
+        self.sandbox = sandbox
+        self.config = config
+        self.device = device_facts
+        self.on_progress = on_progress or (lambda p: None)
+        self.critic_name = config.critic or getattr(backend, "default_critic", "grounded")
+        self._stop = threading.Event()
+
+    # ------------------------------------------------------------------ runs
+    def start_run(self, specs: list[TaskSpec], code_version: str, parent_run_id: Optional[int] = None,
+                  kind: str = "optimize") -> int:
+        with self.store.session() as s:
+            run = Run(kind=kind, status="running", model=self.config.model, critic=self.critic_name,
+                      device=self.config.device, device_name=self.device.name,
+                      torch_version=self.device.torch_version, code_version=code_version,
+                      config={**self.config.to_json(),
+                              "tasks": [{"name": sp.name, "path": sp.path, "sha256": sp.sha256} for sp in specs],
+                              "overrides": {sp.name: sp.overrides for sp in specs}},
+                      parent_run_id=parent_run_id)
+            s.add(run)
+            for sp in specs:
+                upsert_task(s, sp)
+            s.flush()
+            return run.id
+
+    def finish_run(self, run_id: int, status: str) -> None:
+        with self.store.session() as s:
+            run = s.get(Run, run_id)
+            run.status = status
+            run.finished_at = dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self, run_id: int, specs: list[TaskSpec], task_parallelism: Optional[int] = None) -> list[TaskProgress]:
+        workers = task_parallelism or max(1, min(len(specs), getattr(self.backend, "max_concurrency", 4)))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="task") as pool:
+            futures = [pool.submit(self._optimize_task, run_id, sp) for sp in specs]
+            return [f.result() for f in futures]
+
+    # ------------------------------------------------------------------ one task
+    def _task_id(self, spec: TaskSpec) -> int:
+        with self.store.session() as s:
+            return upsert_task(s, spec).id
+
+    def _views(self, run_id: int, task_id: int) -> list[AttemptView]:
+        with self.store.reader() as s:
+            return attempt_views(s, run_id, task_id)
+
+    def _progress(self, progress: TaskProgress, views: list[AttemptView]) -> None:
+        progress.attempts = len(views)
+        progress.correct = sum(1 for v in views if v.result is not None and v.result.clean)
+        best = best_clean(views)
+        if best is not None:
+            r = best.result
+            progress.best_speedup, progress.best_ms = r.speedup_eager, r.candidate_time.median_ms
+            progress.best_compile_speedup = r.speedup_compile
+        for v in views:
+            r = v.result
+            if r is not None and r.eager_time is not None:
+                progress.eager_ms = r.eager_time.median_ms
+                progress.compile_ms = r.compile_time.median_ms if r.compile_time else progress.compile_ms
+                progress.floor_ms = r.floor_ms or progress.floor_ms
+        self.on_progress(progress)
+
+    def _optimize_task(self, run_id: int, spec: TaskSpec) -> TaskProgress:
+        progress = TaskProgress(name=spec.name)
+        try:
+            self._optimize_task_inner(run_id, spec, progress)
+        except Exception as exc:  # noqa: BLE001 - one task's failure never ends the run
+            progress.error = f"{type(exc).__name__}: {exc}"
+            progress.stopped = "error"
+            self.on_progress(progress)
+        return progress
+
+    def _optimize_task_inner(self, run_id: int, spec: TaskSpec, progress: TaskProgress) -> None:
+        cfg = self.config
+        task_id = self._task_id(spec)
+        eval_spec = with_device_sizes(spec, cfg.device)
+        best_so_far: Optional[float] = None
+        rounds_without_gain = 0
+        for rnd in range(cfg.rounds):
+            if self._stop.is_set():
+                progress.stopped = "interrupted"
+                return
+            progress.round = rnd
+            views = self._views(run_id, task_id)
+            self._progress(progress, views)
+            done_rounds = {v.round for v in views}
+            # A round whose attempts and analysis are all stored is complete; skip it on resume.
+            if rnd in done_rounds and self._round_complete(run_id, task_id, rnd):
+                prior = [v for v in views if v.round <= rnd]
+            else:
+                self._propose_round(run_id, task_id, spec, eval_spec, rnd,
+                                    [v for v in views if v.round < rnd])
+                self._evaluate_round(run_id, task_id, eval_spec, rnd)
+                self._critique(run_id, spec)
+                prior = self._views(run_id, task_id)
+            self._progress(progress, prior)
+            best = best_clean(prior)
+            best_speed = best.result.speedup_eager if best is not None else None
+            if best_speed is not None and (best_so_far is None or best_speed > best_so_far * 1.001):
+                best_so_far, rounds_without_gain = best_speed, 0
+            else:
+                rounds_without_gain += 1
+            if cfg.target_speedup is not None and best_speed is not None and best_speed >= cfg.target_speedup:
+                progress.stopped = f"target {cfg.target_speedup:g}x reached"
+                break
+            if cfg.patience is not None and rounds_without_gain >= cfg.patience:
+                progress.stopped = f"no improvement in {cfg.patience} round(s)"
+                break
+        else:
+            progress.stopped = f"{cfg.rounds} round(s) done"
+        self.on_progress(progress)
+
+    def _round_complete(self, run_id: int, task_id: int, rnd: int) -> bool:
+        with self.store.reader() as s:
+            attempts = list(s.scalars(sa.select(Attempt).where(Attempt.run_id == run_id, Attempt.task_id == task_id,
+                                                               Attempt.round == rnd)))
+            if len(attempts) < self.config.samples:
+                return False
+            if any(a.parse_status == "ok" and not a.evaluations for a in attempts):
+                return False
+            return s.scalar(sa.select(sa.func.count(Analysis.id)).where(
+                Analysis.run_id == run_id, Analysis.task_id == task_id, Analysis.round >= rnd)) > 0
+
+    # ------------------------------------------------------------------ propose
+    def _propose_round(self, run_id: int, task_id: int, spec: TaskSpec, eval_spec: TaskSpec, rnd: int,
+                       history: list[AttemptView]) -> None:
+        with self.store.reader() as s:
+            stored = {a.sample for a in s.scalars(sa.select(Attempt).where(
+                Attempt.run_id == run_id, Attempt.task_id == task_id, Attempt.round == rnd))}
+            analysis = s.scalar(sa.select(Analysis.markdown).where(Analysis.run_id == run_id, Analysis.task_id == task_id)
+                                .order_by(Analysis.id.desc()).limit(1))
+        missing = [i for i in range(self.config.samples) if i not in stored]
+        if not missing:
+            return
+        floor = next((v.result.floor_ms for v in reversed(history) if v.result and v.result.floor_ms), None)
+        template, messages, sha = build_proposal_messages(eval_spec, self.device, rnd, history, analysis, floor)
+        parents = choose_parents(history)
+        request = ProposalRequest(task=eval_spec, device=self.device, round=rnd, samples=self.config.samples,
+                                  messages=messages, template=template, prompt_sha256=sha, history=history,
+                                  analysis=analysis, run_id=run_id)
+        workers = max(1, min(len(missing), getattr(self.backend, "max_concurrency", 1)))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="propose") as pool:
+            completions = list(pool.map(lambda i: (i, self._complete(request, i)), missing))
+        for sample, completion in completions:
+            self._store_attempt(run_id, task_id, rnd, sample, request, completion, parents)
+
+    def _complete(self, request: ProposalRequest, sample: int) -> Completion:
+        try:
+            return self.backend.complete(request, sample)
+        except Exception as exc:  # noqa: BLE001 - configuration errors surface as the call's error
+            from agent.backends.base import BackendError
+
+            if isinstance(exc, BackendError):
+                raise
+            return Completion(text="", model=getattr(self.backend, "name", "?"), error=f"{type(exc).__name__}: {exc}")
+
+    def _store_attempt(self, run_id: int, task_id: int, rnd: int, sample: int, request: ProposalRequest,
+                       c: Completion, parents: list[int]) -> None:
+        import hashlib
+
+        parsed = parse_answer(c.text, c.finish_reason) if not c.error else None
+        with self.store.session() as s:
+            call = ModelCall(run_id=run_id, task_id=task_id, round=rnd, purpose="propose", model=c.model or self.config.model,
+                             template=request.template, prompt_sha256=request.prompt_sha256, messages=request.messages,
+                             response_text=c.text, finish_reason=c.finish_reason, prompt_tokens=c.prompt_tokens,
+                             completion_tokens=c.completion_tokens, latency_s=c.latency_s, cost_usd=c.cost_usd,
+                             error=c.error)
+            s.add(call)
+            s.flush()
+            if parsed is None:
+                status, source, error = "error", None, c.error
+            else:
+                status, source, error = parsed.status, parsed.source, parsed.error
+            s.add(Attempt(run_id=run_id, task_id=task_id, round=rnd, sample=sample, model_call_id=call.id,
+                          parse_status=status, parse_error=error, source=source,
+                          sha256=hashlib.sha256(source.encode()).hexdigest() if source else None,
+                          parent_ids=parents))
+
+    # ------------------------------------------------------------------ evaluate
+    def _evaluate_round(self, run_id: int, task_id: int, eval_spec: TaskSpec, rnd: int) -> None:
+        with self.store.reader() as s:
+            pending = [(a.id, a.source, a.sha256) for a in s.scalars(
+                sa.select(Attempt).where(Attempt.run_id == run_id, Attempt.task_id == task_id, Attempt.round == rnd,
+                                         Attempt.parse_status == "ok").order_by(Attempt.sample))
+                       if not a.evaluations]
+        if not pending:
+            return
+        with ThreadPoolExecutor(max_workers=len(pending), thread_name_prefix="eval") as pool:
+            list(pool.map(lambda p: self._evaluate_attempt(run_id, eval_spec, *p), pending))
+
+    def _evaluate_attempt(self, run_id: int, eval_spec: TaskSpec, attempt_id: int, source: str, sha: str) -> None:
+        sb = self.sandbox
+        with self.store.session() as s:
+            hit = cached_evaluation(s, sha, eval_spec.key, self._device_name(), sb.torch_version, sb.config)
+            if hit is not None:
+                s.add(Evaluation(**{**_row_fields(hit), "attempt_id": attempt_id, "run_id": run_id, "reused_from": hit.id}))
+                return
+        result = sb.evaluate(eval_spec, source)
+        with self.store.session() as s:
+            s.add(evaluation_row(result, eval_spec.key, attempt_id, run_id))
+
+    def _device_name(self) -> str:
+        return self.sandbox.device_name
+
+    # ------------------------------------------------------------------ critique
+    def _critique(self, run_id: int, spec: TaskSpec) -> None:
+        from agent.critic.cli import critique_run
+
+        critique_run(self.store, run_id, task=spec.name, critic=self.critic_name, explicit=False,
+                     backend_options=self.config.backend_options)
+
+
+def _row_fields(ev: Evaluation) -> dict[str, Any]:
+    return {c: getattr(ev, c) for c in ("candidate_sha256", "task_key", "device", "device_name", "torch_version",
+                                        "config_hash", "status", "candidate_ms", "eager_ms", "compile_ms",
+                                        "speedup_eager", "speedup_compile", "result")}
+
+
+def result_of(ev: Evaluation) -> EvalResult:
+    return EvalResult.model_validate(ev.result)

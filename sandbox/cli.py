@@ -1,0 +1,79 @@
+"""``kernelloop eval TASK CANDIDATE.py``: one evaluation, printed."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from kernelloop.cli_common import DeviceOption, SetOption, console, fail, resolve_device
+
+
+def _ms(t) -> str:
+    return f"{t.median_ms:.4g} ms (IQR {t.iqr_ms:.3g}, n={t.runs})" if t else "-"
+
+
+def print_result(r) -> None:
+    console.print(f"[bold]{r.task}[/] on {r.device} ({r.device_name}), torch {r.torch_version}: "
+                  f"[bold]{r.status.value}[/] in {r.seconds:.1f} s", highlight=False)
+    if r.build:
+        b = r.build
+        console.print(f"build: {'ok' if b.ok else 'failed'} in {b.seconds:.1f} s{' (cached)' if b.cached else ''}"
+                      + (f"; first error (candidate line {b.first_error_line}): {b.first_error}" if b.first_error else ""),
+                      highlight=False)
+    if r.error_message:
+        console.print(f"error: {r.error_type}: {r.error_message}", highlight=False)
+    failed = r.first_failed_trial()
+    if failed is not None:
+        console.print(f"trial {failed.index}: {failed.reason}", highlight=False)
+    elif r.trials:
+        console.print(f"{len(r.trials)} trial(s) passed", highlight=False)
+    if r.candidate_time:
+        console.print(f"candidate {_ms(r.candidate_time)} · eager {_ms(r.eager_time)} · torch.compile "
+                      f"{_ms(r.compile_time)}", highlight=False)
+        console.print(f"speedup vs eager {r.speedup_eager:.3f}x"
+                      + (f", vs torch.compile {r.speedup_compile:.3f}x" if r.speedup_compile else "")
+                      + (f"; roofline floor {r.floor_ms:.4g} ms ({r.floor_fraction:.1%} of it reached)"
+                         if r.floor_ms else ""), highlight=False)
+    for f in r.flags:
+        console.print(f"[yellow]flag {f.kind.value}[/]: {f.reason}", highlight=False)
+    if r.profile:
+        table = Table(title="candidate profile")
+        for col in ("kernel / op", "count", "us", "share", "own"):
+            table.add_column(col)
+        for k in r.profile[:12]:
+            table.add_row(k.name[:90], str(k.count), f"{k.total_us:.1f}", f"{k.share:.1%}", "yes" if k.own else "")
+        console.print(table)
+
+
+def eval_command(task: str = typer.Argument(..., help="task file or bundled name (e.g. seeds/conv2d_divide_leakyrelu)"),
+                 candidate: Path = typer.Argument(..., exists=True, dir_okay=False, help="candidate module defining ModelNew"),
+                 device: Optional[str] = DeviceOption,
+                 set_: Optional[list[str]] = SetOption,
+                 trials: int = typer.Option(5, "--trials", min=1),
+                 timed_runs: int = typer.Option(20, "--timed-runs", min=1),
+                 no_compile: bool = typer.Option(False, "--no-compile", help="skip timing the reference under torch.compile"),
+                 as_json: bool = typer.Option(False, "--json", help="print the EvalResult as JSON")) -> None:
+    """Build, check and time one candidate against its task (in isolated worker processes)."""
+    from sandbox.evaluate import evaluate
+    from sandbox.result import EvalConfig
+    from sandbox.tasks import TaskError, discover, load_task, parse_overrides, read_spec, with_device_sizes
+
+    dev = resolve_device(device)
+    try:
+        paths = discover([task])
+        if len(paths) != 1:
+            fail(f"{task!r} names {len(paths)} task files; name one")
+        spec = with_device_sizes(read_spec(paths[0], parse_overrides(set_)), dev)
+        load_task(spec)
+    except TaskError as exc:
+        fail(str(exc))
+    config = EvalConfig(trials=trials, timed_runs=timed_runs, time_compile=not no_compile)
+    result = evaluate(spec, candidate.read_text(), dev, config)
+    if as_json:
+        print(json.dumps(result.model_dump(mode="json"), indent=2))
+    else:
+        print_result(result)
+    raise typer.Exit(0 if result.correct else 1)
