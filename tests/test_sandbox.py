@@ -1,0 +1,174 @@
+"""Sandbox mechanics: comparison policy, static scan, timing summary, build cache and locks,
+compiler-error mapping, and the one-shot ``kernelloop eval`` command."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from sandbox import anticheat
+from sandbox.build import HookedBuilder, extension_key, first_compiler_error
+from sandbox.compare import compare_outputs
+from sandbox.evaluate import Sandbox
+from sandbox.result import EvalConfig, FlagKind, Status
+from sandbox.tasks import read_spec
+from sandbox.timing import summarize
+
+ADV = Path(__file__).parent / "adversarial"
+TASK = ADV / "task_small.py"
+CFG = EvalConfig()
+
+
+# ------------------------------------------------------------------ comparison policy
+def test_identical_outputs_pass():
+    x = torch.randn(8, 33)
+    ok, reason, checks = compare_outputs([x], [x.clone()], CFG)
+    assert ok and reason is None and checks[0].mismatched == 0 and checks[0].max_abs_err == 0
+
+
+def test_error_within_tolerance_passes_and_beyond_fails():
+    x = torch.randn(64, 64)
+    assert compare_outputs([x], [x + 5e-5], CFG)[0]
+    ok, reason, checks = compare_outputs([x], [x + 1e-3], CFG)
+    assert not ok and "outside atol=0.0001" in reason and checks[0].mismatch_pattern == "everywhere"
+
+
+def test_half_outputs_use_the_half_tolerance():
+    x = torch.randn(32, 32).half()
+    ok, _, checks = compare_outputs([x], [(x.float() + 5e-3).half()], CFG)
+    assert ok and checks[0].tolerance.atol == pytest.approx(1e-2)
+
+
+def test_tail_mismatch_is_called_tile_edges():
+    ref = torch.randn(16, 300)
+    out = ref.clone()
+    out[:, 256:] += 1.0            # columns past the last multiple of 256 were never written right
+    ok, _, checks = compare_outputs([ref], [out], CFG)
+    assert not ok and checks[0].mismatch_pattern == "tile_edges"
+
+
+def test_some_rows_and_scattered_patterns():
+    ref = torch.randn(64, 40)
+    out = ref.clone()
+    out[3] += 1
+    out[10] += 1
+    assert compare_outputs([ref], [out], CFG)[2][0].mismatch_pattern == "some_rows"
+    out = ref.clone()
+    out.view(-1)[torch.arange(0, ref.numel(), 7)] += 1     # every row hit, a few columns each
+    assert compare_outputs([ref], [out], CFG)[2][0].mismatch_pattern == "scattered"
+
+
+def test_nan_where_reference_is_finite_fails_but_matching_nan_passes():
+    ref = torch.randn(10)
+    out = ref.clone()
+    out[2] = float("nan")
+    ok, reason, checks = compare_outputs([ref], [out], CFG)
+    assert not ok and checks[0].nan_count == 1 and "NaN" in reason
+    ref2 = ref.clone()
+    ref2[2] = float("nan")
+    assert compare_outputs([ref2], [out], CFG)[0]
+
+
+def test_shape_dtype_and_count_mismatches():
+    x = torch.randn(4, 5)
+    assert "shape" in compare_outputs([x], [x.t()], CFG)[1]
+    assert "dtype" in compare_outputs([x], [x.double()], CFG)[1]
+    assert "2 output" in compare_outputs([x], [x, x], CFG)[1]
+
+
+# ------------------------------------------------------------------ static scan
+@pytest.mark.parametrize("snippet, kind", [
+    ("y = x.half()", FlagKind.precision),
+    ("torch.backends.cuda.matmul.allow_tf32 = True", FlagKind.precision),
+    ("import time\ntime.perf_counter = lambda: 0", FlagKind.suspicious),
+    ("torch.allclose = lambda *a, **k: True", FlagKind.suspicious),
+    ("import threading\nthreading.Thread(target=f).start()", FlagKind.suspicious),
+    ("torch.manual_seed(0)", FlagKind.suspicious),
+    ("class ModelNew:\n    def forward(self, x):\n        try:\n            return k(x)\n        except Exception:\n            return x",
+     FlagKind.fallback),
+    ("m = Model(3)", FlagKind.fallback),
+])
+def test_static_scan_flags(snippet, kind):
+    assert kind in {f.kind for f in anticheat.scan(snippet)}
+
+
+def test_static_scan_is_quiet_on_an_honest_candidate():
+    assert anticheat.scan((ADV / "cpu" / "honest.py").read_text()) == []
+
+
+# ------------------------------------------------------------------ timing and build helpers
+def test_summarize_median_and_iqr():
+    t = summarize([1.0, 2.0, 3.0, 4.0, 100.0], "perf_counter")
+    assert t.median_ms == 3.0 and t.min_ms == 1.0 and t.max_ms == 100.0 and t.runs == 5
+    assert t.iqr_ms == pytest.approx(2.0)
+
+
+def test_extension_key_depends_on_sources_and_flags_only():
+    a = {"cpp_sources": ["int f();"], "extra_cflags": ["-O3"]}
+    assert extension_key(a, "2.13", None) == extension_key(dict(a), "2.13", None)
+    assert extension_key(a, "2.13", None) != extension_key({**a, "extra_cflags": ["-O2"]}, "2.13", None)
+    assert extension_key(a, "2.13", None) != extension_key(a, "2.14", None)
+
+
+def test_first_compiler_error_maps_to_the_candidate_line(tmp_path):
+    (tmp_path / "main.cpp").write_text("#include <x>\nint a;\n  for (j = 0; j < n; ++j) q[j] = 0.f;\n")
+    source = "import torch\nCPP = '''\nint a;\n  for (j = 0; j < n; ++j) q[j] = 0.f;\n'''\n"
+    log = f"{tmp_path}/main.cpp:3:8: error: 'j' was not declared in this scope\n"
+    text, line = first_compiler_error(log, source, [str(tmp_path)])
+    assert "'j' was not declared" in text and line == 4
+
+
+# ------------------------------------------------------------------ real builds and runs
+@pytest.fixture(scope="module")
+def sandbox():
+    cfg = EvalConfig(trials=2, timed_runs=3, warmup_runs=1, time_compile=False, run_timeout_s=60.0)
+    with Sandbox("cpu", cfg, build_slots=1) as sb:
+        yield sb
+
+
+def test_identical_candidate_is_a_cache_hit(sandbox):
+    spec = read_spec(TASK, name="adversarial/task_small")
+    src = (ADV / "cpu" / "honest.py").read_text()
+    first = sandbox.evaluate(spec, src)
+    second = sandbox.evaluate(spec, src)
+    assert first.status is Status.correct and second.status is Status.correct
+    assert second.build.cached and second.build.extensions == first.build.extensions
+    assert second.build.extensions[0].startswith("kl_")
+
+
+def test_a_stale_build_lock_never_hangs_a_later_build(sandbox, tmp_path, monkeypatch):
+    spec = read_spec(TASK, name="adversarial/task_small")
+    src = (ADV / "cpu" / "honest.py").read_text()
+    done = sandbox.evaluate(spec, src)
+    build_dir = HookedBuilder().cache_root / done.build.extensions[0]
+    (build_dir / "lock").write_text("left by a killed build")       # torch's FileBaton
+    (build_dir / ".built").unlink()
+    again = sandbox.evaluate(spec, src)
+    assert again.status is Status.correct and not (build_dir / "lock").exists()
+
+
+def test_compile_error_names_the_first_error_and_its_candidate_line(sandbox):
+    spec = read_spec(TASK, name="adversarial/task_small")
+    path = ADV / "cpu" / "compile_error.py"
+    src = path.read_text()
+    r = sandbox.evaluate(spec, src)
+    assert r.status is Status.compile_error
+    assert "was not declared" in r.build.first_error
+    expected = next(i for i, l in enumerate(src.splitlines(), 1) if re.search(r"for \(j = 0", l))
+    assert r.build.first_error_line == expected
+
+
+def test_eval_command_prints_the_verdict(tmp_path):
+    from typer.testing import CliRunner
+
+    from kernelloop.cli import app
+
+    res = CliRunner().invoke(app, ["eval", str(TASK), str(ADV / "cpu" / "honest.py"), "--device", "cpu",
+                                   "--no-compile", "--trials", "2", "--timed-runs", "3", "--json"])
+    assert res.exit_code == 0, res.output
+    import json
+
+    data = json.loads(res.output[res.output.index("{"):])
+    assert data["status"] == "correct" and data["candidate_time"]["runs"] == 3
