@@ -192,23 +192,25 @@ class Sandbox:
             with self._build_sem:
                 built = self._build(spec, source, result)
             if built:
-                with self._device_lock:
-                    self._run(spec, source, result)
+                self._run(spec, source, result)
         finally:
             result.seconds = round(time.monotonic() - t0, 3)
         return result
 
     def _run(self, spec: TaskSpec, source: str, result: EvalResult) -> None:
+        """Load the candidate (outside the device lock: imports and CUDA start-up overlap with
+        other candidates' runs), then hold the device for trials, timing and profiling."""
         cfg = self.config
         ref = self.reference(spec)
         with ref.lock:
             ref.ensure()
         result.device_name = ref.device_name or result.device_name
-        mem_fraction = None
         cand = WorkerProcess("candidate", memory_limit_mb=cfg.memory_limit_mb if self.device == "cpu" else None,
                              env={"KERNELLOOP_BUILD_JOBS": str(self.build_jobs)})
         try:
-            self._run_candidate(spec, source, result, ref, cand, mem_fraction)
+            if self._load_candidate(spec, source, result, cand):
+                with self._device_lock:
+                    self._run_candidate(result, ref, cand)
         except WorkerTimeout as exc:
             result.status = Status.timeout
             result.error_type = "Timeout"
@@ -223,22 +225,29 @@ class Sandbox:
             result.stderr = cand.output("stderr")
             cand.cleanup()
 
-    def _run_candidate(self, spec: TaskSpec, source: str, result: EvalResult, ref: ReferenceWorker,
-                       cand: WorkerProcess, mem_fraction: Optional[float]) -> None:
+    def _load_candidate(self, spec: TaskSpec, source: str, result: EvalResult, cand: WorkerProcess) -> bool:
         cfg = self.config
+        fraction = None
+        if self.device == "cuda" and cfg.memory_limit_mb:
+            total = torch.cuda.get_device_properties(0).total_memory
+            fraction = min(1.0, (cfg.memory_limit_mb << 20) / total)
         reply = cand.ask({"role": "candidate", "device": self.device, "out_dir": str(cand.out_dir),
                           "task": spec.__dict__, "source": source, "init_seed": self.init_seed,
-                          "memory_fraction": mem_fraction}, cfg.build_timeout_s + cfg.run_timeout_s)
+                          "memory_fraction": fraction},
+                         cfg.build_timeout_s + cfg.run_timeout_s)
         if not reply.get("ok"):
             stage = reply.get("stage")
             result.status = Status.compile_error if stage == "build" else Status.load_error
             result.error_type = reply.get("error_type")
             result.error_message = reply.get("error_message")
             result.traceback = reply.get("traceback")
-            return
+            return False
         if reply.get("threads_started"):
             result.add_flag(FlagKind.suspicious, f"started {reply['threads_started']} thread(s) while constructing ModelNew")
+        return True
 
+    def _run_candidate(self, result: EvalResult, ref: ReferenceWorker, cand: WorkerProcess) -> None:
+        cfg = self.config
         # ---- trials
         calls: list[int] = []
         output_bytes = 0
@@ -354,7 +363,7 @@ class Sandbox:
                 if ref.profile is None:
                     ref.profile = ref.ask({"op": "profile", "seed": timing_seed})["profile"]
             result.reference_profile = [KernelStat(**row) for row in ref.profile]
-        self._floor(spec, ref, result)
+        self._floor(ref, result)
 
     def _spot_check(self, ref: ReferenceWorker, saved: dict[str, str], check_runs: list[int],
                     timing_seed: int, result: EvalResult) -> bool:
@@ -390,7 +399,7 @@ class Sandbox:
                             f"the parent's clock saw {cand_wall * 1e3:.1f} ms for {runs} timed runs the worker "
                             f"reported as {reported * 1e3:.1f} ms in total")
 
-    def _floor(self, spec: TaskSpec, ref: ReferenceWorker, result: EvalResult) -> None:
+    def _floor(self, ref: ReferenceWorker, result: EvalResult) -> None:
         try:
             from evals.probe import get_probe
             from evals.roofline import RooflineCounts, floor_ms

@@ -59,6 +59,29 @@ def cpu_sandbox():
 def test_cpu_exploit_verdict(cpu_sandbox, path):
     expected, flag = _expectations(path)
     result = cpu_sandbox.evaluate(read_spec(TASK, name="adversarial/task_small"), path.read_text())
+    print(f"VERDICT {path.stem}: {result.status.value} flags={sorted(f.kind.value for f in result.flags)}")
+    check_verdict(path.stem, result, expected, flag)
+
+
+CUDA_CASES = sorted((HERE / "cuda").glob("*.py"))
+
+
+@pytest.fixture(scope="module")
+def cuda_sandbox():
+    config = EvalConfig(trials=3, timed_runs=10, warmup_runs=2, time_compile=False, profile=True,
+                        run_timeout_s=30.0, build_timeout_s=600.0)
+    with Sandbox("cuda", config) as sandbox:
+        yield sandbox
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", CUDA_CASES, ids=[p.stem for p in CUDA_CASES])
+def test_cuda_exploit_verdict(cuda_sandbox, path, record_property):
+    expected, flag = _expectations(path)
+    result = cuda_sandbox.evaluate(read_spec(TASK, name="adversarial/task_small"), path.read_text())
+    record_property("verdict", f"{result.status.value} {sorted(f.kind.value for f in result.flags)}")
+    print(f"VERDICT {path.stem}: {result.status.value} flags={sorted(f.kind.value for f in result.flags)} "
+          f"error={(result.error_message or '')[:100]!r}")
     check_verdict(path.stem, result, expected, flag)
 
 
@@ -69,3 +92,6 @@ def test_suite_covers_every_known_exploit():
                      "forged_stdout", "sys_exit", "os_exit", "seed_predict", "lowered_precision",
                      "try_except_fallback", "calls_reference", "only_torch_ops"):
         assert required in names
+    cuda_names = {p.stem for p in CUDA_CASES}
+    assert names - {"segfault"} <= cuda_names | {"segfault"}
+    assert {"side_stream", "patched_sync", "illegal_address"} <= cuda_names
