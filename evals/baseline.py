@@ -1,0 +1,172 @@
+"""Reference baselines: eager and torch.compile times of each task, next to its roofline floor.
+
+``kernelloop baseline TASK...`` times the task's ``Model`` as PyTorch runs it (eager) and
+under ``torch.compile`` with ``sandbox.timing.time_runs`` (the routine every timing in
+kernelloop uses: warm-up, fresh inputs per run, cache flush, device-wide sync, median),
+computes the roofline floor from a device probe (``evals.probe``), and stores one
+``Baseline`` row per task (device name, torch version, date) with the task upserted.
+
+Conventions (``sandbox.harness``): ``torch.manual_seed(seed)`` before ``Model(*get_init_inputs())``;
+run ``i`` gets inputs from ``get_inputs()`` under seed ``seed + 1 + i``, made on the device;
+the model stays in training mode.
+"""
+from __future__ import annotations
+
+import traceback
+from typing import Any, Callable, Optional
+
+import typer
+
+from kernelloop.cli_common import DbOption, DeviceOption, SetOption, console, err_console, fail, open_store, resolve_device
+from sandbox.tasks import LoadedTask, TaskError, TaskSpec, discover, load_task, parse_overrides, read_spec, with_device_sizes
+
+
+def input_factory(task: LoadedTask, device: str, seed: int = 0) -> Callable[[int], list[Any]]:
+    """``make_args(i)`` for ``time_runs``: fresh inputs for run ``i`` (seed ``seed + 1 + i``)."""
+    from sandbox.harness import make_inputs
+
+    def make_args(i: int) -> list[Any]:
+        return make_inputs(task, seed + 1 + i, device)
+
+    return make_args
+
+
+def _timing_dict(t: Any) -> dict[str, Any]:
+    return t.model_dump() if hasattr(t, "model_dump") else dict(t)
+
+
+def measure_baseline(spec: TaskSpec, device: str, runs: int = 20, warmup: int = 3, compile: bool = True,
+                     seed: int = 0, probe: Any = None, flush_l2: bool = True) -> dict[str, Any]:
+    """Eager (and torch.compile) timings, roofline counts and floor of one task.
+
+    ``spec`` is taken at ``device`` sizes (CPU_SIZES apply on cpu). Returns a JSON-able dict:
+    ``eager_ms``/``compile_ms`` (medians), ``eager``/``compile`` (full ``Timing`` dumps),
+    ``compile_error`` (when torch.compile failed), ``floor_ms`` (``None`` without ``probe``),
+    ``flops``, ``min_bytes``, ``dtype``, ``tf32`` (op classes the reference runs in TF32 here, which
+    the floor charges at the TF32 rate), ``runs`` and identity fields.
+    """
+    import torch
+
+    from evals.roofline import count_loaded, floor_breakdown, tf32_classes
+    from evals.probe import device_name
+    from sandbox.harness import make_model
+    from sandbox.timing import time_runs
+
+    spec = with_device_sizes(spec, device)
+    task = load_task(spec)
+    counts = count_loaded(task)
+    result: dict[str, Any] = {
+        "task": spec.name, "task_key": spec.key, "overrides": dict(spec.overrides), "device": device,
+        "device_name": device_name(device), "torch_version": torch.__version__, "seed": seed,
+        "runs": runs, "warmup": warmup,
+        "flops": counts.flops, "min_bytes": counts.min_bytes, "dtype": counts.dtype,
+        "flops_by_dtype": counts.flops_by_dtype, "bytes_by_kind": counts.bytes_by_kind,
+        "tf32_eligible": counts.tf32_eligible, "tf32": sorted(tf32_classes(device)),
+        "eager": None, "eager_ms": None, "compile": None, "compile_ms": None, "compile_error": None,
+        "floor_ms": None, "memory_ms": None, "compute_ms": None,
+    }
+    if probe is not None:
+        fb = floor_breakdown(counts, probe)
+        result.update(floor_ms=fb["floor_ms"], memory_ms=fb["memory_ms"], compute_ms=fb["compute_ms"])
+
+    make_args = input_factory(task, device, seed)
+    model = make_model(task.Model, task, seed, device)
+    eager = time_runs(model, make_args, device, warmup=warmup, runs=runs, flush_l2=flush_l2)
+    result["eager"] = _timing_dict(eager)
+    result["eager_ms"] = eager.median_ms
+
+    if compile:
+        try:
+            compiled = torch.compile(make_model(task.Model, task, seed, device))
+            timing = time_runs(compiled, make_args, device, warmup=max(warmup, 1), runs=runs,
+                               flush_l2=flush_l2)
+            result["compile"] = _timing_dict(timing)
+            result["compile_ms"] = timing.median_ms
+        except Exception as exc:  # noqa: BLE001 - a compile failure is recorded, eager still counts
+            result["compile_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        finally:
+            torch._dynamo.reset()
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def store_baseline(store: Any, spec: TaskSpec, result: dict[str, Any]) -> int:
+    """Upsert the task and add a ``Baseline`` row for ``result``; returns the row id."""
+    from store.models import Baseline
+    from store.repo import upsert_task
+
+    with store.session() as session:
+        task = upsert_task(session, spec)
+        row = Baseline(task_id=task.id, task_key=result["task_key"], overrides=result["overrides"],
+                       device=result["device"], device_name=result["device_name"],
+                       torch_version=result["torch_version"], eager_ms=result["eager_ms"],
+                       compile_ms=result["compile_ms"], floor_ms=result["floor_ms"],
+                       flops=float(result["flops"]), min_bytes=float(result["min_bytes"]), details=result)
+        session.add(row)
+        session.flush()
+        return row.id
+
+
+def _fmt_ms(v: Optional[float]) -> str:
+    return "—" if v is None else f"{v:.3f}"
+
+
+def baseline_command(
+    tasks: list[str] = typer.Argument(..., help="task files, directories or bundled names (seeds, level1/relu)"),
+    device: Optional[str] = DeviceOption,
+    set_: Optional[list[str]] = SetOption,
+    no_compile: bool = typer.Option(False, "--no-compile", help="skip torch.compile (slow on cpu)"),
+    runs: int = typer.Option(20, "--runs", min=1, help="timed runs per measurement"),
+    db: Optional[str] = DbOption,
+) -> None:
+    """Time tasks' eager and torch.compile references; show roofline floors; store Baseline rows."""
+    from rich.table import Table
+
+    from evals.probe import get_probe
+
+    dev = resolve_device(device)
+    try:
+        overrides = parse_overrides(set_)
+        paths = discover(tasks)
+    except TaskError as exc:
+        fail(str(exc))
+    store = open_store(db)
+    failures = 0
+    probe = None
+    table = Table(title=f"baselines on {dev}")
+    for col in ("task", "eager ms", "compile ms", "floor ms", "eager/floor"):
+        table.add_column(col, justify="left" if col == "task" else "right")
+    try:
+        probe = get_probe(dev, store, measure=True)
+        for path in paths:
+            try:
+                spec = with_device_sizes(read_spec(path, overrides), dev)
+                console.print(f"[dim]timing {spec.name} ...[/]", highlight=False)
+                result = measure_baseline(spec, dev, runs=runs, compile=not no_compile, probe=probe)
+                store_baseline(store, spec, result)
+            except Exception as exc:  # noqa: BLE001 - one broken task must not stop the others
+                failures += 1
+                detail = str(exc) if isinstance(exc, TaskError) else traceback.format_exc(limit=3)
+                err_console.print(f"[red]{path}: {type(exc).__name__}: {detail}[/]", highlight=False)
+                table.add_row(str(path), "error", "", "", "")
+                continue
+            compile_cell = _fmt_ms(result["compile_ms"]) if result["compile_error"] is None else "failed"
+            ratio = (f"{result['eager_ms'] / result['floor_ms']:.2f}"
+                     if result["floor_ms"] else "—")
+            table.add_row(spec.name, _fmt_ms(result["eager_ms"]),
+                          "skipped" if no_compile else compile_cell,
+                          _fmt_ms(result["floor_ms"]), ratio)
+            if result["compile_error"]:
+                err_console.print(f"[yellow]{spec.name}: torch.compile failed: {result['compile_error']}[/]",
+                                  highlight=False)
+    finally:
+        store.close()
+    console.print(table)
+    if probe is not None:
+        rates = ", ".join(f"{k} {v:.2f}" for k, v in sorted(probe.tflops.items()))
+        console.print(f"[dim]floor from probe of {probe.device_name}: {probe.bandwidth_gbps:.1f} GB/s; "
+                      f"TFLOP/s {rates}[/]", highlight=False)
+    if failures:
+        raise typer.Exit(1)

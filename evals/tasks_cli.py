@@ -1,0 +1,311 @@
+"""``kernelloop tasks``: list, show and check task files.
+
+TASK and PATHS arguments take files, directories or bundled names (``seeds``,
+``level1/relu``), as ``sandbox.tasks.discover`` expands them.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from kernelloop.cli_common import DbOption, DeviceOption, SetOption, console, fail, resolve_device
+from sandbox.tasks import (CPU_PRESET_NAME, TaskError, TaskSpec, discover, load_task, parse_overrides,
+                           read_spec, with_device_sizes)
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="List, show and check task files.")
+
+PathsArgument = typer.Argument(None, help="task files, directories or bundled names [default: every bundled task]")
+
+# Tensor methods that only reshape or move data; left out of the ops summary.
+_SHAPE_METHODS = {"view", "reshape", "permute", "transpose", "contiguous", "clone", "detach", "size",
+                  "t", "expand", "expand_as", "unsqueeze", "squeeze", "flatten", "chunk", "split",
+                  "to", "float", "half", "type", "dim", "numel", "item", "unbind", "view_as"}
+_BINOPS = {ast.Add: "add", ast.Sub: "sub", ast.Mult: "mul", ast.Div: "div", ast.MatMult: "matmul",
+           ast.Pow: "pow", ast.FloorDiv: "floordiv"}
+_FUNCTION_ROOTS = ({"torch"}, {"F"}, {"torch", "nn", "functional"}, {"nn", "functional"})
+
+
+# --------------------------------------------------------------------------- static summary
+
+def _dotted(node: ast.AST) -> list[str]:
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+    return list(reversed(parts))
+
+
+def _model_class(tree: ast.Module) -> Optional[ast.ClassDef]:
+    return next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Model"), None)
+
+
+def _submodule_types(cls: ast.ClassDef) -> dict[str, str]:
+    """``self.conv = nn.Conv2d(...)`` -> {"conv": "Conv2d"}; parameters -> "param"."""
+    types: dict[str, str] = {}
+    init = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
+    if init is None:
+        return types
+    for node in ast.walk(init):
+        if not isinstance(node, ast.Assign) or not isinstance(node.value, ast.Call):
+            continue
+        for target in node.targets:
+            if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
+                name = _dotted(node.value.func)
+                if name:
+                    types[target.attr] = "param" if name[-1] == "Parameter" else name[-1]
+    return types
+
+
+class _OpCollector(ast.NodeVisitor):
+    """Operations of ``forward`` in evaluation order (arguments before the call)."""
+
+    def __init__(self, submodules: dict[str, str]):
+        self.submodules = submodules
+        self.ops: list[str] = []
+
+    def visit_Call(self, node: ast.Call) -> None:
+        func = node.func
+        if isinstance(func, ast.Attribute):
+            self.visit(func.value)
+        for arg in node.args:
+            self.visit(arg)
+        for kw in node.keywords:
+            self.visit(kw.value)
+        parts = _dotted(func)
+        if len(parts) == 2 and parts[0] == "self":
+            kind = self.submodules.get(parts[1], parts[1])
+            if kind != "param":
+                self.ops.append(kind)
+        elif parts and set(parts[:-1]) in _FUNCTION_ROOTS:
+            if parts[-1] not in _SHAPE_METHODS:
+                self.ops.append(parts[-1])
+        elif isinstance(func, ast.Attribute) and func.attr not in _SHAPE_METHODS:
+            self.ops.append(func.attr)
+
+    def visit_BinOp(self, node: ast.BinOp) -> None:
+        self.visit(node.left)
+        self.visit(node.right)
+        name = _BINOPS.get(type(node.op))
+        if name:
+            self.ops.append(name)
+
+
+def ops_summary(source: str) -> str:
+    """A one-line, statically read summary of ``Model.forward``: ``Conv2d → add → sigmoid → GroupNorm``."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return "?"
+    cls = _model_class(tree)
+    if cls is None:
+        return "?"
+    forward = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "forward"), None)
+    if forward is None:
+        return "?"
+    collector = _OpCollector(_submodule_types(cls))
+    for stmt in forward.body:
+        collector.visit(stmt)
+    runs: list[list[Any]] = []
+    for op in collector.ops:
+        if runs and runs[-1][0] == op:
+            runs[-1][1] += 1
+        else:
+            runs.append([op, 1])
+    return " → ".join(op if n == 1 else f"{op}×{n}" for op, n in runs) or "—"
+
+
+def module_sizes(source: str) -> dict[str, Any]:
+    """Module-level constants with literal values (the task's sizes), in file order."""
+    sizes: dict[str, Any] = {}
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return sizes
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets = [node.target]
+        else:
+            continue
+        try:
+            value = ast.literal_eval(node.value)
+        except (ValueError, SyntaxError, TypeError):
+            continue
+        for target in targets:
+            if isinstance(target, ast.Name) and target.id != CPU_PRESET_NAME and not isinstance(value, dict):
+                sizes[target.id] = value
+    return sizes
+
+
+def _sizes_cell(spec: TaskSpec) -> str:
+    sizes = module_sizes(spec.source)
+    cpu = with_device_sizes(TaskSpec(spec.name, spec.path, spec.source), "cpu").overrides
+    cells = []
+    for k, v in sizes.items():
+        v = spec.overrides.get(k, v)
+        cells.append(f"{k}={v}" + (f"→{cpu[k]}" if k in cpu and cpu[k] != v else ""))
+    return ", ".join(cells)
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _specs(paths: Optional[list[str]], overrides: Optional[dict[str, Any]] = None) -> list[TaskSpec]:
+    try:
+        return [read_spec(p, overrides) for p in discover(paths)]
+    except TaskError as exc:
+        fail(str(exc))
+
+
+def _maybe_store(db: Optional[str]):
+    """The store when one was named (``--db``/KERNELLOOP_DB) or the default file exists; else None."""
+    from store.db import DEFAULT_DB
+
+    if not db and not Path(DEFAULT_DB).is_file():
+        return None
+    from kernelloop.cli_common import open_store
+
+    return open_store(db or None)
+
+
+def _human(n: float, unit: str) -> str:
+    for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {prefix}{unit}"
+    return f"{n:.0f} {unit}"
+
+
+# --------------------------------------------------------------------------- commands
+
+@app.command("list")
+def list_command(paths: Optional[list[str]] = PathsArgument) -> None:
+    """List tasks: name, the operations of forward, sizes (a→b: b on cpu)."""
+    from rich.table import Table
+
+    specs = _specs(paths)
+    table = Table(title=f"{len(specs)} tasks", show_lines=False)
+    table.add_column("task", no_wrap=True)
+    table.add_column("ops")
+    table.add_column("sizes (→ cpu)")
+    for spec in specs:
+        table.add_row(spec.name, ops_summary(spec.source), _sizes_cell(spec))
+    console.print(table)
+
+
+@app.command("show")
+def show_command(task: str = typer.Argument(..., help="a task file or bundled name (level1/relu)"),
+                 device: Optional[str] = DeviceOption, set_: Optional[list[str]] = SetOption,
+                 db: Optional[str] = DbOption,
+                 source: bool = typer.Option(True, "--source/--no-source", help="print the task's source")) -> None:
+    """Show a task: source, sizes, input and output shapes, FLOPs, minimum bytes, roofline floor."""
+    from rich.syntax import Syntax
+    from rich.table import Table
+
+    from evals.probe import get_probe
+    from evals.roofline import count_loaded, floor_breakdown
+
+    dev = resolve_device(device)
+    try:
+        overrides = parse_overrides(set_)
+    except TaskError as exc:
+        fail(str(exc))
+    specs = _specs([task], overrides)
+    if len(specs) != 1:
+        fail(f"{task!r} names {len(specs)} tasks; show takes one (kernelloop tasks list {task})")
+    spec = with_device_sizes(specs[0], dev)
+    try:
+        loaded = load_task(spec)
+        counts = count_loaded(loaded)
+    except (TaskError, RuntimeError) as exc:
+        fail(str(exc))
+
+    console.print(f"[bold]{spec.name}[/]  {spec.path}", highlight=False)
+    console.print(f"ops: {ops_summary(spec.source)}", highlight=False)
+    console.print(f"sha256 {spec.sha256[:16]}  key {spec.key}  device {dev}", highlight=False)
+    if source:
+        console.print(Syntax(spec.source, "python", line_numbers=True))
+
+    file_sizes = module_sizes(spec.source)
+    explicit = set(overrides)
+    sizes = Table(title="sizes")
+    for col in ("name", "value", "from"):
+        sizes.add_column(col)
+    for k, v in file_sizes.items():
+        if k in explicit:
+            origin = "--set"
+        elif k in spec.overrides and spec.overrides[k] != v:
+            origin = f"{CPU_PRESET_NAME} (file: {v!r})"
+        else:
+            origin = "file"
+        sizes.add_row(k, repr(spec.overrides.get(k, v)), origin)
+    console.print(sizes)
+
+    shapes = Table(title="tensors")
+    for col in ("", "shape", "bytes"):
+        shapes.add_column(col)
+    for i, s in enumerate(counts.input_shapes):
+        shapes.add_row(f"input {i}", str(s), "")
+    for i, s in enumerate(counts.output_shapes):
+        shapes.add_row(f"output {i}", str(s), "")
+    for kind, n in counts.bytes_by_kind.items():
+        shapes.add_row(kind, "", _human(n, "B"))
+    console.print(shapes)
+    by_dtype = ", ".join(f"{k} {_human(v, 'FLOP')}" for k, v in counts.flops_by_dtype.items()) or "none counted"
+    console.print(f"FLOPs: {_human(counts.flops, 'FLOP')} ({by_dtype}); minimum bytes: "
+                  f"{_human(counts.min_bytes, 'B')}; intensity {counts.arithmetic_intensity:.2f} FLOP/B; "
+                  f"dtype {counts.dtype}", highlight=False)
+
+    store = _maybe_store(db)
+    try:
+        probe = get_probe(dev, store, measure=False)
+    finally:
+        if store is not None:
+            store.close()
+    if probe is None:
+        console.print(f"floor: no probe cached for this device (kernelloop device probe --device {dev})",
+                      highlight=False)
+    else:
+        fb = floor_breakdown(counts, probe)
+        bound = "memory" if fb["memory_ms"] >= fb["compute_ms"] else "compute"
+        console.print(f"floor: {fb['floor_ms']:.4f} ms ({bound}-bound; memory {fb['memory_ms']:.4f} ms, "
+                      f"compute {fb['compute_ms']:.4f} ms; probe of {probe.device_name})", highlight=False)
+
+
+@app.command("check")
+def check_command(paths: Optional[list[str]] = PathsArgument, device: Optional[str] = DeviceOption,
+                  set_: Optional[list[str]] = SetOption) -> None:
+    """Flag degenerate tasks (constant, near-zero, insensitive outputs...); exit code 1 when any is flagged."""
+    from rich.table import Table
+
+    from evals.taskcheck import FLAGS, check_task
+
+    dev = resolve_device(device)
+    try:
+        overrides = parse_overrides(set_)
+    except TaskError as exc:
+        fail(str(exc))
+    specs = _specs(paths, overrides)
+    table = Table(title=f"task check on {dev}")
+    for col in ("task", "flag", "detail"):
+        table.add_column(col, no_wrap=col != "detail")
+    flagged = 0
+    seen_flags: set[str] = set()
+    for spec in specs:
+        issues = check_task(spec, dev)
+        if issues:
+            flagged += 1
+        for issue in issues:
+            seen_flags.add(issue.flag)
+            table.add_row(spec.name, issue.flag, issue.message.splitlines()[0] if issue.message else "")
+    if flagged:
+        console.print(table)
+        for flag in sorted(seen_flags):
+            console.print(f"  {flag}: {FLAGS.get(flag, '')}", highlight=False)
+        console.print(f"[bold red]{flagged} of {len(specs)} tasks flagged[/]", highlight=False)
+        raise typer.Exit(1)
+    console.print(f"[green]{len(specs)} tasks checked on {dev}: none flagged[/]", highlight=False)

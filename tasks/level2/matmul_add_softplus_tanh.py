@@ -1,0 +1,33 @@
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    """Matrix multiply without bias, add a bias vector, softplus, tanh."""
+
+    def __init__(self, in_features, out_features):
+        super().__init__()
+        self.linear = nn.Linear(in_features, out_features, bias=False)
+        self.bias = nn.Parameter(torch.randn(out_features) * 0.5)
+
+    def forward(self, x):
+        x = self.linear(x)
+        x = x + self.bias
+        x = torch.nn.functional.softplus(x)
+        x = torch.tanh(x)
+        return x
+
+
+batch_size = 8192
+in_features = 4096
+out_features = 4096
+
+CPU_SIZES = {"batch_size": 64, "in_features": 256, "out_features": 256}
+
+
+def get_inputs():
+    return [torch.randn(batch_size, in_features)]
+
+
+def get_init_inputs():
+    return [in_features, out_features]

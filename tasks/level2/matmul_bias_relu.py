@@ -1,0 +1,32 @@
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    """Matrix multiply, bias add, ReLU."""
+
+    def __init__(self, in_features, out_features):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(out_features, in_features) / in_features ** 0.5)
+        self.bias = nn.Parameter(torch.randn(out_features) * 0.1)
+
+    def forward(self, x):
+        x = torch.matmul(x, self.weight.t())
+        x = x + self.bias
+        x = torch.relu(x)
+        return x
+
+
+batch_size = 8192
+in_features = 4096
+out_features = 4096
+
+CPU_SIZES = {"batch_size": 64, "in_features": 256, "out_features": 256}
+
+
+def get_inputs():
+    return [torch.randn(batch_size, in_features)]
+
+
+def get_init_inputs():
+    return [in_features, out_features]
