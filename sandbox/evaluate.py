@@ -65,8 +65,9 @@ def _device_name(device: str) -> str:
 class ReferenceWorker:
     """The trusted side of an evaluation: one persistent worker per task (and sizes)."""
 
-    def __init__(self, spec: TaskSpec, device: str, init_seed: int):
+    def __init__(self, spec: TaskSpec, device: str, init_seed: int, warm_compile: bool = False):
         self.spec, self.device, self.init_seed = spec, device, init_seed
+        self.warm_compile = warm_compile
         self.lock = threading.Lock()
         self.proc: Optional[WorkerProcess] = None
         self.profile: Optional[list[dict]] = None
@@ -78,7 +79,8 @@ class ReferenceWorker:
             return self.proc
         self.proc = WorkerProcess("reference")
         reply = self.proc.ask({"role": "reference", "device": self.device, "out_dir": str(self.proc.out_dir),
-                               "task": self.spec.__dict__, "init_seed": self.init_seed}, REFERENCE_TIMEOUT_S)
+                               "task": self.spec.__dict__, "init_seed": self.init_seed,
+                               "warm_compile": self.warm_compile}, REFERENCE_TIMEOUT_S)
         if not reply.get("ok"):
             msg = reply.get("error_message", "unknown error")
             self.proc.kill()
@@ -124,7 +126,8 @@ class Sandbox:
         with self._refs_lock:
             ref = self._refs.get(spec.key)
             if ref is None:
-                ref = self._refs[spec.key] = ReferenceWorker(spec, self.device, self.init_seed)
+                ref = self._refs[spec.key] = ReferenceWorker(spec, self.device, self.init_seed,
+                                                             warm_compile=self.config.time_compile)
             return ref
 
     def close(self) -> None:

@@ -56,6 +56,10 @@ class WorkerProcess:
         child_env = dict(os.environ)
         child_env["PYTHONPATH"] = os.pathsep.join([str(_REPO_ROOT)] + [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p])
         child_env["PYTHONUNBUFFERED"] = "1"
+        if "TORCHINDUCTOR_CACHE_DIR" not in child_env:
+            from kernelloop.paths import cache_dir
+
+            child_env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
         if hide_gpu:
             child_env["CUDA_VISIBLE_DEVICES"] = ""
         child_env.update(env or {})
