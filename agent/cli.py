@@ -162,14 +162,14 @@ def optimize_command(
     finally:
         signal.signal(signal.SIGTERM, previous)
         sandbox.close()
-    if any(p.error for p in progress) and status == "finished":
-        status = "finished"   # per-task errors are in the table; the run itself completed
-    loop.finish_run(run_id, status)
+    loop.finish_run(run_id, status)   # per-task errors are in the table; the run itself completed
     console.print(_summary_table(progress, f"run {run_id} · {status}"))
     for p in progress:
         if p.error:
             err_console.print(f"[red]{p.name}[/]: {p.error}", highlight=False)
     store.close()
+    if status == "interrupted":
+        raise typer.Exit(130)
 
 
 def runs_command(db: Optional[str] = DbOption, limit: int = typer.Option(20, "-n", help="newest N runs")) -> None:

@@ -142,7 +142,16 @@ class OptimizeLoop:
         workers = task_parallelism or max(1, min(len(specs), getattr(self.backend, "max_concurrency", 4)))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="task") as pool:
             futures = [pool.submit(self._optimize_task, run_id, sp) for sp in specs]
-            return [f.result() for f in futures]
+            try:
+                return [f.result() for f in futures]
+            except BaseException:
+                # Ctrl-C (or a configuration error in one task): without this the pool's exit
+                # would wait for every task to finish all its rounds. Tasks stop at their next
+                # check; what they stored so far is what --resume continues from.
+                self.stop()
+                for f in futures:
+                    f.cancel()
+                raise
 
     # ------------------------------------------------------------------ one task
     def _task_id(self, spec: TaskSpec) -> int:
@@ -170,9 +179,13 @@ class OptimizeLoop:
         self.on_progress(progress)
 
     def _optimize_task(self, run_id: int, spec: TaskSpec) -> TaskProgress:
+        from agent.backends.base import BackendError
+
         progress = TaskProgress(name=spec.name)
         try:
             self._optimize_task_inner(run_id, spec, progress)
+        except BackendError:
+            raise                       # a configuration error: the run cannot go on (the CLI says why)
         except Exception as exc:  # noqa: BLE001 - one task's failure never ends the run
             progress.error = f"{type(exc).__name__}: {exc}"
             progress.stopped = "error"
@@ -199,7 +212,13 @@ class OptimizeLoop:
             else:
                 self._propose_round(run_id, task_id, spec, eval_spec, rnd,
                                     [v for v in views if v.round < rnd])
+                if self._stop.is_set():
+                    progress.stopped = "interrupted"
+                    return
                 self._evaluate_round(run_id, task_id, eval_spec, rnd)
+                if self._stop.is_set():
+                    progress.stopped = "interrupted"
+                    return
                 self._critique(run_id, spec)
                 prior = self._views(run_id, task_id)
             self._progress(progress, prior)
@@ -247,11 +266,17 @@ class OptimizeLoop:
         request = ProposalRequest(task=eval_spec, device=self.device, round=rnd, samples=self.config.samples,
                                   messages=messages, template=template, prompt_sha256=sha, history=history,
                                   analysis=analysis, run_id=run_id)
+
+        def ask(sample: int) -> None:
+            if self._stop.is_set():
+                return                  # interrupted: not asked; --resume asks for it
+            completion = self._complete(request, sample)
+            # Stored as soon as it arrives: a kill during another sample's call keeps this one.
+            self._store_attempt(run_id, task_id, rnd, sample, request, completion, parents)
+
         workers = max(1, min(len(missing), getattr(self.backend, "max_concurrency", 1)))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="propose") as pool:
-            completions = list(pool.map(lambda i: (i, self._complete(request, i)), missing))
-        for sample, completion in completions:
-            self._store_attempt(run_id, task_id, rnd, sample, request, completion, parents)
+            list(pool.map(ask, missing))
 
     def _complete(self, request: ProposalRequest, sample: int) -> Completion:
         try:
@@ -294,11 +319,23 @@ class OptimizeLoop:
                        if not a.evaluations]
         if not pending:
             return
-        with ThreadPoolExecutor(max_workers=len(pending), thread_name_prefix="eval") as pool:
-            list(pool.map(lambda p: self._evaluate_attempt(run_id, eval_spec, *p), pending))
+        # Identical sources in one round: evaluate the first; the others then reuse its
+        # evaluation (evaluated concurrently, each would miss the cache and be run again).
+        first: list[tuple[int, str, str]] = []
+        repeats: list[tuple[int, str, str]] = []
+        seen: set[str] = set()
+        for p in pending:
+            (repeats if p[2] in seen else first).append(p)
+            seen.add(p[2])
+        with ThreadPoolExecutor(max_workers=len(first), thread_name_prefix="eval") as pool:
+            list(pool.map(lambda p: self._evaluate_attempt(run_id, eval_spec, *p), first))
+        for p in repeats:
+            self._evaluate_attempt(run_id, eval_spec, *p)
 
     def _evaluate_attempt(self, run_id: int, eval_spec: TaskSpec, attempt_id: int, source: str, sha: str) -> None:
         sb = self.sandbox
+        if self._stop.is_set():
+            return                      # interrupted: --resume evaluates it
         with self.store.session() as s:
             hit = cached_evaluation(s, sha, eval_spec.key, self._device_name(), sb.torch_version, sb.config)
             if hit is not None:

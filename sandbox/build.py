@@ -9,9 +9,10 @@ worker that function is replaced by ``HookedBuilder.load_inline``, which
 * holds an ``fcntl`` lock per build directory (released by the OS when a killed build
   dies) and clears torch's own ``lock`` baton left by a killed build, so a stale lock
   never hangs a later build;
-* applies the build-speed levers: a precompiled ``torch/extension.h`` for the C++ side
-  (built once under a global lock), no implicit torch headers on CUDA sources that do
-  not use torch, one CUDA architecture (the GPU's), bounded ninja jobs;
+* applies the build-speed levers: a precompiled ``torch/extension.h`` of its own for the
+  C++ side (one per flag set, built atomically), no implicit torch headers on CUDA sources
+  that do not use torch, one CUDA architecture (the GPU's), bounded ninja jobs;
+* imports an already-built extension directly, without asking torch or ninja again;
 * records each build (name, seconds, cached, log) and wraps the returned module so the
   harness can count calls into the candidate's own functions.
 """
@@ -156,11 +157,54 @@ class HookedBuilder:
         self._original = cpp_extension.load_inline
         cpp_extension.load_inline = self.load_inline  # type: ignore[assignment]
 
-    def _ensure_pch(self, extra_cflags: list[str], extra_include_paths: list[str]) -> None:
-        from torch.utils import cpp_extension
+    def _pch_include_dir(self, extra_cflags: list[str], extra_include_paths: list[str]) -> Optional[str]:
+        """A precompiled ``torch/extension.h`` of our own, one per set of compile flags.
 
-        with FileLock(str(self.cache_root / "pch.lock")):
-            cpp_extension._check_and_build_extension_h_precompiler_headers(extra_cflags, extra_include_paths)
+        torch's own ``use_pch`` keeps one file in its install directory, rewritten in place
+        whenever another build's flags differ and deleted by every default ``load_inline``:
+        concurrent builds then read a half-written header and the compiler crashes. Ours
+        lives in the cache, keyed by the flags, is built under a lock into a temporary file
+        and renamed into place, so a reader sees a whole header or none. A directory holding
+        ``torch/extension.h.gch`` is put first on the include path; GCC takes the header from
+        there when it is valid for the compile and reads the real one otherwise.
+        """
+        import sysconfig
+
+        import torch
+        from torch.utils import cpp_extension as ce
+
+        compiler = ce.get_cxx_compiler()
+        system = ce.include_paths("cpu") + [sysconfig.get_path("include", scheme="posix_prefix")]
+        flags = (["-DTORCH_API_INCLUDE_EXTENSION_H"] + [f"-I{p}" for p in extra_include_paths]
+                 + [x for inc in system for x in ("-isystem", inc)] + ["-fPIC", "-std=c++20"] + list(extra_cflags))
+        key = hashlib.sha256(json.dumps([compiler, flags, torch.__version__]).encode()).hexdigest()[:16]
+        root = self.cache_root.parent / "pch" / key
+        target = root / "torch" / "extension.h.gch"
+        failed = root / "failed"
+        if target.exists():
+            return str(root)
+        if failed.exists():
+            return None
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(root) + ".lock"):
+            if target.exists():
+                return str(root)
+            tmp = target.with_name(f".extension.h.{os.getpid()}.gch")
+            header = Path(ce._TORCH_PATH) / "include" / "torch" / "extension.h"
+            import subprocess
+
+            try:
+                proc = subprocess.run([compiler, "-x", "c++-header", str(header), "-o", str(tmp)] + flags,
+                                      capture_output=True, text=True, timeout=900)
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                failed.write_text(str(exc))
+                return None
+            if proc.returncode != 0:
+                tmp.unlink(missing_ok=True)
+                failed.write_text(proc.stderr[-4000:])
+                return None
+            os.replace(tmp, target)
+        return str(root)
 
     def load_inline(self, name: str, cpp_sources: Any, cuda_sources: Any = None, functions: Any = None,
                     extra_cflags: Any = None, extra_cuda_cflags: Any = None, extra_ldflags: Any = None,
@@ -191,27 +235,37 @@ class HookedBuilder:
             no_implicit_headers = True
             cpp = ["#include <torch/extension.h>"] + cpp
             cuda = ["#include <cuda.h>", "#include <cuda_runtime.h>"] + cuda
-        pch = self.use_pch
+        include_paths = list(kwargs["extra_include_paths"])
         kernel_names = sorted({m.group(1) for s in cuda for m in _GLOBAL_FN_RE.finditer(s)})
 
         t0 = time.perf_counter()
         marker = directory / ".built"
-        cached = marker.exists()
+        library = directory / f"{ext_name}.so"
+        cached = marker.exists() and library.exists()
         with FileLock(str(directory) + ".lock"):
             stale = directory / "lock"      # torch's FileBaton left by a killed build
             if stale.exists():
                 stale.unlink()
-            if pch:
-                self._ensure_pch(kwargs["extra_cflags"], kwargs["extra_include_paths"])
+            if cached:
+                from torch.utils import cpp_extension as ce
+
+                module = ce._import_module_from_library(ext_name, str(directory), is_python_module)
+                self.records.append(BuildRecord(ext_name, name, str(directory), time.perf_counter() - t0, True, True,
+                                                "", bool(cuda), kernel_names))
+                return ExtensionProxy(module, ext_name, self.counter) if is_python_module else module
+            if self.use_pch:
+                pch_dir = self._pch_include_dir(kwargs["extra_cflags"], include_paths)
+                if pch_dir:
+                    include_paths = [pch_dir] + include_paths
             try:
                 module = self._original(
                     name=ext_name, cpp_sources=cpp, cuda_sources=cuda or None, functions=functions,
                     extra_cflags=kwargs["extra_cflags"] or None, extra_cuda_cflags=kwargs["extra_cuda_cflags"] or None,
                     extra_ldflags=kwargs["extra_ldflags"] or None,
-                    extra_include_paths=kwargs["extra_include_paths"] or None,
+                    extra_include_paths=include_paths or None,
                     build_directory=str(directory), verbose=False, with_cuda=with_cuda,
                     is_python_module=is_python_module, with_pytorch_error_handling=with_pytorch_error_handling,
-                    keep_intermediates=keep_intermediates, use_pch=pch, no_implicit_headers=no_implicit_headers)
+                    keep_intermediates=keep_intermediates, use_pch=False, no_implicit_headers=no_implicit_headers)
             except Exception as exc:
                 self.records.append(BuildRecord(ext_name, name, str(directory), time.perf_counter() - t0,
                                                 False, False, str(exc)[-LOG_CAP:], bool(cuda), kernel_names))
