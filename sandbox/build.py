@@ -181,13 +181,14 @@ class HookedBuilder:
         root = self.cache_root.parent / "pch" / key
         target = root / "torch" / "extension.h.gch"
         failed = root / "failed"
-        if target.exists():
+        shim = root / "torch" / "extension.h"
+        if target.exists() and shim.exists():
             return str(root)
         if failed.exists():
             return None
         target.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(root) + ".lock"):
-            if target.exists():
+            if target.exists() and shim.exists():
                 return str(root)
             tmp = target.with_name(f".extension.h.{os.getpid()}.gch")
             header = Path(ce._TORCH_PATH) / "include" / "torch" / "extension.h"
@@ -203,6 +204,9 @@ class HookedBuilder:
                 tmp.unlink(missing_ok=True)
                 failed.write_text(proc.stderr[-4000:])
                 return None
+            # Where GCC finds the .gch but cannot use it for a compile (other flags), it reads
+            # the header from this directory: the shim sends it on to torch's real header.
+            shim.write_text("#pragma once\n#include_next <torch/extension.h>\n")
             os.replace(tmp, target)
         return str(root)
 

@@ -341,7 +341,8 @@ class Sandbox:
             result.traceback = ct.get("traceback")
             return
         result.candidate_time = Timing(**ct["timing"])
-        if not self._spot_check(ref, ct.get("saved") or {}, check_runs, timing_seed, result):
+        saved = cand.ask({"op": "timed_outputs"}, cfg.run_timeout_s).get("saved") or {}
+        if not self._spot_check(ref, saved, check_runs, timing_seed, result):
             return
         if ct.get("tampered"):
             result.add_flag(FlagKind.suspicious, "changed timing functions: " + ", ".join(ct["tampered"]))

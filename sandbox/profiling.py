@@ -37,7 +37,10 @@ def profile_forward(model: Callable, make_args: Callable[[int], Sequence[Any]], 
     totals: dict[str, list[float]] = {}
     if device == "cuda":
         for evt in prof.events():
-            if getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA and evt.name:
+            # record_function ranges (kernelloop_ext::*) also appear as device-side annotations; they
+            # are not kernels and would count the candidate's time twice.
+            if (getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA and evt.name
+                    and not evt.name.startswith("kernelloop_ext::")):
                 dur = evt.time_range.end - evt.time_range.start
                 entry = totals.setdefault(evt.name, [0, 0.0])
                 entry[0] += 1

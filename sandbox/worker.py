@@ -157,7 +157,7 @@ class Worker:
             self.builder.counter.reset()
         threads_before = threading.active_count()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _full_fp32():
                 out = self.model(*inputs)
             timing.device_sync(self.device)
         except SystemExit as exc:
@@ -194,15 +194,15 @@ class Worker:
             fn = self.compiled
         threads_before = threading.active_count()
         check = {int(i) for i in req.get("check_runs", [])}
-        saved: dict[str, str] = {}
+        self.kept = {}
 
         def keep(i: int, out: Any) -> None:
+            # Copied on the device now, written out on the next request, so the parent's clock
+            # around this request sees the timed runs and not the file writes.
             if i in check:
-                path = self.out_dir / f"{self.role}_timed_{i}.pt"
                 flat = flatten_outputs(out)
                 if all(is_plain_tensor(x) for x in flat):
-                    _save([x.detach().to("cpu").contiguous() for x in flat], str(path))
-                    saved[str(i)] = str(path)
+                    self.kept[i] = [x.detach().clone() for x in flat]
 
         try:
             t = _time_runs(fn, self._make_args(int(req["seed"])), self.device, int(req["warmup"]),
@@ -212,8 +212,17 @@ class Worker:
         finally:
             if self.device == "cuda":
                 torch.cuda.empty_cache()
-        return {"ok": True, "timing": t.model_dump(), "tampered": _tampered(), "saved": saved,
+        return {"ok": True, "timing": t.model_dump(), "tampered": _tampered(),
                 "threads_started": threading.active_count() - threads_before}
+
+    def timed_outputs(self, req: dict[str, Any]) -> dict[str, Any]:
+        saved: dict[str, str] = {}
+        for i, flat in getattr(self, "kept", {}).items():
+            path = self.out_dir / f"{self.role}_timed_{i}.pt"
+            _save([x.to("cpu").contiguous() for x in flat], str(path))
+            saved[str(i)] = str(path)
+        self.kept = {}
+        return {"ok": True, "saved": saved}
 
     def profile(self, req: dict[str, Any]) -> dict[str, Any]:
         from sandbox.profiling import profile_forward
@@ -237,6 +246,20 @@ class Worker:
         return {"ok": True, "counts": counts.to_dict()}
 
 
+class _full_fp32:
+    """Correctness trials compare at full float32 precision: TF32 off in cuDNN and cuBLAS for
+    the reference and the candidate alike (timing keeps PyTorch's defaults). Otherwise a
+    convolution fed by a kernel's output turns 1e-7 input differences into 1e-4 ones."""
+
+    def __enter__(self):
+        self.saved = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+    def __exit__(self, *exc):
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = self.saved
+
+
 def _equal_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype.is_floating_point or a.dtype.is_complex:
         return bool(torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0))
@@ -254,7 +277,8 @@ def serve(conn: Connection) -> None:
     _send(conn, reply)
     if not reply.get("ok"):
         return
-    handlers = {"trial": worker.trial, "time": worker.time, "profile": worker.profile,
+    handlers = {"trial": worker.trial, "time": worker.time, "timed_outputs": worker.timed_outputs,
+                "profile": worker.profile,
                 "roofline": worker.roofline}
     while True:
         try:
