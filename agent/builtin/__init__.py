@@ -1,1 +1,192 @@
+"""``--model builtin``: a fusion code generator that writes real kernels without a model.
 
+``propose`` traces the task's reference with torch.fx (meta tensors, so GPU sizes cost
+nothing), keeps library operators (GEMM, convolution, pooling) on PyTorch and turns the
+chains between them into generated kernels - elementwise chains, reductions and
+normalisations with fused prologues and epilogues - from the jinja2 templates in
+``templates/`` (CUDA for ``cuda``, C++/OpenMP for ``cpu``). Each round it answers distinct
+variants (where groups end, vectorised loads, block size, one- or two-pass statistics)
+and it learns from the history of its own attempts (see ``feedback``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from agent.builtin.codegen import HEADER_PREFIX, Knobs, Rendered, body_hash, render_candidate
+from agent.builtin.feedback import Feedback, parse_header, read_history, variant_order
+from agent.builtin.kernels import KernelGroup
+from agent.builtin.plan import Plan, classify_graph, make_plan
+from agent.builtin.trace import Traced, trace_task
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # agent.types pulls in pydantic; the generator itself needs only torch and jinja2
+    from agent.types import AttemptView
+from sandbox.tasks import TaskSpec
+
+__all__ = ["GeneratedCandidate", "Knobs", "generate", "propose", "parse_header", "HEADER_PREFIX"]
+
+HEADER_VERSION = 1
+DEFAULT_KNOBS = Knobs()
+
+
+@dataclass
+class GeneratedCandidate:
+    source: str
+    choices: dict[str, Any]
+    covered_ops: list[str] = field(default_factory=list)
+    uncovered_ops: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+class _Generator:
+    def __init__(self, traced: Traced, device: str, fb: Feedback):
+        self.traced = traced
+        self.device = device
+        self.fb = fb
+        self.infos = classify_graph(traced)
+        self._plans: dict[str, tuple[Plan, list[KernelGroup], set[str]]] = {}
+
+    def plan(self, fusion: str, excluded_extra: frozenset = frozenset()):
+        key = fusion + "|" + ",".join(sorted(excluded_extra))
+        if key not in self._plans:
+            excluded = set(self.fb.excluded) | set(excluded_extra)
+            for _ in range(64):
+                plan = make_plan(self.traced, fusion, self.fb.cuts, excluded, infos=self.infos)
+                kgroups, bad = [], None
+                for g in plan.groups:
+                    try:
+                        kgroups.append(KernelGroup(plan, g))
+                    except (ValueError, KeyError):
+                        bad = g
+                        break
+                if bad is None:
+                    break
+                excluded |= {n.name for n in bad.nodes}
+            self._plans[key] = (plan, kgroups, excluded)
+        return self._plans[key]
+
+    def render(self, knobs: Knobs, excluded_extra: frozenset = frozenset()) -> Rendered:
+        plan, kgroups, excluded = self.plan(knobs.fusion, excluded_extra)
+        # knobs that change nothing in this plan are normalised, so equal code has equal headers
+        probe = render_candidate(self.traced, plan, kgroups, self.device, knobs, {})
+        used = probe.knobs_used
+        eff = Knobs(fusion=knobs.fusion,
+                    vec=knobs.vec if "vec" in used else DEFAULT_KNOBS.vec,
+                    block=knobs.block if "block" in used else DEFAULT_KNOBS.block,
+                    reduce=knobs.reduce if "reduce" in used else DEFAULT_KNOBS.reduce)
+        header = self.header(plan, kgroups, eff, excluded)
+        return render_candidate(self.traced, plan, kgroups, self.device, eff, header)
+
+    def header(self, plan: Plan, kgroups: list[KernelGroup], knobs: Knobs, excluded: set[str]) -> dict[str, Any]:
+        infos = plan.infos
+        groups = [{"name": kg.name, "kind": kg.kind, "ops": kg.ops, "nodes": [n.name for n in kg.nodes],
+                   "kinds": [infos[n].kind for n in kg.nodes]} for kg in kgroups]
+        return {
+            "v": HEADER_VERSION, "generator": "builtin", "device": self.device, "task": self.traced.spec.name,
+            "knobs": knobs.as_dict(), "groups": groups,
+            "cuts": sorted(self.fb.cuts), "excluded": sorted(excluded),
+            "library": [infos[n].op for n in infos if infos[n].kind == "library"],
+            "uncovered": sorted({infos[n].op for n in infos if infos[n].kind == "other"}),
+        }
+
+
+def propose(spec: TaskSpec, device: str, round: int, sample: int,
+            history: Optional[list[AttemptView]] = None) -> GeneratedCandidate:
+    """One candidate for one sample of one round (distinct from the round's other samples and
+    from every source already in ``history``)."""
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', not {device!r}")
+    history = list(history or [])
+    fb = read_history(history, device)
+    traced = trace_task(spec, device)
+    if not traced.ok:
+        return _untraceable(traced, device, fb)
+    gen = _Generator(traced, device, fb)
+    picked: list[str] = []
+    chosen: Optional[Rendered] = None
+    for knobs in variant_order(fb):
+        r = gen.render(knobs)
+        h = body_hash(r.source)
+        if h in fb.seen or h in picked or not r.groups:
+            continue            # seen before, or no kernel at all (kept for when all else is spent)
+        picked.append(h)
+        if len(picked) > sample:
+            chosen = r
+            break
+    if chosen is None:
+        # every knob setting was tried: leave everything to PyTorch if that is new, else repeat the best
+        everything = frozenset(n.name for n, i in gen.infos.items() if i.fusible)
+        r = gen.render(DEFAULT_KNOBS, everything)
+        if body_hash(r.source) not in fb.seen and body_hash(r.source) not in picked:
+            chosen = r
+        else:
+            best = Knobs(**fb.best["knobs"]) if fb.best and fb.best.get("knobs") else DEFAULT_KNOBS
+            chosen = gen.render(best)
+            chosen.header["repeat"] = True
+            chosen.source = _rewrite_header(chosen.source, chosen.header)
+    covered = sorted({op for kg in chosen.groups for op in kg.kg.ops})
+    uncovered = list(chosen.header.get("uncovered", []))
+    excluded_ops = sorted({gen.infos[n].op for n in gen.infos if n.name in set(chosen.header.get("excluded", []))})
+    return GeneratedCandidate(source=chosen.source, choices=chosen.header, covered_ops=covered,
+                              uncovered_ops=sorted(set(uncovered) | set(excluded_ops)), notes=list(fb.notes))
+
+
+def generate(spec: TaskSpec, device: str, knobs: Knobs = DEFAULT_KNOBS, cuts: tuple[str, ...] = (),
+             excluded: tuple[str, ...] = ()) -> GeneratedCandidate:
+    """The candidate for explicit knobs (no history): for tests and tools."""
+    traced = trace_task(spec, device)
+    if not traced.ok:
+        return _untraceable(traced, device, Feedback())
+    fb = Feedback(cuts=set(cuts), excluded=set(excluded))
+    gen = _Generator(traced, device, fb)
+    r = gen.render(knobs)
+    covered = sorted({op for kg in r.groups for op in kg.kg.ops})
+    return GeneratedCandidate(source=r.source, choices=r.header, covered_ops=covered,
+                              uncovered_ops=list(r.header.get("uncovered", [])))
+
+
+def _rewrite_header(source: str, header: dict[str, Any]) -> str:
+    import json
+    lines = source.split("\n")
+    lines[0] = HEADER_PREFIX + json.dumps(header, sort_keys=True, separators=(",", ":"))
+    return "\n".join(lines)
+
+
+def _untraceable(traced: Traced, device: str, fb: Feedback) -> GeneratedCandidate:
+    """A model torch.fx cannot trace: its forward, copied, on PyTorch (no kernel)."""
+    import json
+
+    from agent.builtin import pysource
+
+    spec = traced.spec
+    header = {"v": HEADER_VERSION, "generator": "builtin", "device": device, "task": spec.name,
+              "fallback": "untraceable", "groups": [], "knobs": {}}
+    error = (traced.error or "").replace('"""', "'''")
+    fwd = pysource.reference_forward(spec)
+    fwd = "\n".join("    " + line for line in fwd.splitlines())
+    prelude = pysource.task_prelude(spec)
+    source = "\n".join([
+        HEADER_PREFIX + json.dumps(header, sort_keys=True, separators=(",", ":")),
+        '"""ModelNew for ' + spec.name + ", written by kernelloop's builtin generator.",
+        "",
+        "torch.fx could not trace the reference, so nothing is fused: the forward below is the",
+        "reference's own computation on PyTorch (no custom kernel).",
+        f"Trace error: {error}",
+        '"""',
+        "import torch",
+        "import torch.nn as nn",
+        "import torch.nn.functional as F",
+        "",
+        prelude,
+        "",
+        "",
+        pysource.layers_class(spec),
+        "",
+        "",
+        "class ModelNew(_Layers):",
+        fwd,
+        "",
+    ])
+    return GeneratedCandidate(source=source, choices=header, covered_ops=[], uncovered_ops=["<untraceable>"],
+                              notes=[f"untraceable: {traced.error}"])

@@ -1,0 +1,55 @@
+"""``--model builtin``: the offline fusion generator as a model backend.
+
+Its answers look like a model's: one sentence, then the generated module in a ```python
+block, so they go through the same parsing, storage and evaluation as any other model's.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from agent.backends.base import register
+from agent.types import Completion, ProposalRequest
+
+
+class BuiltinBackend:
+    name = "builtin"
+    default_critic = "grounded"
+    max_concurrency = 4
+
+    def __init__(self, **options: Any):
+        self.options = dict(options)
+
+    def complete(self, request: ProposalRequest, sample: int) -> Completion:
+        from agent.builtin import propose
+
+        t0 = time.perf_counter()
+        device = request.device.device
+        try:
+            cand = propose(request.task, device, request.round, sample, list(request.history or []))
+        except Exception as exc:  # noqa: BLE001 - reported as a failed completion
+            return Completion(text="", model="builtin", finish_reason="error",
+                              latency_s=time.perf_counter() - t0,
+                              error=f"builtin generator failed: {type(exc).__name__}: {exc}")
+        text = f"{_sentence(cand, device)}\n\n```python\n{cand.source.rstrip()}\n```\n"
+        return Completion(text=text, model="builtin", finish_reason="stop", prompt_tokens=None,
+                          completion_tokens=None, latency_s=time.perf_counter() - t0)
+
+
+def _sentence(cand, device: str) -> str:
+    groups = cand.choices.get("groups") or []
+    target = "CUDA" if device == "cuda" else "C++/OpenMP"
+    if cand.choices.get("fallback") == "untraceable":
+        return "The reference could not be traced with torch.fx, so this candidate keeps its computation on PyTorch."
+    if not groups:
+        return "No operator of this model can be fused, so this candidate keeps the library operators on PyTorch."
+    chains = "; ".join(" -> ".join(g["ops"]) for g in groups)
+    knobs = cand.choices.get("knobs") or {}
+    knob_text = ", ".join(f"{k}={v}" for k, v in sorted(knobs.items()))
+    return (f"This candidate fuses {len(groups)} group(s) into generated {target} kernels ({chains}), "
+            f"keeping library operators on PyTorch ({knob_text}).")
+
+
+@register("builtin")
+def make_builtin_backend(arg: str = "", **options: Any) -> BuiltinBackend:
+    return BuiltinBackend(**options)

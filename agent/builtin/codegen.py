@@ -1,0 +1,356 @@
+"""Render a plan into a candidate: kernels (jinja2 templates), C++ wrappers and the Python module."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import jinja2
+from torch.fx import Node
+
+from agent.builtin import pysource
+from agent.builtin.kernels import LANES, KernelGroup
+from agent.builtin.ops import c_float
+from agent.builtin.plan import Plan
+from agent.builtin.pysource import fmt, pytorch_statement, var
+from agent.builtin.trace import Traced
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+HEADER_PREFIX = "# kernelloop-builtin: "
+BLOCK_SIZES = (256, 128, 512)
+
+
+@dataclass(frozen=True)
+class Knobs:
+    fusion: str = "max"        # max | no_prologue | split | elementwise
+    vec: bool = True           # float4 loads (cuda) / omp simd (cpu)
+    block: int = 256           # threads per block (cuda); chunk/tile scale (cpu)
+    reduce: str = "onepass"    # onepass | twopass (logsumexp/softmax, norm statistics)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _env() -> jinja2.Environment:
+    global _ENV
+    if _ENV is None:
+        _ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)),
+                                  undefined=jinja2.StrictUndefined, trim_blocks=True,
+                                  lstrip_blocks=True, keep_trailing_newline=True,
+                                  autoescape=False)
+    return _ENV
+
+
+_ENV: Optional[jinja2.Environment] = None
+
+
+def render(template: str, **ctx: Any) -> str:
+    return _env().get_template(template).render(**ctx)
+
+
+# --------------------------------------------------------------------------------------
+# Per-group kernel and wrapper
+# --------------------------------------------------------------------------------------
+class GroupCode:
+    """KernelGroup plus roles of the norm parameters and the wrapper's statements."""
+
+    def __init__(self, kg: KernelGroup, device: str, knobs: Knobs):
+        self.kg = kg
+        self.device = device
+        self.knobs = knobs
+        self.roles: dict[str, int] = {}
+        if kg.core_info is not None and kg.kind == "norm":
+            names = self._param_roles()
+            for role, idx in zip(names, kg.params):
+                self.roles[role] = idx
+        self._layout_meta()
+
+    def _param_roles(self) -> list[str]:
+        info = self.kg.core_info
+        p = info.params
+        if info.op in ("group_norm", "instance_norm"):
+            return ["weight", "bias"] if p.get("affine") else []
+        if info.op == "layer_norm":
+            return (["weight"] if p.get("weight") else []) + (["bias"] if p.get("bias") else [])
+        roles = ["weight", "bias"] if p.get("affine") else []
+        if p.get("track"):
+            roles += ["running_mean", "running_var"]
+        return roles
+
+    # template helpers (g.*) -----------------------------------------------------------
+    def __getattr__(self, item: str) -> Any:
+        return getattr(self.kg, item)
+
+    def role(self, name: str) -> Optional[int]:
+        return self.roles.get(name)
+
+    @property
+    def fixed_meta(self) -> int:
+        return {"ew": 2, "reduce": 4, "norm": 11}[self.kg.kind]
+
+    def _layout_meta(self) -> None:
+        pos = self.fixed_meta
+        for acc in self.kg.runs_list():
+            acc.meta_pos = pos
+            pos += 3 * len(acc.runs)
+
+    @property
+    def uses_knobs(self) -> set[str]:
+        op = self.kg.op
+        used = set() if (self.device == "cpu" and self.kg.kind == "norm") else {"block"}
+        if self.device == "cuda" or self.kg.kind in ("ew", "norm") or op in ("softmax", "log_softmax"):
+            used.add("vec")
+        if self.kg.kind == "norm" or op in ("logsumexp", "softmax", "log_softmax"):
+            used.add("reduce")
+        return used
+
+    def kernel_source(self) -> str:
+        kg = self.kg
+        template = {"ew": "ew", "reduce": "reduce", "norm": "norm"}[kg.kind]
+        template = f"{'cuda' if self.device == 'cuda' else 'cpu'}_{template}." + ("cu.j2" if self.device == "cuda" else "cpp.j2")
+        eps = c_float(kg.core_info.params["eps"]) if kg.kind == "norm" else "0.f"
+        return render(template, g=self, op=kg.op, vec=self.knobs.vec, block=self.knobs.block,
+                      twopass=self.knobs.reduce == "twopass", lanes=LANES, eps=eps,
+                      blocks_per_sm=max(2048 // self.knobs.block, 1) * 2,
+                      chunk=self.knobs.block * 32, tile=max(self.knobs.block // 4, 16))
+
+    # wrapper ---------------------------------------------------------------------------
+    def wrapper(self) -> dict[str, Any]:
+        kg = self.kg
+        lines: list[str] = []
+        state = {self.roles.get("running_mean"), self.roles.get("running_var")} - {None}
+        for inp in kg.inputs:
+            fn = "kl_state" if inp.index in state else "kl_prep"
+            lines.append(f'torch::Tensor in{inp.index} = {fn}(t{inp.index}, who, "{_c_str(inp.label)}");')
+        rank = len(kg.p_shape)
+        sp_inputs = ", ".join(f"in{k}.sizes()" for k in kg.space_inputs)
+        lines.append(f"const std::vector<int64_t> sp = kl_broadcast({{{sp_inputs}}}, {rank}, who);")
+        lines.append("std::vector<long long> meta;")
+        lines.append(f"meta.push_back((long long)kl_prod(sp, 0, {rank}));")
+        shape_e = "sp"
+        fmeta = "0.0"
+        if kg.kind == "ew":
+            lines.append(f"meta.push_back((long long)kl_prod(sp, 0, {rank}));")
+            out_shape = "sp"
+        elif kg.kind == "reduce":
+            dims = kg.core_info.params["dims"]
+            d0, d1 = dims[0], dims[-1]
+            lines.append(f"meta.push_back((long long)kl_prod(sp, 0, {d0}));")
+            lines.append(f"meta.push_back((long long)kl_prod(sp, {d0}, {d1 + 1}));")
+            lines.append(f"meta.push_back((long long)kl_prod(sp, {d1 + 1}, {rank}));")
+            if kg.op in ("softmax", "log_softmax"):
+                out_shape = "sp"
+            else:
+                keep = kg.core_info.params["keepdim"]
+                parts = []
+                for d in range(rank):
+                    if d0 <= d <= d1:
+                        if keep:
+                            parts.append("1")
+                    else:
+                        parts.append(f"sp[{d}]")
+                lines.append(f"const std::vector<int64_t> osh{{{', '.join(parts)}}};")
+                out_shape = "osh"
+                shape_e = "osh"
+        else:
+            lines += self._norm_sizes(rank)
+            out_shape = "sp"
+            if kg.op == "batch_norm":
+                fmeta = "factor"
+        for acc in kg.accesses.values():
+            shape = "sp" if acc.space == "p" else shape_e
+            if acc.kind == "direct":
+                lines.append(f"kl_direct(in{acc.input}, {shape}, who);")
+            elif acc.kind == "scalar":
+                lines.append(f"kl_scalar(in{acc.input}, who);")
+        for acc in kg.runs_list():
+            shape = "sp" if acc.space == "p" else shape_e
+            runs = ", ".join(f"{{{a}, {b}}}" for a, b in acc.runs)
+            lines.append(f"kl_runs(in{acc.input}, {shape}, {{{runs}}}, meta, who);")
+        first = kg.space_inputs[0]
+        lines.append(f"torch::Tensor out = torch::empty({out_shape}, in{first}.options());")
+        sig = [f"torch::Tensor t{i.index}" for i in kg.inputs]
+        if kg.op == "batch_norm":
+            sig += ["bool use_batch", "bool update", "double factor"]
+        return {"name": kg.name, "describe": _c_str(kg.describe()), "signature": ", ".join(sig),
+                "body": lines, "in_ptrs": ", ".join(f"in{i.index}.data_ptr<float>()" for i in kg.inputs),
+                "fmeta": fmeta}
+
+    def _norm_sizes(self, rank: int) -> list[str]:
+        kg = self.kg
+        op = kg.op
+        p = kg.core_info.params
+        w, b = self.roles.get("weight"), self.roles.get("bias")
+        lines = []
+        if op == "layer_norm":
+            nd = p["nd"]
+            lines.append(f"const int64_t D = kl_prod(sp, {rank - nd}, {rank});")
+            lines.append(f"const int64_t rows = kl_prod(sp, 0, {rank - nd});")
+            vals = ["rows", "1", "D", "D", "D", "D", "1", "1"]
+            cnt = "D"
+        else:
+            lines.append("const int64_t N = sp[0], C = sp[1];")
+            lines.append(f"const int64_t S = kl_prod(sp, 2, {rank});")
+            cnt = "C"
+            if op == "group_norm":
+                g = p["groups"]
+                lines.append(f"TORCH_CHECK(C % {g} == 0, who, \": channels are not divisible by the groups\");")
+                lines.append(f"const int64_t cpg = C / {g};")
+                vals = [f"N * {g}", "1", "cpg * S", "cpg * S", "cpg * S", "C", "cpg", "S"]
+            elif op == "instance_norm":
+                vals = ["N * C", "1", "S", "S", "S", "C", "1", "S"]
+            else:
+                vals = ["C", "N", "S", "C * S", "S", "C", "1", "S"]
+        for v in vals:
+            lines.append(f"meta.push_back((long long)({v}));")
+        if op == "batch_norm":
+            lines.append("meta.push_back(use_batch ? 1 : 0);")
+            lines.append("meta.push_back(update ? 1 : 0);")
+        else:
+            lines.append("meta.push_back(1);")
+            lines.append("meta.push_back(0);")
+        for role in ("weight", "bias", "running_mean", "running_var"):
+            k = self.roles.get(role)
+            if k is not None:
+                lines.append(f'TORCH_CHECK(in{k}.numel() == {cnt}, who, ": {role} has the wrong size");')
+        return lines
+
+    def python_call(self) -> list[str]:
+        kg = self.kg
+        args = [i.py for i in kg.inputs]
+        out = var(kg.out_node)
+        if kg.op != "batch_norm":
+            return [f"{out} = _ext.{kg.name}({', '.join(args)})"]
+        path = kg.core_info.params["module"]
+        m = pysource.attr_path(path)
+        if kg.core_info.params.get("track"):
+            return [
+                f"_bn = {m}",
+                "_update = _bn.training and _bn.track_running_stats",
+                "if _update:",
+                "    _bn.num_batches_tracked.add_(1)",
+                "    _factor = (1.0 / float(_bn.num_batches_tracked)) if _bn.momentum is None else float(_bn.momentum)",
+                "else:",
+                "    _factor = 0.0",
+                f"{out} = _ext.{kg.name}({', '.join(args)}, bool(_bn.training), bool(_update), _factor)",
+            ]
+        return [f"{out} = _ext.{kg.name}({', '.join(args)}, True, False, 0.0)"]
+
+
+def _c_str(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', "'")
+
+
+# --------------------------------------------------------------------------------------
+# The whole candidate
+# --------------------------------------------------------------------------------------
+@dataclass
+class Rendered:
+    source: str
+    header: dict[str, Any]
+    groups: list[GroupCode] = field(default_factory=list)
+    knobs_used: set[str] = field(default_factory=set)
+
+
+def body_hash(source: str) -> str:
+    """Hash of a candidate without its header line: identical code, whatever the header says."""
+    lines = source.splitlines()
+    if lines and lines[0].startswith(HEADER_PREFIX):
+        lines = lines[1:]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def render_candidate(traced: Traced, plan: Plan, kgroups: list[KernelGroup], device: str,
+                     knobs: Knobs, header: dict[str, Any]) -> Rendered:
+    codes = [GroupCode(kg, device, knobs) for kg in kgroups]
+    kernels = "\n".join(c.kernel_source() for c in codes)
+    common = render("common.h.j2", device=device)
+    wrappers = render("wrapper.cpp.j2", device=device, wrappers=[c.wrapper() for c in codes])
+    if device == "cuda":
+        cuda_source = common + "\n" + kernels
+        cpp_source = wrappers
+    else:
+        cuda_source = ""
+        cpp_source = common + "\n" + kernels + "\n" + wrappers
+    digest = hashlib.sha256((cpp_source + cuda_source).encode()).hexdigest()[:16]
+    ext_name = f"kl_builtin_{device}_{digest}"
+    forward = emit_forward(traced, plan, codes)
+    used: set[str] = set()
+    for c in codes:
+        used |= c.uses_knobs
+    spec = traced.spec
+    summary = _summary(plan, codes)
+    source = render(
+        "candidate.py.j2",
+        header=json.dumps(header, sort_keys=True, separators=(",", ":")),
+        task_name=spec.name, summary=summary, groups=bool(codes), device=device,
+        prelude=pysource.task_prelude(spec), constants=pysource.constants_block(traced.constants),
+        cpp_source=cpp_source, cuda_source=cuda_source, ext_name=ext_name,
+        functions=repr([c.kg.name for c in codes]), layers=pysource.layers_class(spec),
+        forward=forward)
+    return Rendered(source=source, header=header, groups=codes, knobs_used=used)
+
+
+def _summary(plan: Plan, codes: list[GroupCode]) -> list[str]:
+    out = []
+    for c in codes:
+        out.append(f"{c.kg.name}: {c.kg.kind} kernel fusing {c.kg.describe()} "
+                   f"(nodes {', '.join(n.name for n in c.kg.nodes)})")
+    lib = [n.name for n, i in plan.infos.items() if i.kind == "library"]
+    if lib:
+        out.append(f"Library operators kept on PyTorch: {', '.join(lib)}.")
+    other = [f"{n.name} ({i.note})" for n, i in plan.infos.items() if i.kind == "other"]
+    if other:
+        out.append(f"Left on PyTorch: {'; '.join(other)}.")
+    if not codes:
+        out.append("Nothing could be fused: this candidate runs the library operators only.")
+    return out
+
+
+def emit_forward(traced: Traced, plan: Plan, codes: list[GroupCode]) -> str:
+    nodes = list(traced.gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    at_output = {c.kg.out_node: c for c in codes}
+    group_of = {n: c for c in codes for n in c.kg.nodes}
+    device_src = next((p for p in placeholders if p.meta.get("tensor_meta") is not None), None)
+    body: list[str] = []
+    for n in nodes:
+        info = plan.infos[n]
+        if n.op == "placeholder":
+            continue
+        if n.op == "output":
+            body.append(f"return {fmt(n.args[0])}")
+            continue
+        if n in group_of:
+            c = at_output.get(n)
+            if c is not None:
+                body.append(f"# {c.kg.name}: {c.kg.describe()}")
+                body.extend(c.python_call())
+            continue
+        if info.kind == "alias":
+            src = info.operands[0]
+            if isinstance(src, Node):
+                g = group_of.get(src)
+                if g is not None and g.kg.out_node is not src:
+                    continue      # its source lives inside a kernel, and so do all its users
+                suffix = ".contiguous()" if info.op == "contiguous" else ""
+                body.append(f"{var(n)} = {fmt(src)}{suffix}")
+                continue
+        if info.kind == "other":
+            body.append(f"# not covered by builtin: {info.op} ({info.note}); stays on PyTorch")
+        elif info.kind == "library":
+            body.append(f"# library operator {info.op}: stays on PyTorch")
+        elif info.fusible and n.name in plan.excluded:
+            body.append(f"# {info.op}: left to PyTorch after an earlier failure")
+        elif info.fusible:
+            body.append(f"# {info.op}: kept on PyTorch in this variant ({plan.fusion} fusion)")
+        stmt = pytorch_statement(n, traced.constants)
+        if n.op == "get_attr" and n.target in traced.constants and device_src is not None:
+            stmt += f".to({var(device_src)}.device)"
+        body.append(stmt)
+    sig = pysource.signature(placeholders)
+    text = [f"    def forward({sig}):"]
+    text += ["        " + line for line in body]
+    return "\n".join(text)

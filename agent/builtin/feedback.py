@@ -1,0 +1,176 @@
+"""Reading the generator's own earlier attempts back from ``ProposalRequest.history``.
+
+Each generated source starts with ``# kernelloop-builtin: {json}`` recording its knobs and
+its groups (node names). From the history the generator derives:
+
+* ``cuts``/``excluded``: a group that failed (compile error, load error, runtime error,
+  timeout, incorrect output) and was never part of a correct attempt is narrowed - split
+  around its core, halved, or (a single operator) left to PyTorch. A compiler or runtime
+  message that names one kernel (``kl_g3``) blames that group alone;
+* ``bad knobs``: a failure whose groups all appear in correct attempts blames the knobs;
+* ``best``: the fastest correct attempt, around which exploration continues;
+* ``seen``: hashes of every earlier source body, so no identical source is proposed twice.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from agent.builtin.codegen import BLOCK_SIZES, HEADER_PREFIX, Knobs, body_hash
+from agent.builtin.plan import FUSION_MODES, narrow
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # agent.types pulls in pydantic; the generator itself needs only torch and jinja2
+    from agent.types import AttemptView
+
+FAILED = {"compile_error", "load_error", "runtime_error", "timeout", "incorrect"}
+_GROUP_RE = re.compile(r"\bkl_g(\d+)(?!\d)")
+
+
+def parse_header(source: Optional[str]) -> Optional[dict[str, Any]]:
+    if not source:
+        return None
+    for line in source.splitlines()[:3]:
+        if line.startswith(HEADER_PREFIX):
+            try:
+                value = json.loads(line[len(HEADER_PREFIX):])
+            except json.JSONDecodeError:
+                return None
+            return value if isinstance(value, dict) else None
+    return None
+
+
+@dataclass
+class Feedback:
+    cuts: set[str] = field(default_factory=set)
+    excluded: set[str] = field(default_factory=set)
+    bad_knobs: set[tuple[str, Any]] = field(default_factory=set)
+    bad_combos: set[frozenset] = field(default_factory=set)
+    seen: set[str] = field(default_factory=set)
+    best: Optional[dict[str, Any]] = None          # header of the fastest correct attempt
+    best_ms: Optional[float] = None
+    notes: list[str] = field(default_factory=list)
+
+    def knob_ok(self, k: Knobs) -> bool:
+        items = frozenset(k.as_dict().items())
+        return items not in self.bad_combos and not (set(k.as_dict().items()) & self.bad_knobs)
+
+
+def _named_groups(att: AttemptView, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The group a failure points at: by the compiler's line in the candidate source, or by a
+    kernel name in the first compiler error / the runtime error message (never the whole log,
+    which names every kernel)."""
+    names = {g["name"]: g for g in groups}
+    r = att.result
+    if r is None:
+        return []
+    if r.build is not None and r.build.first_error_line and att.source:
+        g = _group_at_line(att.source, r.build.first_error_line)
+        if g in names:
+            return [names[g]]
+    texts = [r.build.first_error if r.build is not None else None, r.error_message]
+    for text in texts:
+        if not text:
+            continue
+        found = [f"kl_g{m}" for m in _GROUP_RE.findall(text)]
+        hits = [names[f] for f in dict.fromkeys(found) if f in names]
+        if hits:
+            return hits[:1]
+    return []
+
+
+def _group_at_line(source: str, line: int) -> Optional[str]:
+    lines = source.splitlines()
+    current = None
+    for i, text in enumerate(lines[:line], start=1):
+        m = re.search(r"// ---- (kl_g\d+) (begin|end)", text)
+        if m:
+            current = m.group(1) if m.group(2) == "begin" else None
+    return current
+
+
+def _knobs_of(header: dict[str, Any]) -> dict[str, Any]:
+    return dict(header.get("knobs") or {})
+
+
+def read_history(history: list[AttemptView], device: str) -> Feedback:
+    fb = Feedback()
+    ours: list[tuple[AttemptView, dict[str, Any]]] = []
+    for att in sorted(history, key=lambda a: (a.round, a.attempt_id)):
+        if att.source:
+            fb.seen.add(body_hash(att.source))
+        h = parse_header(att.source)
+        if h is None or h.get("device") != device or att.result is None:
+            continue
+        ours.append((att, h))
+    correct = [(a, h) for a, h in ours if a.result.correct]
+    proven = {tuple(g["nodes"]) for _, h in correct for g in h.get("groups", [])}
+    good_values = {kv for _, h in correct for kv in _knobs_of(h).items()}
+    for att, h in correct:
+        t = att.result.candidate_time.median_ms if att.result.candidate_time else None
+        if t is None:
+            continue
+        if fb.best_ms is None or t < fb.best_ms:
+            fb.best, fb.best_ms = h, t
+    if fb.best is None and correct:
+        fb.best = correct[0][1]
+    for att, h in ours:
+        status = att.result.status.value if hasattr(att.result.status, "value") else str(att.result.status)
+        if status not in FAILED:
+            continue
+        groups = h.get("groups", [])
+        if not groups:
+            continue
+        knobs = _knobs_of(h)
+        named = _named_groups(att, groups)
+        pool = named or groups
+        culprits = [g for g in pool if tuple(g["nodes"]) not in proven]
+        if knobs:
+            fb.bad_combos.add(frozenset(knobs.items()))
+        if not culprits:
+            bad = {kv for kv in knobs.items() if kv not in good_values}
+            fb.bad_knobs |= bad
+            fb.notes.append(f"attempt {att.attempt_id} ({status}): its groups all ran correctly elsewhere; "
+                            f"blaming knobs {sorted(bad) or sorted(knobs.items())}")
+            continue
+        for g in culprits:
+            cuts, excl = narrow(list(g["nodes"]), list(g.get("kinds", [])))
+            fb.cuts |= cuts
+            fb.excluded |= excl
+            what = f"left {', '.join(sorted(excl))} to PyTorch" if excl else f"cut after {', '.join(sorted(cuts))}"
+            fb.notes.append(f"attempt {att.attempt_id} ({status}): group {g['name']} "
+                            f"({' -> '.join(g.get('ops', []))}) narrowed: {what}")
+    return fb
+
+
+DEFAULT_ORDER = [
+    Knobs("max", True, 256, "onepass"),
+    Knobs("max", False, 256, "twopass"),
+    Knobs("max", True, 512, "twopass"),
+    Knobs("no_prologue", True, 256, "onepass"),
+    Knobs("elementwise", True, 256, "onepass"),
+    Knobs("max", True, 128, "onepass"),
+    Knobs("split", True, 256, "twopass"),
+]
+ALL_KNOBS = [Knobs(f, v, b, r) for f in FUSION_MODES for v in (True, False) for b in BLOCK_SIZES
+             for r in ("onepass", "twopass")]
+_PRIORITY = {"block": 0, "vec": 1, "reduce": 2, "fusion": 3}
+
+
+def variant_order(fb: Feedback) -> list[Knobs]:
+    """Knob settings to try, best first: around the fastest correct attempt, else the default order."""
+    if fb.best is not None and _knobs_of(fb.best):
+        base = _knobs_of(fb.best)
+
+        def key(k: Knobs) -> tuple:
+            d = k.as_dict()
+            diff = [name for name in d if d[name] != base.get(name)]
+            return (len(diff), sorted(_PRIORITY[n] for n in diff), ALL_KNOBS.index(k))
+
+        order = sorted(ALL_KNOBS, key=key)
+    else:
+        order = DEFAULT_ORDER + [k for k in ALL_KNOBS if k not in DEFAULT_ORDER]
+    good = [k for k in order if fb.knob_ok(k)]
+    return good + [k for k in order if k not in good]

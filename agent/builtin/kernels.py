@@ -1,0 +1,276 @@
+"""From a fusion group to kernel code: operand accesses, element bodies, launch metadata.
+
+One ``KernelGroup`` describes everything the templates need for one group:
+
+* ``inputs``: the external tensors (FX nodes or ``self.<module>.<param>``) the kernel reads;
+* ``accesses``: how each input is indexed in each *space* - ``p`` (the core's input shape,
+  or the whole shape of an elementwise group) and ``e`` (the core's output shape):
+  ``direct`` (same shape), ``scalar`` (one element) or broadcast ``runs`` (each run of
+  adjacent non-broadcast dimensions contributes ``((i / inner) % count) * stride``);
+* ``meta``: the int64 values the C++ wrapper computes at run time (sizes and run
+  parameters) in the order the launcher unpacks them;
+* the element bodies (C statements) of the prologue and epilogue, as functions of the
+  flat index variable and of the vector lane (float4 loads), rendered by the templates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from torch.fx import Node
+
+from agent.builtin.ops import ModuleAttr, OpInfo, c_float, ew_expr, shape_of
+from agent.builtin.plan import Group, Plan
+
+LANES = ("x", "y", "z", "w")
+Value = Union[Node, ModuleAttr]
+
+
+@dataclass
+class Access:
+    input: int
+    space: str                       # p | e
+    kind: str                        # direct | scalar | runs
+    runs: list[tuple[int, int]] = field(default_factory=list)   # (first, last) dims of the space
+    meta_pos: int = -1               # first meta slot of the runs
+
+    @property
+    def name(self) -> str:
+        return f"r{self.input}{self.space}"
+
+
+@dataclass
+class Input:
+    index: int
+    value: Value
+    shape: tuple[int, ...]
+
+    @property
+    def py(self) -> str:
+        from agent.builtin.pysource import attr_path, var
+        if isinstance(self.value, ModuleAttr):
+            return attr_path(f"{self.value.path}.{self.value.attr}")
+        return var(self.value)
+
+    @property
+    def label(self) -> str:
+        return self.value.key if isinstance(self.value, ModuleAttr) else self.value.name
+
+
+def _access(inp: Input, space_shape: tuple[int, ...], space: str) -> Access:
+    shp = tuple(inp.shape)
+    rank = len(space_shape)
+    if len(shp) > rank:
+        raise ValueError(f"input {inp.label} has a larger rank than its space")
+    al = (1,) * (rank - len(shp)) + shp
+    if _numel(shp) == 1:
+        return Access(inp.index, space, "scalar")
+    if al == tuple(space_shape):
+        return Access(inp.index, space, "direct")
+    runs: list[tuple[int, int]] = []
+    d = 0
+    while d < rank:
+        if al[d] != 1:
+            start = d
+            while d + 1 < rank and al[d + 1] != 1:
+                d += 1
+            runs.append((start, d))
+        d += 1
+    for a, b in runs:
+        for k in range(a, b + 1):
+            if al[k] != space_shape[k]:
+                raise ValueError(f"input {inp.label} does not broadcast to its space")
+    return Access(inp.index, space, "runs", runs)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+class KernelGroup:
+    """The code-generation view of one fusion group."""
+
+    def __init__(self, plan: Plan, group: Group):
+        self.plan = plan
+        self.group = group
+        self.name = group.name
+        infos = plan.infos
+        self.nodes = group.nodes
+        self.core: Optional[Node] = plan.core_of(group)
+        self.core_info: Optional[OpInfo] = infos[self.core] if self.core is not None else None
+        if self.core is None:
+            self.kind = "ew"
+            self.prologue_nodes = list(group.nodes)
+            self.epilogue_nodes: list[Node] = []
+        else:
+            i = group.nodes.index(self.core)
+            self.kind = self.core_info.kind
+            self.prologue_nodes = group.nodes[:i]
+            self.epilogue_nodes = group.nodes[i + 1:]
+        self.op = self.core_info.op if self.core_info else "elementwise"
+        self.members = set(group.nodes)
+        # spaces
+        if self.core is None:
+            self.p_shape = shape_of(group.nodes[0])
+            self.e_shape = self.p_shape
+        else:
+            self.p_shape = shape_of(self.core_info.operands[0])
+            self.e_shape = shape_of(self.core)
+        self.same_space = self.kind == "norm" or self.op in ("softmax", "log_softmax") or self.core is None
+        self.epi_space = "p" if self.same_space else "e"
+        # inputs and accesses
+        self.inputs: list[Input] = []
+        self._input_of: dict[Any, int] = {}
+        self.accesses: dict[tuple[int, str], Access] = {}
+        for n in self.prologue_nodes:
+            self._use_operands(n, "p")
+        if self.core is not None:
+            data = self.core_info.operands[0]
+            if data not in self.members:
+                self._use(data, "p")
+            self.params: list[int] = [self._add_input(v) for v in self.core_info.operands[1:]]
+        else:
+            self.params = []
+        for n in self.epilogue_nodes:
+            self._use_operands(n, self.epi_space)
+        self.out_node = group.output
+        self.ops = [infos[n].op for n in group.nodes]
+        self.meta: list[str] = []          # C++ expressions pushed by the wrapper, in order
+        self.knobs_used: set[str] = set()
+
+    # ---------------------------------------------------------------------------------
+    def _add_input(self, value: Value) -> int:
+        key = value.key if isinstance(value, ModuleAttr) else value
+        if key not in self._input_of:
+            shp = value.shape if isinstance(value, ModuleAttr) else shape_of(value)
+            self._input_of[key] = len(self.inputs)
+            self.inputs.append(Input(len(self.inputs), value, tuple(shp)))
+        return self._input_of[key]
+
+    def _use(self, value: Value, space: str) -> Access:
+        k = self._add_input(value)
+        if (k, space) not in self.accesses:
+            shape = self.p_shape if space == "p" else self.e_shape
+            self.accesses[(k, space)] = _access(self.inputs[k], shape, space)
+        return self.accesses[(k, space)]
+
+    def _use_operands(self, n: Node, space: str) -> None:
+        for o in self.plan.infos[n].operands:
+            if isinstance(o, Node) and o not in self.members:
+                self._use(o, space)
+
+    # ---------------------------------------------------------------------------------
+    @property
+    def space_inputs(self) -> list[int]:
+        """Inputs whose shapes define the ``p`` space (broadcast together at run time)."""
+        return sorted({k for (k, s) in self.accesses if s == "p"})
+
+    def runs_list(self) -> list[Access]:
+        return [a for a in self.accesses.values() if a.kind == "runs"]
+
+    def direct(self, space: str) -> list[int]:
+        return sorted(k for (k, s), a in self.accesses.items() if s == space and a.kind == "direct")
+
+    def scalars(self) -> list[int]:
+        return sorted({k for (k, s), a in self.accesses.items() if a.kind == "scalar"})
+
+    # ---------------------------------------------------------------------------------
+    def var(self, n: Node) -> str:
+        return f"t_{n.name}"
+
+    def _load_expr(self, acc: Access, index: str, lane: Optional[int]) -> str:
+        k = acc.input
+        if acc.kind == "scalar":
+            return f"s{k}"
+        if acc.kind == "direct":
+            if lane is not None:
+                return f"v{k}.{LANES[lane]}"
+            return f"in{k}[{index}]"
+        terms = " + ".join(f"kl_off({index}, {acc.name}{j})" for j in range(len(acc.runs)))
+        return f"in{k}[{terms}]"
+
+    def _operand(self, o: Any, loads: dict[int, str]) -> str:
+        if isinstance(o, Node):
+            if o in self.members:
+                return self.var(o)
+            return loads[self._input_of[o]]
+        return c_float(o)
+
+    def _body(self, nodes: list[Node], space: str, index: str, lane: Optional[int], prefix: str,
+              extra_loads: Optional[list[Value]] = None) -> tuple[list[str], dict[int, str]]:
+        lines: list[str] = []
+        loads: dict[int, str] = {}
+        wanted: list[int] = []
+        for n in nodes:
+            for o in self.plan.infos[n].operands:
+                if isinstance(o, Node) and o not in self.members:
+                    wanted.append(self._input_of[o])
+        for v in extra_loads or []:
+            wanted.append(self._input_of[v.key if isinstance(v, ModuleAttr) else v])
+        for k in dict.fromkeys(wanted):
+            acc = self.accesses[(k, space)]
+            name = f"{prefix}{k}"
+            lines.append(f"const float {name} = {self._load_expr(acc, index, lane)};")
+            loads[k] = name
+        for n in nodes:
+            info = self.plan.infos[n]
+            args = [self._operand(o, loads) for o in info.operands]
+            lines.append(f"const float {self.var(n)} = {ew_expr(info.op, args, info.params)};")
+        return lines, loads
+
+    def prologue(self, index: str = "i", lane: Optional[int] = None, assign: bool = False) -> str:
+        """Statements computing every prologue value and ``x`` (the core's input, or the output);
+        ``assign``: assign an ``x`` declared outside instead of declaring it."""
+        decl = "x = " if assign else "const float x = "
+        if self.core is None:
+            lines, _ = self._body(self.prologue_nodes, "p", index, lane, "a")
+            lines.append(f"{decl}{self.var(self.out_node)};")
+            return "\n".join(lines)
+        data = self.core_info.operands[0]
+        extra = [] if data in self.members else [data]
+        lines, loads = self._body(self.prologue_nodes, "p", index, lane, "a", extra)
+        x = self.var(data) if data in self.members else loads[self._input_of[data]]
+        lines.append(f"{decl}{x};")
+        return "\n".join(lines)
+
+    @property
+    def cache_ok(self) -> bool:
+        """The write pass can take ``x`` from a cache: no epilogue operator reads a prologue value."""
+        pro = set(self.prologue_nodes)
+        return not any(o in pro for n in self.epilogue_nodes for o in self.plan.infos[n].operands
+                       if isinstance(o, Node))
+
+    def epilogue(self, core_value: str, index: str, lane: Optional[int] = None) -> str:
+        """Statements after the core: ``t_<core> = core_value`` then the epilogue; result in ``z``."""
+        lines = [f"const float {self.var(self.core)} = {core_value};"]
+        body, _ = self._body(self.epilogue_nodes, self.epi_space, index, lane, "b")
+        lines += body
+        lines.append(f"const float z = {self.var(self.out_node)};")
+        return "\n".join(lines)
+
+    def run_params(self, itype: str) -> str:
+        parts = []
+        for acc in self.runs_list():
+            for j in range(len(acc.runs)):
+                parts.append(f"const KlRun<{itype}> {acc.name}{j}")
+        return ", ".join(parts)
+
+    def run_args(self, itype: str) -> str:
+        parts = []
+        for acc in self.runs_list():
+            for j in range(len(acc.runs)):
+                p = acc.meta_pos + 3 * j
+                parts.append(f"KlRun<{itype}>{{({itype})meta[{p}], ({itype})meta[{p + 1}], ({itype})meta[{p + 2}]}}")
+        return ", ".join(parts)
+
+    def in_params(self) -> str:
+        return ", ".join(f"const float* __restrict__ in{i.index}" for i in self.inputs)
+
+    def in_args(self) -> str:
+        return ", ".join(f"ins[{i.index}]" for i in self.inputs)
+
+    def describe(self) -> str:
+        return " -> ".join(self.ops)

@@ -1,0 +1,138 @@
+"""Trace a task's reference with torch.fx and propagate shapes without running it for real.
+
+The model is built on the ``meta`` device (sizes on the GPU can be huge), traced with
+``symbolic_trace`` and shape-propagated with meta inputs. Where the meta device cannot
+run the model, the task's CPU sizes and real tensors are used instead (shapes only feed
+the plan: the generated kernels read every size at run time). The caller's RNG state
+is never disturbed.
+"""
+from __future__ import annotations
+
+import operator
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+from torch.fx import GraphModule, Node, symbolic_trace
+from torch.fx.passes.shape_prop import ShapeProp
+
+from sandbox.tasks import TaskSpec, load_task, with_device_sizes
+
+
+@dataclass
+class Traced:
+    spec: TaskSpec                           # the device-sized spec the trace used
+    device: str
+    gm: Optional[GraphModule] = None
+    modules: dict[str, nn.Module] = field(default_factory=dict)
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)   # get_attr targets the model lacks
+    error: Optional[str] = None              # why tracing failed (then gm is None)
+    how: str = "meta"                        # meta | cpu
+
+    @property
+    def ok(self) -> bool:
+        return self.gm is not None
+
+
+_CACHE: dict[tuple[str, str, str], Traced] = {}
+_LOCK = threading.Lock()
+
+
+def trace_task(spec: TaskSpec, device: str) -> Traced:
+    """The (cached) trace of a task. Serialised: the backend runs samples in threads, and tracing
+    uses process-wide state (the default-device mode, the RNG it saves and restores)."""
+    key = (spec.key, spec.name, device)
+    with _LOCK:
+        hit = _CACHE.get(key)
+        if hit is None:
+            hit = _trace(spec, device)
+            if len(_CACHE) > 64:
+                _CACHE.clear()
+            _CACHE[key] = hit
+        return hit
+
+
+def _trace(spec: TaskSpec, device: str) -> Traced:
+    dev_spec = with_device_sizes(spec, device)
+    errors = []
+    for how in ("meta", "cpu"):
+        use = dev_spec if how == "meta" else with_device_sizes(spec, "cpu")
+        try:
+            with torch.random.fork_rng(devices=[]):
+                return _trace_with(use, device, how)
+        except Exception as exc:  # noqa: BLE001 - any failure moves on to the next way
+            errors.append(f"{how}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    return Traced(spec=dev_spec, device=device, error="; ".join(errors))
+
+
+def _trace_with(spec: TaskSpec, device: str, how: str) -> Traced:
+    task = load_task(spec, validate=False)
+    if how == "meta":
+        with torch.device("meta"):
+            init = task.get_init_inputs()
+            model = task.Model(*init)
+            inputs = task.get_inputs()
+    else:
+        torch.manual_seed(0)
+        init = task.get_init_inputs()
+        model = task.Model(*init)
+        inputs = task.get_inputs()
+    gm = symbolic_trace(model)
+    ShapeProp(gm).propagate(*inputs)
+    _rewrite_tuple_reductions(gm)
+    modules = dict(gm.named_modules())
+    known = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+    constants: dict[str, torch.Tensor] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target not in known:
+            try:
+                value = _get_path(model, node.target)
+            except AttributeError:
+                value = _get_path(gm, node.target)
+                if not isinstance(value, torch.Tensor) or value.numel() > 4096 or value.is_meta:
+                    raise ValueError(f"the trace holds a tensor constant {node.target} that the model lacks")
+                constants[node.target] = value.detach().cpu().clone()
+    return Traced(spec=spec, device=device, gm=gm, modules=modules, constants=constants, how=how)
+
+
+def _get_path(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _rewrite_tuple_reductions(gm: GraphModule) -> None:
+    """``torch.max(x, dim)[0]`` / ``x.max(dim).values`` -> ``torch.amax(x, dim)`` where only values are used."""
+    for node in list(gm.graph.nodes):
+        is_max = (node.op == "call_function" and node.target in (torch.max, torch.min)) or \
+                 (node.op == "call_method" and node.target in ("max", "min"))
+        if not is_max:
+            continue
+        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+        if dim is None or isinstance(dim, Node):
+            continue
+        keepdim = node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False)
+        users = list(node.users)
+        if not users or not all(_is_values_of(u) for u in users):
+            continue
+        name = "max" if (node.target in (torch.max, "max")) else "min"
+        fn = torch.amax if name == "max" else torch.amin
+        with gm.graph.inserting_after(node):
+            new = gm.graph.call_function(fn, (node.args[0],), {"dim": dim, "keepdim": bool(keepdim)})
+        new.meta = dict(users[0].meta)
+        for u in users:
+            u.replace_all_uses_with(new)
+            gm.graph.erase_node(u)
+        gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _is_values_of(user: Node) -> bool:
+    if user.op != "call_function":
+        return False
+    if user.target is operator.getitem and len(user.args) == 2 and user.args[1] == 0:
+        return True
+    return user.target is getattr and len(user.args) == 2 and user.args[1] == "values"
