@@ -1,0 +1,155 @@
+"""The LLM critic: a language model's analysis, its numbers checked against the evidence.
+
+The prompt (``prompts/critic_system.j2`` + ``prompts/critic_task.j2``) carries the task's
+source, every attempt's code (capped) with its stored evidence, and the grounded critic's
+findings. The answer is kept as written, but every number with a unit in it (runtimes,
+speedups, shares, bandwidths, FLOP or byte counts) is checked against the stored figures:
+those that match nothing are listed in an appended "Numbers not found in the evidence"
+section and as ``unverified_number`` findings. The structured findings are the grounded
+critic's (a model's prose is not parsed into claims), plus those.
+
+When the backend fails (``Completion.error``, an exception, an empty answer) the analysis
+is the grounded critic's, with a note saying so; the failed completion is still returned
+so the call can be recorded.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+import jinja2
+
+from agent.critic.base import register
+from agent.critic.grounded import (GroundedCritic, evidence_lines, reference_profile_lines, task_context)
+from agent.critic.numbers import check_text, evidence_figures, unverified_section
+from agent.types import AnalysisOut, AttemptView, Completion, DeviceFacts, Finding
+from sandbox.tasks import TaskSpec, with_device_sizes
+
+SYSTEM_TEMPLATE = "critic_system.j2"
+TASK_TEMPLATE = "critic_task.j2"
+TEMPLATE = "critic_task"            # the name recorded with the model call
+
+MAX_CODE_CHARS = 6000               # per attempt
+MAX_TASK_CHARS = 8000
+
+
+def environment() -> jinja2.Environment:
+    from kernelloop.paths import prompts_dir
+
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(prompts_dir())), undefined=jinja2.StrictUndefined,
+                              autoescape=False, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+
+
+def cap_code(source: str, limit: int) -> tuple[str, bool]:
+    """``source`` cut to ``limit`` characters: its head and tail, the cut marked."""
+    if len(source) <= limit:
+        return source, False
+    head = source[: int(limit * 0.7)]
+    tail = source[-int(limit * 0.25):]
+    head = head[: head.rfind("\n") + 1] or head
+    tail = tail[tail.find("\n") + 1:] if "\n" in tail else tail
+    cut = len(source) - len(head) - len(tail)
+    return f"{head}# ... [{cut} characters cut] ...\n{tail}", True
+
+
+def strip_reasoning(text: str) -> str:
+    """Drop a reasoning preamble a model may emit before its answer (``<think>...</think>``)."""
+    if "</think>" in text:
+        text = text.rsplit("</think>", 1)[1]
+    text = re.sub(r"<think>.*?</think>", "", text, flags=re.DOTALL)
+    return text.strip()
+
+
+@register("llm")
+class LLMCritic:
+    name = "llm"
+
+    def __init__(self, backend: Any = None, max_code_chars: int = MAX_CODE_CHARS,
+                 include_grounded: bool = True, **_options: Any):
+        if backend is None or not hasattr(backend, "chat"):
+            raise ValueError("the llm critic needs a model backend with a chat(messages) method "
+                             "(e.g. agent.backends.base.get_backend('openai:<model>'))")
+        self.backend = backend
+        self.max_code_chars = max_code_chars
+        self.include_grounded = include_grounded
+        self.grounded = GroundedCritic()
+
+    # ------------------------------------------------------------------ prompt
+    def context(self, task: TaskSpec, attempts: list[AttemptView], device: DeviceFacts,
+                grounded: Optional[AnalysisOut]) -> dict[str, Any]:
+        ctx = task_context(task, device)
+        diags = {d.attempt.attempt_id: d for d in self.grounded.diagnose(task, attempts, device)}
+        spec = with_device_sizes(task, device.device) if device else task
+        rows = []
+        for a in sorted(attempts, key=lambda x: (x.round, x.sample, x.attempt_id)):
+            code, cut = cap_code(a.source or "", self.max_code_chars) if a.source else ("", False)
+            d = diags.get(a.attempt_id)
+            rows.append({"id": a.attempt_id, "round": a.round, "sample": a.sample,
+                         "verdict": d.verdict if d else (a.result.status.value if a.result else "no candidate"),
+                         "evidence": evidence_lines(a), "code": code, "code_cut": cut})
+        device_lines = []
+        if device is not None:
+            if device.bandwidth_gbps:
+                device_lines.append(f"measured memory bandwidth: {device.bandwidth_gbps:.0f} GB/s")
+            if device.tflops:
+                device_lines.append("measured peak: " + ", ".join(
+                    f"{k} {v:.3g} TFLOP/s" for k, v in sorted(device.tflops.items())))
+            if device.sm_count:
+                device_lines.append(f"SMs: {device.sm_count}")
+        source, _ = cap_code(task.source, MAX_TASK_CHARS)
+        grounded_lines = []
+        if grounded is not None and self.include_grounded:
+            grounded_lines = [f"attempt {f.attempt_id}: [{f.category}] {f.cause}" if f.attempt_id is not None
+                              else f"[{f.category}] {f.cause}" for f in grounded.findings
+                              if f.category not in ("best",)]
+        sizes = ", ".join(f"{k}={v!r}" for k, v in sorted(spec.overrides.items())) if spec.overrides else ""
+        return {"task": task, "task_source": source, "device": device, "device_lines": device_lines,
+                "sizes": sizes, "attempts": rows, "reference_profile": reference_profile_lines(attempts),
+                "grounded": grounded_lines, "constants": ctx.constants}
+
+    def messages(self, task: TaskSpec, attempts: list[AttemptView], device: DeviceFacts,
+                 grounded: Optional[AnalysisOut] = None) -> list[dict[str, str]]:
+        env = environment()
+        ctx = self.context(task, attempts, device, grounded)
+        system = env.get_template(SYSTEM_TEMPLATE).render(**ctx).strip()
+        user = env.get_template(TASK_TEMPLATE).render(**ctx).strip()
+        return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+    # ------------------------------------------------------------------ analysis
+    def analyze(self, task: TaskSpec, attempts: list[AttemptView], device: DeviceFacts) -> AnalysisOut:
+        grounded = self.grounded.analyze(task, attempts, device)
+        messages = self.messages(task, attempts, device, grounded)
+        model_name = getattr(self.backend, "name", type(self.backend).__name__)
+        try:
+            completion = self.backend.chat(messages)
+        except Exception as exc:  # noqa: BLE001 - any backend failure falls back to the grounded analysis
+            completion = Completion(text="", model=model_name, error=f"{type(exc).__name__}: {exc}")
+        text = strip_reasoning(completion.text or "") if completion.error is None else ""
+        if completion.error is not None or not text:
+            why = completion.error or "the model returned an empty answer"
+            note = (f"> The language-model critic ({model_name}) failed: {why}. "
+                    f"This is the grounded analysis of the stored evidence instead.\n\n")
+            findings = list(grounded.findings) + [
+                Finding(attempt_id=None, category="llm_failed", cause=f"the llm critic failed ({why}); "
+                                                                      f"grounded analysis used")]
+            return AnalysisOut(critic="grounded", markdown=note + grounded.markdown, findings=findings,
+                               completion=completion, template=TEMPLATE, messages=messages)
+        evidence = evidence_figures(attempts, device)
+        unverified = check_text(text, evidence)
+        markdown = text.rstrip() + "\n"
+        if completion.finish_reason == "length":
+            markdown += "\n> The model's answer was cut off (finish_reason=length).\n"
+        findings = list(grounded.findings)
+        if unverified:
+            markdown += unverified_section(unverified)
+            seen = set()
+            for q in unverified:
+                key = (q.text, q.unit)
+                if key in seen:
+                    continue
+                seen.add(key)
+                findings.append(Finding(attempt_id=None, category="unverified_number",
+                                        cause=f"the analysis quotes {q} which matches no stored figure",
+                                        evidence=[q.context], numbers={"quoted": q.value, "unit": q.unit}))
+        return AnalysisOut(critic=self.name, markdown=markdown, findings=findings, completion=completion,
+                           template=TEMPLATE, messages=messages)

@@ -1,0 +1,482 @@
+"""Numbers in an analysis, checked against the evidence they claim to quote.
+
+An analysis may only quote figures that are stored (an ``EvalResult`` field, a kernel's
+share in a profile, a device ceiling) or follow from stored figures by one documented
+step (a fraction written as a percentage, the sum of a group of kernels' shares, the ratio
+of two stored runtimes). ``evidence_figures`` lists them, each with its dimension;
+``extract_quantities`` finds the numbers a markdown text quotes, with their units;
+``check_text`` returns the quoted numbers that no figure explains.
+
+A quoted number matches a figure of the same dimension when the figure, written in the
+quoted unit and rounded to the quoted precision, gives the quoted digits (half a unit of
+the last quoted digit either way). So "0.312 ms" matches a stored 0.31234 ms, but
+"30.8 seconds" does not match a stored 30.8 ms, and "1.5x" does not match 1.23.
+
+The formatting functions (``fmt_ms``, ``fmt_x``, ``fmt_pct``, ``fmt_num``) are the ones the
+grounded critic writes with, so its own text always checks.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from typing import Any, Iterable, Optional
+
+# --------------------------------------------------------------------------------------
+# formatting (used by the critics, and by the tests that check them)
+# --------------------------------------------------------------------------------------
+
+
+def sig(value: float, digits: int = 3) -> str:
+    """``value`` with ``digits`` significant figures, in positional notation (no exponent)."""
+    if value == 0 or not math.isfinite(value):
+        return "0" if value == 0 else str(value)
+    exponent = math.floor(math.log10(abs(value)))
+    decimals = max(digits - 1 - exponent, 0)
+    text = f"{value:.{decimals}f}"
+    # rounding can carry into a new digit (9.996 -> 10.00): drop the extra decimal
+    if decimals > 0 and len(text.replace("-", "").replace(".", "").lstrip("0")) > digits:
+        text = f"{value:.{decimals - 1}f}"
+    return text
+
+
+def fmt_ms(value_ms: float) -> str:
+    return f"{sig(value_ms, 3)} ms"
+
+
+def fmt_us(value_us: float) -> str:
+    return f"{sig(value_us, 3)} us"
+
+
+def fmt_s(value_s: float) -> str:
+    return f"{sig(value_s, 3)} s"
+
+
+def fmt_x(ratio: float) -> str:
+    return f"{ratio:.2f}x"
+
+
+def fmt_pct(fraction: float) -> str:
+    """A stored fraction (0..1) written as a percentage."""
+    return f"{sig(fraction * 100.0, 3)}%"
+
+
+def fmt_num(value: float) -> str:
+    """A unitless measured value (an error, a tolerance): three significant figures."""
+    if value is None:
+        return "n/a"
+    if not math.isfinite(value):
+        return "inf" if value > 0 else ("-inf" if value < 0 else "nan")
+    if value == 0:
+        return "0"
+    if 1e-3 <= abs(value) < 1e4:
+        return sig(value, 3)
+    return f"{value:.2e}"
+
+
+# --------------------------------------------------------------------------------------
+# units
+# --------------------------------------------------------------------------------------
+
+# dimension -> {unit spelling (lower-case unless noted): factor to the dimension's base unit}
+# base units: time -> ms, ratio -> x, percent -> %, bandwidth -> GB/s, rate -> FLOP/s,
+# flops -> FLOP, bytes -> B
+_TIME = {"ns": 1e-6, "nanosecond": 1e-6, "nanoseconds": 1e-6,
+         "us": 1e-3, "µs": 1e-3, "μs": 1e-3, "usec": 1e-3, "microsecond": 1e-3, "microseconds": 1e-3,
+         "ms": 1.0, "msec": 1.0, "millisecond": 1.0, "milliseconds": 1.0,
+         "s": 1e3, "sec": 1e3, "secs": 1e3, "second": 1e3, "seconds": 1e3}
+_RATIO = {"x": 1.0, "×": 1.0, "times": 1.0}
+_PERCENT = {"%": 1.0, "percent": 1.0}
+_BANDWIDTH = {"tb/s": 1e3, "gb/s": 1.0, "gib/s": 1.073741824, "mb/s": 1e-3, "tbps": 1e3, "gbps": 1.0}
+_BYTES = {"b": 1.0, "bytes": 1.0, "byte": 1.0, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+          "kib": 1024.0, "mib": 1024.0 ** 2, "gib": 1024.0 ** 3}
+_SCALE_WORDS = {"thousand": 1e3, "million": 1e6, "billion": 1e9, "trillion": 1e12}
+
+DIMENSIONS = ("time", "ratio", "percent", "bandwidth", "rate", "flops", "bytes", "plain")
+
+
+def _unit_table() -> list[tuple[str, str, float]]:
+    rows = []
+    for dim, table in (("time", _TIME), ("ratio", _RATIO), ("percent", _PERCENT),
+                       ("bandwidth", _BANDWIDTH), ("bytes", _BYTES)):
+        for spelling, factor in table.items():
+            rows.append((spelling, dim, factor))
+    rows.sort(key=lambda r: -len(r[0]))   # longest spelling first
+    return rows
+
+
+_UNITS = _unit_table()
+
+
+def _classify_unit(unit: str) -> Optional[tuple[str, float]]:
+    """(dimension, factor to its base unit) of a unit as written, or None."""
+    u = unit.lower()
+    m = re.fullmatch(r"([kmgtp]?)flop(s?)(/s)?", u)
+    if m:
+        prefix = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}[m.group(1)]
+        # "TFLOP/s" and "TFLOPS" (capital S, with a prefix) are rates; "FLOP", "FLOPs", "GFLOPs" counts
+        if m.group(3) or (m.group(2) and unit.endswith("S") and m.group(1)):
+            return "rate", prefix
+        return "flops", prefix
+    if u == "b" and unit != "B":
+        return None
+    for spelling, dim, factor in _UNITS:
+        if u == spelling:
+            return dim, factor
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# extraction
+# --------------------------------------------------------------------------------------
+
+@dataclass
+class Quantity:
+    text: str               # the number as written ("0.312", "3.05e-01")
+    value: float            # in the quoted unit
+    unit: str               # as written ("ms", "x", "%", "" for none)
+    dimension: str          # one of DIMENSIONS
+    factor: float           # quoted unit -> the dimension's base unit
+    quantum: float          # half-width of the interval the quoted digits stand for (quoted unit)
+    start: int = 0
+    context: str = ""
+
+    @property
+    def base_value(self) -> float:
+        return self.value * self.factor
+
+    def __str__(self) -> str:
+        return f"{self.text}{'' if self.unit in ('%', 'x', '×') else ' '}{self.unit}".strip()
+
+
+_NUM = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?"
+_UNIT_ALT = "|".join(re.escape(s) for s, _, _ in _UNITS)
+_UNIT_RE = (r"(?:(?:thousand|million|billion|trillion)\s+)?"
+            r"(?:[KMGTP]?FLOP[sS]?(?:/s)?|[kKMGTP]i?B/s|[kKMGTP]i?B\b|bytes?\b|"
+            + _UNIT_ALT + r")")
+# number, optional range partner, optional unit; the number must not be glued to a word
+_QTY = re.compile(
+    r"(?<![\w.\-/])(?P<sign>[-+−])?(?P<num>" + _NUM + r")"
+    r"(?:\s*(?:-|–|—|to)\s*(?P<num2>" + _NUM + r"))?"
+    r"(?P<sep>[ \t\u00a0-]?)(?P<unit>" + _UNIT_RE + r")?"
+    r"(?![\w])", re.IGNORECASE)
+
+_FENCE = re.compile(r"```.*?(?:```|\Z)", re.DOTALL)
+_CODE_SPAN = re.compile(r"`[^`\n]*`")
+
+
+def _strip_code(markdown: str) -> str:
+    """Blank out code blocks and inline code (verbatim quotes of source, logs and names)."""
+    def blank(m: re.Match) -> str:
+        return re.sub(r"[^\n]", " ", m.group(0))
+    text = _FENCE.sub(blank, markdown)
+    return _CODE_SPAN.sub(blank, text)
+
+
+def _quantum(num: str) -> float:
+    """Half a unit of the last significant written digit of ``num``.
+
+    An integer's trailing zeros may or may not be significant ("180 us" for 181.2 us), so
+    they are read as not significant: "180" stands for 175 to 185."""
+    s = num.replace(",", "")
+    mantissa, _, exp = s.lower().partition("e")
+    if "." in mantissa:
+        decimals = len(mantissa.split(".")[1])
+    else:
+        stripped = mantissa.rstrip("0")
+        decimals = -(len(mantissa) - len(stripped)) if stripped else 0
+    q = 0.5 * 10.0 ** (-decimals)
+    if exp:
+        q *= 10.0 ** int(exp)
+    return q
+
+
+def _to_float(num: str) -> Optional[float]:
+    try:
+        return float(Decimal(num.replace(",", "")))
+    except (InvalidOperation, ValueError):
+        return None
+
+
+def extract_quantities(markdown: str) -> list[Quantity]:
+    """Every number in ``markdown`` outside code, with its unit (``plain`` when it has none)."""
+    text = _strip_code(markdown)
+    out: list[Quantity] = []
+    for m in _QTY.finditer(text):
+        unit_raw = (m.group("unit") or "")
+        scale = 1.0
+        unit = unit_raw
+        sw = re.match(r"(thousand|million|billion|trillion)\s+", unit_raw, re.IGNORECASE)
+        if sw:
+            scale = _SCALE_WORDS[sw.group(1).lower()]
+            unit = unit_raw[sw.end():]
+        cls = _classify_unit(unit) if unit else None
+        if unit and cls is None:
+            cls = None
+            unit = ""
+        # "x"/"×" only as a suffix glued to the number ("1.23x"), never "3 x 3"
+        if cls and cls[0] == "ratio" and unit.lower() in ("x", "×"):
+            after = text[m.end():m.end() + 2]
+            if m.group("sep") or re.match(r"\s*\d", after):
+                cls, unit = None, ""
+        # a bare "s" or "b" needs a space before it and must not start a word ("3 s", not "3s")
+        if cls and unit.lower() in ("s", "b") and not m.group("sep"):
+            cls, unit = None, ""
+        dim, factor = cls if cls else ("plain", 1.0)
+        sign = -1.0 if m.group("sign") in ("-", "−") else 1.0
+        ctx_start = max(0, m.start() - 40)
+        context = markdown[ctx_start:m.end() + 20].replace("\n", " ")
+        for key in ("num", "num2"):
+            num = m.group(key)
+            if not num:
+                continue
+            value = _to_float(num)
+            if value is None:
+                continue
+            value *= sign if key == "num" else 1.0
+            out.append(Quantity(text=(("-" if sign < 0 and key == "num" else "") + num), value=value * scale,
+                                unit=unit, dimension=dim, factor=factor, quantum=_quantum(num) * scale,
+                                start=m.start(key), context=context.strip()))
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# evidence
+# --------------------------------------------------------------------------------------
+
+@dataclass
+class Figure:
+    value: float        # in the dimension's base unit (ms, x, %, GB/s, FLOP/s, FLOP, B, plain)
+    dimension: str
+    source: str         # where it comes from: "attempt 3: candidate_time.median_ms"
+
+
+@dataclass
+class Evidence:
+    figures: list[Figure] = field(default_factory=list)
+
+    def add(self, value: Any, dimension: str, source: str) -> None:
+        if value is None or isinstance(value, bool):
+            return
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            return
+        if math.isfinite(v):
+            self.figures.append(Figure(v, dimension, source))
+
+    def by_dimension(self, dimension: str) -> list[Figure]:
+        return [f for f in self.figures if f.dimension == dimension]
+
+    def extend(self, other: "Evidence") -> None:
+        self.figures.extend(other.figures)
+
+
+def _timing(ev: Evidence, timing: Any, where: str) -> None:
+    if timing is None:
+        return
+    for name in ("median_ms", "iqr_ms", "mean_ms", "min_ms", "max_ms"):
+        ev.add(getattr(timing, name, None), "time", f"{where}.{name}")
+    ev.add(getattr(timing, "runs", None), "plain", f"{where}.runs")
+
+
+def is_annotation(k: Any, profile: list[Any]) -> bool:
+    """A ``kernelloop_ext::*`` row of a profile that also lists device kernels of the candidate's
+    own: the range the harness records around each call into the extension, which covers those
+    kernels' time rather than adding to it (on ``cpu`` it is the only row for that work)."""
+    return k.name.startswith("kernelloop_ext::") and any(
+        o.own and not o.name.startswith("kernelloop_ext::") for o in profile)
+
+
+def kernel_groups(result: Any) -> dict[str, list[Any]]:
+    """The candidate's and the reference's kernels split the way the critic discusses them."""
+    ref = list(result.reference_profile or [])
+    cand = [k for k in (result.profile or []) if not is_annotation(k, result.profile)]
+    ref_names = {k.name for k in ref}
+    cand_names = {k.name for k in cand}
+    return {
+        "removed": [k for k in ref if k.name not in cand_names],          # in reference's profile
+        "kept_ref": [k for k in ref if k.name in cand_names],             # in reference's profile
+        "kept": [k for k in cand if k.name in ref_names and not k.own],   # in candidate's profile
+        "own": [k for k in cand if k.own],
+        "other": [k for k in cand if not k.own and k.name not in ref_names],
+    }
+
+
+def result_evidence(result: Any, label: str) -> Evidence:
+    """Every figure one ``EvalResult`` stores, plus the documented one-step derivations."""
+    ev = Evidence()
+    w = label
+    ev.add(result.seconds * 1e3 if result.seconds is not None else None, "time", f"{w}: seconds")
+    cfg = result.config
+    if cfg is not None:
+        ev.add(cfg.build_timeout_s * 1e3, "time", f"{w}: config.build_timeout_s")
+        ev.add(cfg.run_timeout_s * 1e3, "time", f"{w}: config.run_timeout_s")
+        for name in ("trials", "warmup_runs", "timed_runs"):
+            ev.add(getattr(cfg, name), "plain", f"{w}: config.{name}")
+        for tname in ("tol_fp32", "tol_half"):
+            tol = getattr(cfg, tname)
+            ev.add(tol.atol, "plain", f"{w}: config.{tname}.atol")
+            ev.add(tol.rtol, "plain", f"{w}: config.{tname}.rtol")
+        if cfg.memory_limit_mb:
+            ev.add(cfg.memory_limit_mb * 1e6, "bytes", f"{w}: config.memory_limit_mb")
+    if result.build is not None:
+        ev.add(result.build.seconds * 1e3, "time", f"{w}: build.seconds")
+        ev.add(result.build.first_error_line, "plain", f"{w}: build.first_error_line")
+    _timing(ev, result.candidate_time, f"{w}: candidate_time")
+    _timing(ev, result.eager_time, f"{w}: eager_time")
+    _timing(ev, result.compile_time, f"{w}: compile_time")
+    ev.add(result.speedup_eager, "ratio", f"{w}: speedup_eager")
+    ev.add(result.speedup_compile, "ratio", f"{w}: speedup_compile")
+    if result.eager_time and result.compile_time and result.compile_time.median_ms:
+        ev.add(result.eager_time.median_ms / result.compile_time.median_ms, "ratio",
+               f"{w}: eager_time.median_ms / compile_time.median_ms")
+    ev.add(result.custom_calls_per_forward, "plain", f"{w}: custom_calls_per_forward")
+    ev.add(result.floor_ms, "time", f"{w}: floor_ms")
+    if result.floor_fraction is not None:
+        ev.add(result.floor_fraction * 100.0, "percent", f"{w}: floor_fraction")
+        ev.add(result.floor_fraction, "plain", f"{w}: floor_fraction")
+    # optional roofline details (present when the sandbox stores them)
+    for name, dim, factor in (("floor_flops", "flops", 1.0), ("floor_bytes", "bytes", 1.0),
+                              ("flops", "flops", 1.0), ("min_bytes", "bytes", 1.0)):
+        ev.add(getattr(result, name, None), dim, f"{w}: {name}")
+    for t in result.trials:
+        ev.add(t.index, "plain", f"{w}: trials[{t.index}].index")
+        for o in t.outputs:
+            where = f"{w}: trials[{t.index}].outputs[{o.index}]"
+            ev.add(o.max_abs_err, "plain", f"{where}.max_abs_err")
+            ev.add(o.max_rel_err, "plain", f"{where}.max_rel_err")
+            for name in ("mismatched", "numel", "nan_count", "inf_count", "ref_nonfinite", "index"):
+                ev.add(getattr(o, name), "plain", f"{where}.{name}")
+            if o.numel:
+                ev.add(100.0 * o.mismatched / o.numel, "percent", f"{where}.mismatched / numel")
+                ev.add(100.0 * (o.nan_count + o.inf_count) / o.numel, "percent",
+                       f"{where}.(nan_count + inf_count) / numel")
+            ev.add(o.tolerance.atol, "plain", f"{where}.tolerance.atol")
+            ev.add(o.tolerance.rtol, "plain", f"{where}.tolerance.rtol")
+            for d in list(o.shape) + list(o.ref_shape) + list(o.bad_rows or []):
+                ev.add(d, "plain", f"{where}.shape")
+    failed = [t for t in result.trials if not t.passed]
+    if result.trials:
+        ev.add(len(result.trials), "plain", f"{w}: number of trials")
+        ev.add(len(failed), "plain", f"{w}: number of failed trials")
+    for prof_name, prof in (("profile", result.profile), ("reference_profile", result.reference_profile)):
+        for k in prof or []:
+            ev.add(k.share * 100.0, "percent", f"{w}: {prof_name}[{k.name}].share")
+            ev.add(k.total_us / 1e3, "time", f"{w}: {prof_name}[{k.name}].total_us")
+            ev.add(k.count, "plain", f"{w}: {prof_name}[{k.name}].count")
+    groups = kernel_groups(result)
+    for gname, ks in groups.items():
+        if not ks:
+            continue
+        ev.add(100.0 * sum(k.share for k in ks), "percent", f"{w}: sum of {gname} kernels' shares")
+        ev.add(sum(k.total_us for k in ks) / 1e3, "time", f"{w}: sum of {gname} kernels' total_us")
+        ev.add(len(ks), "plain", f"{w}: number of {gname} kernels")
+    for name in ("profile", "reference_profile"):
+        ev.add(len(getattr(result, name) or []), "plain", f"{w}: number of {name} kernels")
+    return ev
+
+
+def device_evidence(device: Any) -> Evidence:
+    ev = Evidence()
+    if device is None:
+        return ev
+    ev.add(getattr(device, "bandwidth_gbps", None), "bandwidth", "device.bandwidth_gbps")
+    ev.add(getattr(device, "sm_count", None), "plain", "device.sm_count")
+    for dtype, tflops in (getattr(device, "tflops", None) or {}).items():
+        ev.add(tflops * 1e12 if tflops is not None else None, "rate", f"device.tflops[{dtype}]")
+    return ev
+
+
+def evidence_figures(attempts: Iterable[Any], device: Any = None) -> Evidence:
+    """The figures a task's analysis may quote: each attempt's stored result and the device."""
+    attempts = list(attempts)
+    ev = Evidence()
+    times: list[tuple[str, float]] = []
+    for a in attempts:
+        label = f"attempt {a.attempt_id}"
+        for v, name in ((a.attempt_id, "attempt_id"), (a.round, "round"), (a.sample, "sample"),
+                        (a.evaluation_id, "evaluation_id")):
+            ev.add(v, "plain", f"{label}: {name}")
+        if a.result is None:
+            continue
+        ev.extend(result_evidence(a.result, label))
+        r = a.result
+        if r.correct and r.candidate_time is not None:
+            times.append((label, r.candidate_time.median_ms))
+        derived = getattr(a, "derived_evidence", None)
+        if derived:
+            ev.extend(derived)
+    # ratios of two correct attempts' runtimes ("attempt 4 is 1.35x faster than attempt 2")
+    for i, (la, ta) in enumerate(times):
+        for lb, tb in times[i + 1:]:
+            if ta > 0 and tb > 0:
+                ev.add(ta / tb, "ratio", f"{la} / {lb} median_ms")
+                ev.add(tb / ta, "ratio", f"{lb} / {la} median_ms")
+    ev.add(len(attempts), "plain", "number of attempts")
+    ev.add(sum(1 for a in attempts if a.correct), "plain", "number of correct attempts")
+    ev.extend(device_evidence(device))
+    return ev
+
+
+# --------------------------------------------------------------------------------------
+# checking
+# --------------------------------------------------------------------------------------
+
+def matches(q: Quantity, fig: Figure) -> bool:
+    if q.dimension != fig.dimension:
+        return False
+    quoted = q.base_value
+    tol = q.quantum * q.factor * 1.0001 + 1e-12 * max(abs(quoted), 1.0)
+    if abs(fig.value - quoted) <= tol:
+        return True
+    return False
+
+
+def find_match(q: Quantity, evidence: Evidence) -> Optional[Figure]:
+    for fig in evidence.figures:
+        if matches(q, fig):
+            return fig
+    return None
+
+
+def check_text(markdown: str, evidence: Evidence, strict: bool = False,
+               allowed_plain: Iterable[float] = ()) -> list[Quantity]:
+    """Quoted numbers that no figure of the evidence explains.
+
+    By default only numbers with a unit are checked (a runtime, a speedup, a share, a
+    bandwidth, a FLOP or byte count): those are the claims about measurements. ``strict``
+    also checks unitless non-integers (errors, tolerances, fractions); unitless integers
+    (attempt ids, line numbers, element counts, sizes from the task's source) never are.
+    """
+    allowed = [float(v) for v in allowed_plain]
+    bad: list[Quantity] = []
+    for q in extract_quantities(markdown):
+        if q.dimension == "plain":
+            if not strict:
+                continue
+            is_integer = re.fullmatch(r"[-]?[\d,]+", q.text) is not None
+            if is_integer:
+                continue
+            if any(abs(v - q.value) <= q.quantum * 1.0001 for v in allowed):
+                continue
+        if find_match(q, evidence) is None:
+            bad.append(q)
+    return bad
+
+
+def unverified_section(unverified: list[Quantity]) -> str:
+    """The section appended to a language-model analysis whose numbers are not all stored."""
+    lines = ["", "## Numbers not found in the evidence", "",
+             "These figures in the analysis above match no stored measurement (with its unit) "
+             "of this task's attempts; treat the statements that use them as unverified:", ""]
+    seen = set()
+    for q in unverified:
+        key = (q.text, q.unit)
+        if key in seen:
+            continue
+        seen.add(key)
+        ctx = q.context.replace("|", "\\|")
+        lines.append(f"- {q} (in: \u201c{ctx}\u201d)")
+    return "\n".join(lines) + "\n"
