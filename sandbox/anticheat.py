@@ -41,14 +41,20 @@ def _attr_root(node: ast.AST) -> Optional[str]:
     return node.id if isinstance(node, ast.Name) else None
 
 
-def _dotted(node: ast.AST) -> str:
+def dotted_name(node: ast.AST) -> Optional[str]:
+    """``torch.cuda.synchronize`` for that attribute chain; None when it is not rooted at a name."""
     parts = []
     while isinstance(node, ast.Attribute):
         parts.append(node.attr)
         node = node.value
     if isinstance(node, ast.Name):
         parts.append(node.id)
-    return ".".join(reversed(parts))
+        return ".".join(reversed(parts))
+    return None
+
+
+def _dotted(node: ast.AST) -> str:
+    return dotted_name(node) or ""
 
 
 def scan(source: str) -> list[Flag]:

@@ -31,6 +31,7 @@ from typing import Any, Optional
 from agent.critic.base import register
 from agent.critic.numbers import fmt_ms, fmt_num, fmt_pct, fmt_s, fmt_us, fmt_x, is_annotation, kernel_groups, sig
 from agent.types import AnalysisOut, AttemptView, DeviceFacts, Finding
+from sandbox.anticheat import dotted_name
 from sandbox.result import EvalResult, FlagKind, Status
 from sandbox.tasks import TaskSpec, with_device_sizes
 
@@ -364,15 +365,7 @@ def pytorch_calls_in_forward(source: Optional[str]) -> list[str]:
     return seen
 
 
-def _dotted(node: ast.AST) -> Optional[str]:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        parts.append(node.id)
-        return ".".join(reversed(parts))
-    return None
+_dotted = dotted_name
 
 
 # ----------------------------------------------------------------------------- task constants
