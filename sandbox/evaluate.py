@@ -5,7 +5,9 @@
 3. load: a fresh candidate worker imports the cached build and constructs ``ModelNew``;
 4. trials: fresh inputs from secret seeds, compared in *this* process with the
    reference's outputs (computed by a separate, trusted reference worker); the candidate
-   runs first in trial 0; the cascade stops at the first failing trial;
+   runs first in trial 0; in trial 1 the same input tensors are refilled with new values
+   between two calls (caches keyed by id or data_ptr fail); the cascade stops at the first
+   failing trial;
 5. timing of reference eager, reference torch.compile and candidate by the same code,
    with the device held exclusively, and a parent-side clock cross-check;
 6. profiler evidence and the roofline floor.
@@ -258,11 +260,18 @@ class Sandbox:
             seed = secrets.randbits(31)
             candidate_first = index == 0
             ask = {"op": "trial", "seed": seed, "index": index, "output_bytes": output_bytes}
+            ref_ask = ask
+            if index == 1:
+                # The candidate's inputs are refilled in place with the values of `refill_seed`
+                # before the checked run (see the worker); the reference computes those values.
+                refill = secrets.randbits(31)
+                ask = {**ask, "refill_seed": refill}
+                ref_ask = {**ref_ask, "seed": refill}
             if candidate_first:
                 c = cand.ask(ask, cfg.run_timeout_s)
-                r = ref.ask(ask)
+                r = ref.ask(ref_ask)
             else:
-                r = ref.ask(ask)
+                r = ref.ask(ref_ask)
                 c = cand.ask(ask, cfg.run_timeout_s)
             output_bytes = r.get("output_bytes", 0)
             trial = Trial(index=index, candidate_first=candidate_first, passed=False)

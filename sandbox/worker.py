@@ -157,6 +157,20 @@ class Worker:
             self.builder.counter.reset()
         threads_before = threading.active_count()
         try:
+            refill = req.get("refill_seed")
+            if refill is not None:
+                # Same tensor objects, new values: run once, then overwrite the inputs in place
+                # and run again; the second output is the one checked. A candidate that caches
+                # by id, data_ptr or shape returns the first output and fails.
+                with torch.no_grad(), _full_fp32():
+                    self.model(*inputs)
+                timing.device_sync(self.device)
+                fresh = [x for x in make_inputs(self.task, int(refill), self.device) if isinstance(x, torch.Tensor)]
+                for old, new in zip(tensors, fresh):
+                    old.copy_(new)
+                originals = [x.clone() for x in tensors]
+                if self.builder is not None:
+                    self.builder.counter.reset()
             with torch.no_grad(), _full_fp32():
                 out = self.model(*inputs)
             timing.device_sync(self.device)
