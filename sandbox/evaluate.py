@@ -67,9 +67,11 @@ def _device_name(device: str) -> str:
 class ReferenceWorker:
     """The trusted side of an evaluation: one persistent worker per task (and sizes)."""
 
-    def __init__(self, spec: TaskSpec, device: str, init_seed: int, warm_compile: bool = False):
+    def __init__(self, spec: TaskSpec, device: str, init_seed: int, warm_compile: bool = False,
+                 env: Optional[dict[str, str]] = None):
         self.spec, self.device, self.init_seed = spec, device, init_seed
         self.warm_compile = warm_compile
+        self.env = env or {}
         self.lock = threading.Lock()
         self.proc: Optional[WorkerProcess] = None
         self.profile: Optional[list[dict]] = None
@@ -79,7 +81,7 @@ class ReferenceWorker:
     def ensure(self) -> WorkerProcess:
         if self.proc is not None and self.proc.proc.poll() is None:
             return self.proc
-        self.proc = WorkerProcess("reference")
+        self.proc = WorkerProcess("reference", env=self.env)
         reply = self.proc.ask({"role": "reference", "device": self.device, "out_dir": str(self.proc.out_dir),
                                "task": self.spec.__dict__, "init_seed": self.init_seed,
                                "warm_compile": self.warm_compile}, REFERENCE_TIMEOUT_S)
@@ -104,19 +106,32 @@ class ReferenceWorker:
             self.proc = None
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries for its workers."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None and listed.strip():
+        return [g.strip() for g in listed.split(",") if g.strip()]
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
 class Sandbox:
-    """Evaluates candidates for one device. Thread-safe: builds run in parallel (up to
-    ``build_slots``), runs hold the device exclusively so timings are not disturbed."""
+    """Evaluates candidates for one device kind. Thread-safe: builds run in parallel on the CPU
+    cores (up to ``build_slots``); each GPU (or the CPU) is a slot that one candidate holds
+    exclusively for its trials and timing, so timings are not disturbed. Workers see only their
+    slot's GPU; each slot has its own reference workers."""
 
     def __init__(self, device: str, config: Optional[EvalConfig] = None, build_slots: Optional[int] = None,
-                 init_seed: Optional[int] = None):
+                 init_seed: Optional[int] = None, gpus: Optional[list[str]] = None):
         self.device = device
         self.config = config or EvalConfig()
         cores = os.cpu_count() or 2
         self.build_jobs = max(2, min(8, cores // max(1, build_slots or 1)))
         self._build_sem = threading.Semaphore(build_slots or max(1, cores // 4))
-        self._device_lock = threading.Lock()
-        self._refs: dict[str, ReferenceWorker] = {}
+        self.slots: list[Optional[str]] = (gpus or visible_gpus() or [None]) if device == "cuda" else [None]
+        self._slot_locks = [threading.Lock() for _ in self.slots]
+        self._slot_load = [0 for _ in self.slots]
+        self._slot_pick = threading.Lock()
+        self._refs: dict[tuple[str, int], ReferenceWorker] = {}
         self._refs_lock = threading.Lock()
         # KernelBench's convention: one seed before both constructors; secret inputs seeds per trial.
         self.init_seed = init_seed if init_seed is not None else secrets.randbits(31)
@@ -124,13 +139,28 @@ class Sandbox:
         self.torch_version = torch.__version__
 
     # ---------------------------------------------------------------- helpers
-    def reference(self, spec: TaskSpec) -> ReferenceWorker:
+    def _slot_env(self, slot: int) -> dict[str, str]:
+        gpu = self.slots[slot]
+        return {"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {}
+
+    def reference(self, spec: TaskSpec, slot: int = 0) -> ReferenceWorker:
         with self._refs_lock:
-            ref = self._refs.get(spec.key)
+            ref = self._refs.get((spec.key, slot))
             if ref is None:
-                ref = self._refs[spec.key] = ReferenceWorker(spec, self.device, self.init_seed,
-                                                             warm_compile=self.config.time_compile)
+                ref = self._refs[(spec.key, slot)] = ReferenceWorker(
+                    spec, self.device, self.init_seed, warm_compile=self.config.time_compile,
+                    env=self._slot_env(slot))
             return ref
+
+    def _pick_slot(self) -> int:
+        with self._slot_pick:
+            slot = min(range(len(self.slots)), key=lambda i: self._slot_load[i])
+            self._slot_load[slot] += 1
+            return slot
+
+    def _release_slot(self, slot: int) -> None:
+        with self._slot_pick:
+            self._slot_load[slot] -= 1
 
     def close(self) -> None:
         with self._refs_lock:
@@ -206,15 +236,23 @@ class Sandbox:
         """Load the candidate (outside the device lock: imports and CUDA start-up overlap with
         other candidates' runs), then hold the device for trials, timing and profiling."""
         cfg = self.config
-        ref = self.reference(spec)
+        slot = self._pick_slot()
+        try:
+            self._run_on(slot, spec, source, result)
+        finally:
+            self._release_slot(slot)
+
+    def _run_on(self, slot: int, spec: TaskSpec, source: str, result: EvalResult) -> None:
+        cfg = self.config
+        ref = self.reference(spec, slot)
         with ref.lock:
             ref.ensure()
         result.device_name = ref.device_name or result.device_name
         cand = WorkerProcess("candidate", memory_limit_mb=cfg.memory_limit_mb if self.device == "cpu" else None,
-                             env={"KERNELLOOP_BUILD_JOBS": str(self.build_jobs)})
+                             env={"KERNELLOOP_BUILD_JOBS": str(self.build_jobs), **self._slot_env(slot)})
         try:
             if self._load_candidate(spec, source, result, cand):
-                with self._device_lock:
+                with self._slot_locks[slot]:
                     self._run_candidate(result, ref, cand)
         except WorkerTimeout as exc:
             result.status = Status.timeout

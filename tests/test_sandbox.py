@@ -172,3 +172,21 @@ def test_eval_command_prints_the_verdict(tmp_path):
 
     data = json.loads(res.output[res.output.index("{"):])
     assert data["status"] == "correct" and data["candidate_time"]["runs"] == 3
+
+
+def test_candidates_spread_over_gpu_slots_and_workers_see_only_theirs(monkeypatch):
+    import sandbox.evaluate as ev
+
+    monkeypatch.setattr(ev, "_device_name", lambda device: "fake GPU")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
+    sb = Sandbox("cuda", EvalConfig())
+    assert sb.slots == ["2", "5"]
+    first, second = sb._pick_slot(), sb._pick_slot()
+    assert {first, second} == {0, 1}                      # the least-loaded slot is taken
+    assert sb._slot_env(first) != sb._slot_env(second)
+    assert {sb._slot_env(i)["CUDA_VISIBLE_DEVICES"] for i in (0, 1)} == {"2", "5"}
+    sb._release_slot(first)
+    assert sb._pick_slot() == first
+    spec = read_spec(TASK, name="adversarial/task_small")
+    assert sb.reference(spec, 0) is not sb.reference(spec, 1)   # one trusted reference per GPU
+    assert Sandbox("cpu", EvalConfig()).slots == [None]
