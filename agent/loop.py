@@ -139,7 +139,9 @@ class OptimizeLoop:
         self._stop.set()
 
     def run(self, run_id: int, specs: list[TaskSpec], task_parallelism: Optional[int] = None) -> list[TaskProgress]:
-        workers = task_parallelism or max(1, min(len(specs), getattr(self.backend, "max_concurrency", 4)))
+        # Enough tasks in flight to keep every device slot and the model's concurrency busy.
+        busy = max(getattr(self.backend, "max_concurrency", 4), len(getattr(self.sandbox, "slots", [None])))
+        workers = task_parallelism or max(1, min(len(specs), busy))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="task") as pool:
             futures = [pool.submit(self._optimize_task, run_id, sp) for sp in specs]
             try:
