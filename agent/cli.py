@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import signal
+import threading
 from typing import Any, Optional
 
 import sqlalchemy as sa
@@ -147,8 +148,26 @@ def optimize_command(
     previous = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
-        with Live(render(), console=console, refresh_per_second=2, transient=not console.is_terminal) as live:
-            loop.on_progress = lambda p: (state.__setitem__(p.name, p), live.update(render()))
+        if console.is_terminal:
+            with Live(render(), console=console, refresh_per_second=2) as live:
+                loop.on_progress = lambda p: (state.__setitem__(p.name, p), live.update(render()))
+                progress = loop.run(run_id, specs)
+        else:
+            # Logs and pipes: one line whenever a task's round, attempt count or best changes.
+            printed: dict[str, tuple] = {}
+            print_lock = threading.Lock()
+
+            def log_line(p: Any) -> None:
+                state[p.name] = p
+                key = (p.round, p.attempts, p.correct, p.best_speedup, p.stopped)
+                with print_lock:
+                    if printed.get(p.name) != key:
+                        printed[p.name] = key
+                        console.print(f"{p.name}: round {p.round}, {p.correct}/{p.attempts} correct, best "
+                                      f"{_fmt(p.best_speedup, 'x')} vs eager" + (f" ({p.stopped})" if p.stopped else ""),
+                                      highlight=False)
+
+            loop.on_progress = log_line
             progress = loop.run(run_id, specs)
     except KeyboardInterrupt:
         loop.stop()
