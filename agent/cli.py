@@ -19,7 +19,7 @@ def _fmt(x: Optional[float], unit: str = "", digits: int = 3) -> str:
     return f"{x:.{digits}g}{unit}"
 
 
-def device_facts(device: str, sandbox_name: str) -> Any:
+def device_facts(device: str, sandbox_name: str, store: Any = None) -> Any:
     import torch
 
     from agent.types import DeviceFacts
@@ -32,7 +32,9 @@ def device_facts(device: str, sandbox_name: str) -> Any:
     try:
         from evals.probe import get_probe
 
-        probe = get_probe(device, measure=False)
+        probe = get_probe(device, store=store, measure=True)   # measured once per device and torch, then cached
+        if device == "cuda":
+            torch.cuda.empty_cache()                            # the probe's buffers are not the run's
     except Exception:  # noqa: BLE001 - device facts are optional context
         probe = None
     if probe is not None:
@@ -130,7 +132,7 @@ def optimize_command(
         fail(str(exc))
 
     sandbox = Sandbox(cfg.device, cfg.eval)
-    facts = device_facts(cfg.device, sandbox.device_name)
+    facts = device_facts(cfg.device, sandbox.device_name, store)
     state: dict[str, Any] = {}
 
     def render() -> Table:

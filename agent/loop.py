@@ -168,16 +168,18 @@ class OptimizeLoop:
         progress.attempts = len(views)
         progress.correct = sum(1 for v in views if v.result is not None and v.result.clean)
         best = best_clean(views)
+        # The reference times shown are those measured in the same evaluation as the best
+        # attempt (its speedups were computed from them), else the latest measured.
+        timed = [v.result for v in views if v.result is not None and v.result.eager_time is not None]
+        source = best.result if best is not None else (timed[-1] if timed else None)
         if best is not None:
             r = best.result
             progress.best_speedup, progress.best_ms = r.speedup_eager, r.candidate_time.median_ms
             progress.best_compile_speedup = r.speedup_compile
-        for v in views:
-            r = v.result
-            if r is not None and r.eager_time is not None:
-                progress.eager_ms = r.eager_time.median_ms
-                progress.compile_ms = r.compile_time.median_ms if r.compile_time else progress.compile_ms
-                progress.floor_ms = r.floor_ms or progress.floor_ms
+        if source is not None:
+            progress.eager_ms = source.eager_time.median_ms
+            progress.compile_ms = source.compile_time.median_ms if source.compile_time else None
+            progress.floor_ms = source.floor_ms
         self.on_progress(progress)
 
     def _optimize_task(self, run_id: int, spec: TaskSpec) -> TaskProgress:
