@@ -235,7 +235,6 @@ class Sandbox:
     def _run(self, spec: TaskSpec, source: str, result: EvalResult) -> None:
         """Load the candidate (outside the device lock: imports and CUDA start-up overlap with
         other candidates' runs), then hold the device for trials, timing and profiling."""
-        cfg = self.config
         slot = self._pick_slot()
         try:
             self._run_on(slot, spec, source, result)
