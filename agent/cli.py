@@ -275,13 +275,13 @@ def replay_command(run: int = typer.Argument(..., help="the stored run whose can
     """Re-evaluate a run's stored candidates on this machine as a new run linked to the old one,
     and show verdict and speed changes side by side."""
     from agent.critic.cli import critique_run
-    from agent.loop import LoopConfig
+    from agent.loop import LoopConfig, evaluate_attempt
     from kernelloop.paths import code_version
     from sandbox.evaluate import Sandbox
     from sandbox.result import EvalResult
     from sandbox.tasks import TaskSpec, with_device_sizes
-    from store.models import Attempt, Evaluation, Run, Task
-    from store.repo import cached_evaluation, evaluation_row, get_run, latest_evaluation
+    from store.models import Attempt, Run, Task
+    from store.repo import get_run, latest_evaluation
 
     store = open_store(db)
     dev = resolve_device(device)
@@ -328,16 +328,7 @@ def replay_command(run: int = typer.Argument(..., help="the stored run whose can
                 new_attempt_id = na.id
             result = None
             if a.parse_status == "ok" and a.source:
-                with store.session() as s:
-                    hit = None if force else cached_evaluation(s, a.sha256, spec.key, sandbox.device_name,
-                                                                sandbox.torch_version, eval_cfg)
-                    if hit is not None:
-                        result = EvalResult.model_validate(hit.result)
-                        s.add(evaluation_row(result, spec.key, new_attempt_id, new_id, reused_from=hit.id))
-                if result is None:
-                    result = sandbox.evaluate(spec, a.source)
-                    with store.session() as s:
-                        s.add(evaluation_row(result, spec.key, new_attempt_id, new_id))
+                result = evaluate_attempt(store, sandbox, spec, new_attempt_id, new_id, a.source, a.sha256, force=force)
             change = _change(old_result, result)
             table.add_row(t.name, str(a.id), old_result.status.value if old_result else a.parse_status,
                           result.status.value if result else a.parse_status,

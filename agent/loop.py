@@ -337,20 +337,9 @@ class OptimizeLoop:
             self._evaluate_attempt(run_id, eval_spec, *p)
 
     def _evaluate_attempt(self, run_id: int, eval_spec: TaskSpec, attempt_id: int, source: str, sha: str) -> None:
-        sb = self.sandbox
         if self._stop.is_set():
             return                      # interrupted: --resume evaluates it
-        with self.store.session() as s:
-            hit = cached_evaluation(s, sha, eval_spec.key, self._device_name(), sb.torch_version, sb.config)
-            if hit is not None:
-                s.add(Evaluation(**{**_row_fields(hit), "attempt_id": attempt_id, "run_id": run_id, "reused_from": hit.id}))
-                return
-        result = sb.evaluate(eval_spec, source)
-        with self.store.session() as s:
-            s.add(evaluation_row(result, eval_spec.key, attempt_id, run_id))
-
-    def _device_name(self) -> str:
-        return self.sandbox.device_name
+        evaluate_attempt(self.store, self.sandbox, eval_spec, attempt_id, run_id, source, sha)
 
     # ------------------------------------------------------------------ critique
     def _critique(self, run_id: int, spec: TaskSpec) -> None:
@@ -360,10 +349,22 @@ class OptimizeLoop:
                      backend_options=self.config.backend_options)
 
 
-def _row_fields(ev: Evaluation) -> dict[str, Any]:
-    return {c: getattr(ev, c) for c in ("candidate_sha256", "task_key", "device", "device_name", "torch_version",
-                                        "config_hash", "status", "candidate_ms", "eager_ms", "compile_ms",
-                                        "speedup_eager", "speedup_compile", "result")}
+def evaluate_attempt(store: Store, sandbox: Sandbox, spec: TaskSpec, attempt_id: int, run_id: int,
+                     source: str, sha: str, force: bool = False) -> EvalResult:
+    """Evaluate an attempt's candidate and store the evaluation; an earlier evaluation of the
+    same candidate on the same device, torch and config is reused (stored with ``reused_from``)
+    unless ``force``."""
+    with store.session() as s:
+        hit = None if force else cached_evaluation(s, sha, spec.key, sandbox.device_name, sandbox.torch_version,
+                                                   sandbox.config)
+        if hit is not None:
+            result = EvalResult.model_validate(hit.result)
+            s.add(evaluation_row(result, spec.key, attempt_id, run_id, reused_from=hit.id))
+            return result
+    result = sandbox.evaluate(spec, source)
+    with store.session() as s:
+        s.add(evaluation_row(result, spec.key, attempt_id, run_id))
+    return result
 
 
 def result_of(ev: Evaluation) -> EvalResult:
