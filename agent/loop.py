@@ -27,7 +27,7 @@ from agent.critic.evidence import attempt_views
 from agent.parse import parse_answer
 from agent.prompts import build_proposal_messages
 from agent.types import AttemptView, Completion, DeviceFacts, ProposalRequest
-from sandbox.evaluate import Sandbox
+from sandbox.evaluate import Sandbox, sha256_text
 from sandbox.result import EvalConfig, EvalResult
 from sandbox.tasks import TaskSpec, with_device_sizes
 from store import Store
@@ -294,8 +294,6 @@ class OptimizeLoop:
 
     def _store_attempt(self, run_id: int, task_id: int, rnd: int, sample: int, request: ProposalRequest,
                        c: Completion, parents: list[int]) -> None:
-        import hashlib
-
         parsed = parse_answer(c.text, c.finish_reason) if not c.error else None
         with self.store.session() as s:
             call = ModelCall(run_id=run_id, task_id=task_id, round=rnd, purpose="propose", model=c.model or self.config.model,
@@ -311,7 +309,7 @@ class OptimizeLoop:
                 status, source, error = parsed.status, parsed.source, parsed.error
             s.add(Attempt(run_id=run_id, task_id=task_id, round=rnd, sample=sample, model_call_id=call.id,
                           parse_status=status, parse_error=error, source=source,
-                          sha256=hashlib.sha256(source.encode()).hexdigest() if source else None,
+                          sha256=sha256_text(source) if source else None,
                           parent_ids=parents))
 
     # ------------------------------------------------------------------ evaluate

@@ -23,7 +23,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -31,6 +30,7 @@ from typing import Any, Optional
 import typer
 
 from kernelloop.cli_common import DbOption, DeviceOption, console, fail, open_store, resolve_device
+from sandbox.harness import cpu_model
 
 PROBE_FILE = "device_probes.json"
 
@@ -65,14 +65,7 @@ class Probe:
 
 # --------------------------------------------------------------------------- identity
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
+
 
 
 def device_name(device: str) -> str:
@@ -81,7 +74,7 @@ def device_name(device: str) -> str:
 
     if device == "cuda":
         return torch.cuda.get_device_name(torch.cuda.current_device())
-    return f"{_cpu_model()} ({torch.get_num_threads()} threads)"
+    return f"{cpu_model()} ({torch.get_num_threads()} threads)"
 
 
 def torch_version() -> str:

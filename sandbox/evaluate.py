@@ -28,6 +28,7 @@ import torch
 from sandbox import anticheat
 from sandbox.build import first_compiler_error
 from sandbox.compare import compare_outputs
+from sandbox.harness import cpu_model
 from sandbox.process import WorkerDied, WorkerProcess, WorkerTimeout
 from sandbox.result import (BuildInfo, EvalConfig, EvalResult, FlagKind, KernelStat, Status, Timing, Trial)
 from sandbox.tasks import TaskSpec
@@ -52,16 +53,7 @@ def _load_outputs(path: str) -> list[torch.Tensor]:
 def _device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name(0)
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
+    return cpu_model()
 
 
 class ReferenceWorker:

@@ -76,7 +76,6 @@ class WorkerProcess:
             cwd=self.workdir, stdin=subprocess.DEVNULL, stdout=self._stdout, stderr=self._stderr,
             pass_fds=(child_sock.fileno(),), env=child_env, start_new_session=True, preexec_fn=preexec)
         child_sock.close()
-        self._sock = parent_sock
         self.conn = Connection(os.dup(parent_sock.fileno()))
         parent_sock.close()
         self.started = time.monotonic()
@@ -152,8 +151,7 @@ class WorkerProcess:
                 self.send({"op": "exit"})
             except WorkerDied:
                 pass
-            if self._wait_exit(grace) is None:
-                pass
+            self._wait_exit(grace)
         self.kill()
 
     def cleanup(self) -> None:
