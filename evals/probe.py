@@ -66,8 +66,6 @@ class Probe:
 # --------------------------------------------------------------------------- identity
 
 
-
-
 def device_name(device: str) -> str:
     """What the ceilings belong to: the GPU's name, or the CPU model and torch's thread count."""
     import torch
