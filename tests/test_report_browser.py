@@ -60,7 +60,7 @@ def report_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dom(report_file, tmp_path_factory):
-    # The virtual-time budget lets the page's load handler decode every image and mark <body>.
+    # The virtual-time budget lets the page reach "load"; its handler then marks <body> with the image counts.
     res = run_chromium(tmp_path_factory.mktemp("profile"), "--virtual-time-budget=10000", "--dump-dom",
                        report_file.as_uri())
     assert res.returncode == 0, res.stderr[-2000:]
@@ -106,3 +106,17 @@ def test_screenshot(report_file, tmp_path):
     blue = (abs(r - 31) < 20) & (abs(g - 119) < 20) & (abs(b - 180) < 20)      # matplotlib tab:blue
     orange = (abs(r - 255) < 15) & (abs(g - 127) < 20) & (b < 40)              # tab:orange
     assert blue.sum() > 200 and orange.sum() > 200, (blue.sum(), orange.sum())
+
+
+def test_corrupt_image_is_counted_as_broken(report_file, tmp_path):
+    # The load check must be able to fail: a plot whose PNG bytes are garbage is not "ok".
+    html = report_file.read_text()
+    start = html.index("data:image/png;base64,") + len("data:image/png;base64,")
+    broken = html[:start] + "AAAA" + html[start + 4:]
+    page = tmp_path / "broken.html"
+    page.write_text(broken)
+    res = run_chromium(tmp_path / "profile", "--virtual-time-budget=10000", "--dump-dom", page.as_uri())
+    assert res.returncode == 0, res.stderr[-2000:]
+    body = re.search(r"<body[^>]*>", res.stdout).group(0)
+    assert 'data-images-total="3"' in body and 'data-images-ok="2"' in body, body
+    assert 'data-images-loaded="false"' in body, body
