@@ -44,18 +44,28 @@ def build_cache_dir() -> Path:
 
 
 def cuda_arch_list() -> Optional[str]:
-    """The visible GPU's architecture only (e.g. ``9.0``), unless the user set one."""
-    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
-        return os.environ["TORCH_CUDA_ARCH_LIST"]
+    """The CUDA architectures to build for (torch's ``TORCH_CUDA_ARCH_LIST`` syntax), first of:
+
+    1. ``KERNELLOOP_CUDA_ARCH`` (``--arch``; the sandbox also hands its choice to its workers
+       this way, so a build worker, which runs with the GPU hidden, builds what the candidate
+       worker will look up);
+    2. the GPUs this process sees, each once, e.g. ``9.0a``: only the GPU that runs the code,
+       never a container's long default list. Hopper and newer get their arch-specific target
+       (``sm_90a``: wgmma, setmaxnreg), since the binary only ever runs on that GPU;
+    3. ``TORCH_CUDA_ARCH_LIST``, where no GPU is visible;
+    4. None (torch 2.13 then fails with an IndexError, so the sandbox refuses earlier).
+    """
+    if os.environ.get("KERNELLOOP_CUDA_ARCH"):
+        return os.environ["KERNELLOOP_CUDA_ARCH"]
     try:
         import torch
 
         if torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability(0)
-            return f"{major}.{minor}"
+            caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+            return ";".join(f"{major}.{minor}{'a' if major >= 9 else ''}" for major, minor in caps)
     except Exception:  # noqa: BLE001
-        return None
-    return None
+        pass
+    return os.environ.get("TORCH_CUDA_ARCH_LIST") or None
 
 
 def _as_list(x: Any) -> list[str]:
@@ -138,13 +148,13 @@ class HookedBuilder:
     """Replaces ``load_inline`` for the lifetime of a worker."""
 
     def __init__(self, cache_root: Path | None = None, max_jobs: int | None = None,
-                 use_pch: bool = True):
+                 use_pch: bool = True, arch: Optional[str] = None):
         self.cache_root = Path(cache_root) if cache_root else build_cache_dir()
         self.cache_root.mkdir(parents=True, exist_ok=True)
         self.records: list[BuildRecord] = []
         self.counter = CallCounter()
         self.use_pch = use_pch
-        self.arch = cuda_arch_list()
+        self.arch = arch or cuda_arch_list()
         if max_jobs:
             os.environ["MAX_JOBS"] = str(max_jobs)
         if self.arch:

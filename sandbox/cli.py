@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -48,6 +49,33 @@ def print_result(r) -> None:
         console.print(table)
 
 
+def print_build_check(c) -> None:
+    console.print(f"[bold]{c.task}[/] on {c.device}" + (f" (arch {c.arch})" if c.arch else "")
+                  + f", torch {c.torch_version}: [bold]{'built' if c.ok else c.status.value}[/] in {c.seconds:.1f} s",
+                  highlight=False)
+    b = c.build
+    if b and b.first_error:
+        console.print(f"first error (candidate line {b.first_error_line}): {b.first_error}", highlight=False)
+    elif c.error_message:
+        console.print(f"error: {c.error_type}: {c.error_message}", highlight=False)
+    if b and b.extensions:
+        console.print(f"extensions: {', '.join(b.extensions)}{' (cached)' if b.cached else ''}", highlight=False)
+    for f in c.flags:
+        console.print(f"[yellow]flag {f.kind.value}[/]: {f.reason}", highlight=False)
+
+
+def build_device(device: Optional[str], arch: Optional[str]) -> str:
+    """The device for a build-only check: cuda needs a CUDA build of torch, not a GPU."""
+    import torch
+
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dev not in ("cuda", "cpu"):
+        fail(f"--device must be cuda or cpu, not {dev!r}")
+    if dev == "cuda" and not torch.version.cuda:
+        fail(f"--device cuda --build-only needs a CUDA build of torch (this is torch {torch.__version__})")
+    return dev
+
+
 def eval_command(task: str = typer.Argument(..., help="task file or bundled name (e.g. seeds/conv2d_divide_leakyrelu)"),
                  candidate: Path = typer.Argument(..., exists=True, dir_okay=False, help="candidate module defining ModelNew"),
                  device: Optional[str] = DeviceOption,
@@ -55,13 +83,18 @@ def eval_command(task: str = typer.Argument(..., help="task file or bundled name
                  trials: int = typer.Option(5, "--trials", min=1),
                  timed_runs: int = typer.Option(20, "--timed-runs", min=1),
                  no_compile: bool = typer.Option(False, "--no-compile", help="skip timing the reference under torch.compile"),
-                 as_json: bool = typer.Option(False, "--json", help="print the EvalResult as JSON")) -> None:
+                 build_only: bool = typer.Option(False, "--build-only",
+                                                 help="scan and build the candidate, run nothing (needs no GPU for "
+                                                      "--device cuda: nvcc and a CUDA build of torch suffice)"),
+                 arch: Optional[str] = typer.Option(None, "--arch", help="CUDA architecture to build for (e.g. 9.0a); "
+                                                    "default: KERNELLOOP_CUDA_ARCH, else the visible GPU's"),
+                 as_json: bool = typer.Option(False, "--json", help="print the EvalResult (BuildCheck) as JSON")) -> None:
     """Build, check and time one candidate against its task (in isolated worker processes)."""
-    from sandbox.evaluate import evaluate
+    from sandbox.evaluate import Sandbox, evaluate
     from sandbox.result import EvalConfig
     from sandbox.tasks import TaskError, discover, load_task, parse_overrides, read_spec, with_device_sizes
 
-    dev = resolve_device(device)
+    dev = build_device(device, arch) if build_only else resolve_device(device)
     try:
         paths = discover([task])
         if len(paths) != 1:
@@ -71,6 +104,19 @@ def eval_command(task: str = typer.Argument(..., help="task file or bundled name
     except TaskError as exc:
         fail(str(exc))
     config = EvalConfig(trials=trials, timed_runs=timed_runs, time_compile=not no_compile)
+    if build_only:
+        try:
+            sandbox = Sandbox(dev, config, arch=arch)
+        except ValueError as exc:
+            fail(str(exc))
+        check = sandbox.build_only(spec, candidate.read_text())
+        if as_json:
+            print(json.dumps(check.model_dump(mode="json"), indent=2))
+        else:
+            print_build_check(check)
+        raise typer.Exit(0 if check.ok else 1)
+    if arch:
+        os.environ["KERNELLOOP_CUDA_ARCH"] = arch
     result = evaluate(spec, candidate.read_text(), dev, config)
     if as_json:
         print(json.dumps(result.model_dump(mode="json"), indent=2))

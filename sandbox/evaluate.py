@@ -26,11 +26,12 @@ from typing import Any, Optional
 import torch
 
 from sandbox import anticheat
-from sandbox.build import first_compiler_error
+from sandbox.build import cuda_arch_list, first_compiler_error
 from sandbox.compare import compare_outputs
 from sandbox.harness import cpu_model
 from sandbox.process import WorkerDied, WorkerProcess, WorkerTimeout
-from sandbox.result import (BuildInfo, EvalConfig, EvalResult, FlagKind, KernelStat, Status, Timing, Trial)
+from sandbox.result import (BuildCheck, BuildInfo, EvalConfig, EvalResult, FlagKind, KernelStat, Status, Timing,
+                             Trial)
 from sandbox.tasks import TaskSpec
 
 REFERENCE_TIMEOUT_S = 900.0
@@ -52,7 +53,7 @@ def _load_outputs(path: str) -> list[torch.Tensor]:
 
 def _device_name(device: str) -> str:
     if device == "cuda":
-        return torch.cuda.get_device_name(0)
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU visible"
     return cpu_model()
 
 
@@ -113,8 +114,15 @@ class Sandbox:
     slot's GPU; each slot has its own reference workers."""
 
     def __init__(self, device: str, config: Optional[EvalConfig] = None, build_slots: Optional[int] = None,
-                 init_seed: Optional[int] = None, gpus: Optional[list[str]] = None):
+                 init_seed: Optional[int] = None, gpus: Optional[list[str]] = None,
+                 arch: Optional[str] = None):
         self.device = device
+        # Resolved here, where the GPUs are visible, and handed to every worker (build workers
+        # run with the GPU hidden); one list for all slots, so every build is a cache hit for all.
+        self.arch = (arch or cuda_arch_list()) if device == "cuda" else None
+        if device == "cuda" and not self.arch:
+            raise ValueError("no CUDA GPU is visible and neither KERNELLOOP_CUDA_ARCH nor TORCH_CUDA_ARCH_LIST is "
+                             "set: name the architecture to build CUDA candidates for (e.g. --arch 9.0a)")
         self.config = config or EvalConfig()
         cores = os.cpu_count() or 2
         self.build_jobs = max(2, min(8, cores // max(1, build_slots or 1)))
@@ -134,6 +142,12 @@ class Sandbox:
     def _slot_env(self, slot: int) -> dict[str, str]:
         gpu = self.slots[slot]
         return {"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {}
+
+    def _build_env(self) -> dict[str, str]:
+        env = {"KERNELLOOP_BUILD_JOBS": str(self.build_jobs)}
+        if self.arch:
+            env["KERNELLOOP_CUDA_ARCH"] = self.arch
+        return env
 
     def reference(self, spec: TaskSpec, slot: int = 0) -> ReferenceWorker:
         with self._refs_lock:
@@ -169,8 +183,7 @@ class Sandbox:
     def _build(self, spec: TaskSpec, source: str, result: EvalResult) -> bool:
         cfg = self.config
         t0 = time.monotonic()
-        worker = WorkerProcess("build", hide_gpu=True,
-                               env={"KERNELLOOP_BUILD_JOBS": str(self.build_jobs)})
+        worker = WorkerProcess("build", hide_gpu=True, env=self._build_env())
         try:
             reply = worker.ask({"role": "build", "device": self.device, "out_dir": str(worker.out_dir),
                                 "task": spec.__dict__, "source": source, "init_seed": 0}, cfg.build_timeout_s)
@@ -208,13 +221,17 @@ class Sandbox:
         return True
 
     # ---------------------------------------------------------------- evaluate
-    def evaluate(self, spec: TaskSpec, source: str) -> EvalResult:
-        t0 = time.monotonic()
+    def _new_result(self, spec: TaskSpec, source: str) -> EvalResult:
         result = EvalResult(status=Status.runtime_error, task=spec.name, task_sha256=spec.sha256,
                             candidate_sha256=sha256_text(source), device=self.device,
                             device_name=self.device_name, torch_version=self.torch_version,
                             config=self.config)
         result.flags.extend(anticheat.scan(source))
+        return result
+
+    def evaluate(self, spec: TaskSpec, source: str) -> EvalResult:
+        t0 = time.monotonic()
+        result = self._new_result(spec, source)
         try:
             with self._build_sem:
                 built = self._build(spec, source, result)
@@ -223,6 +240,17 @@ class Sandbox:
         finally:
             result.seconds = round(time.monotonic() - t0, 3)
         return result
+
+    def build_only(self, spec: TaskSpec, source: str) -> BuildCheck:
+        """The cascade's first two stages alone (static scan, build): no device is touched."""
+        t0 = time.monotonic()
+        result = self._new_result(spec, source)
+        with self._build_sem:
+            ok = self._build(spec, source, result)
+        return BuildCheck(task=spec.name, device=self.device, arch=self.arch, torch_version=self.torch_version,
+                          ok=ok, status=None if ok else result.status, error_type=result.error_type,
+                          error_message=result.error_message, build=result.build, flags=result.flags,
+                          seconds=round(time.monotonic() - t0, 3))
 
     def _run(self, spec: TaskSpec, source: str, result: EvalResult) -> None:
         """Load the candidate (outside the device lock: imports and CUDA start-up overlap with
@@ -240,7 +268,7 @@ class Sandbox:
             ref.ensure()
         result.device_name = ref.device_name or result.device_name
         cand = WorkerProcess("candidate", memory_limit_mb=cfg.memory_limit_mb if self.device == "cpu" else None,
-                             env={"KERNELLOOP_BUILD_JOBS": str(self.build_jobs), **self._slot_env(slot)})
+                             env={**self._build_env(), **self._slot_env(slot)})
         try:
             if self._load_candidate(spec, source, result, cand):
                 with self._slot_locks[slot]:

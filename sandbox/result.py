@@ -168,3 +168,22 @@ class EvalResult(BaseModel):
 
     def first_failed_trial(self) -> Optional[Trial]:
         return next((t for t in self.trials if not t.passed), None)
+
+
+class BuildCheck(BaseModel):
+    """What ``kernelloop eval --build-only`` reports: the static scan and the build, nothing run.
+
+    Needs no GPU: CUDA candidates build wherever nvcc and a CUDA build of torch are installed,
+    for the architecture named (``--arch``/``TORCH_CUDA_ARCH_LIST``) or the visible GPU's."""
+    task: str
+    device: str
+    arch: Optional[str] = None
+    torch_version: str = ""
+    ok: bool
+    status: Optional[Status] = None          # where not ok: compile_error, load_error or timeout
+    error_type: Optional[str] = None
+    error_message: Optional[str] = None
+    build: Optional[BuildInfo] = None
+    flags: list[Flag] = []
+    seconds: float = 0.0
+

@@ -3,6 +3,7 @@ the sandbox's build path, side by side in one run, each build in a fresh process
 source (no cache hits). Prints medians and the ratio.
 
     python scripts/bench_build.py --device cuda --n 3
+    python scripts/bench_build.py --device cuda --arch 9.0   # nvcc and a CUDA torch, no GPU needed
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ print(json.dumps({"seconds": time.perf_counter() - t0}))
 '''
 
 
-def build_once(mode: str, style: str, device: str, cache: str) -> float:
+def build_once(mode: str, style: str, device: str, cache: str, arch: str | None = None) -> float:
     if device == "cuda":
         srcs = {"cpp": CPP_LEAN, "cuda": KERNEL_LEAN} if style == "lean" else {"cpp": CPP_TORCH, "cuda": KERNEL_TORCH}
     else:
@@ -82,7 +83,9 @@ def build_once(mode: str, style: str, device: str, cache: str) -> float:
     salt = uuid.uuid4().hex[:12]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
-    if mode == "plain":
+    if arch:
+        env["TORCH_CUDA_ARCH_LIST"] = arch      # both modes: what plain load_inline detects on that GPU
+    elif mode == "plain":
         env.pop("TORCH_CUDA_ARCH_LIST", None)
         env.pop("MAX_JOBS", None)
         env["TORCH_EXTENSIONS_DIR"] = os.path.join(cache, "plain")
@@ -98,15 +101,18 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--n", type=int, default=3)
     ap.add_argument("--styles", default="lean,torch")
+    ap.add_argument("--arch", default=None,
+                    help="CUDA arch for both modes (e.g. 9.0): build CUDA candidates on a host with nvcc but no GPU, "
+                         "as plain load_inline would on that GPU")
     args = ap.parse_args()
     cache = tempfile.mkdtemp(prefix="kl-bench-build-")
     styles = args.styles.split(",") if args.device == "cuda" else ["cpp"]
     rows = []
     for style in styles:
-        plain = [build_once("plain", style, args.device, cache) for _ in range(args.n)]
+        plain = [build_once("plain", style, args.device, cache, args.arch) for _ in range(args.n)]
         # The first sandbox build also makes the precompiled header (once per torch install and flags).
-        warm = build_once("sandbox", style, args.device, cache)
-        ours = [build_once("sandbox", style, args.device, cache) for _ in range(args.n)]
+        warm = build_once("sandbox", style, args.device, cache, args.arch)
+        ours = [build_once("sandbox", style, args.device, cache, args.arch) for _ in range(args.n)]
         p, o = statistics.median(plain), statistics.median(ours)
         rows.append((style, p, o, warm))
         print(f"[{args.device}/{style}] plain load_inline median {p:.1f} s {['%.1f' % x for x in plain]}; "

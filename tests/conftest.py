@@ -1,4 +1,4 @@
-"""Shared pytest setup: the checkout on sys.path, the ``gpu`` marker, a temporary store."""
+"""Shared pytest setup: the checkout on sys.path, the ``gpu`` and ``nvcc`` markers, a temporary store."""
 from __future__ import annotations
 
 import sys
@@ -13,20 +13,38 @@ if str(ROOT) not in sys.path:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped when torch sees none)")
+    config.addinivalue_line("markers", "nvcc: builds CUDA code; needs nvcc and a CUDA build of torch, no GPU")
+
+
+def nvcc_missing() -> str | None:
+    """Why CUDA code cannot be built here, or None where it can."""
+    import torch
+    from torch.utils import cpp_extension
+
+    if not torch.version.cuda:
+        return f"needs a CUDA build of torch (this is {torch.__version__}; scripts/nvcc_check.sh installs one aside)"
+    home = cpp_extension.CUDA_HOME
+    if not home or not (Path(home) / "bin" / "nvcc").exists():
+        return "needs nvcc (CUDA_HOME/bin/nvcc)"
+    return None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``@pytest.mark.gpu`` are skipped when ``torch.cuda.is_available()`` is False."""
-    if not any(item.get_closest_marker("gpu") for item in items):
+    """``gpu`` tests are skipped where ``torch.cuda.is_available()`` is False; ``nvcc`` tests
+    where no CUDA build of torch or no nvcc is installed."""
+    marked = {m: [i for i in items if i.get_closest_marker(m) is not None] for m in ("gpu", "nvcc")}
+    if not marked["gpu"] and not marked["nvcc"]:
         return
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
-    for item in items:
-        if item.get_closest_marker("gpu") is not None:
+    if marked["gpu"] and not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+        for item in marked["gpu"]:
             item.add_marker(skip)
+    why = nvcc_missing() if marked["nvcc"] else None
+    if why:
+        for item in marked["nvcc"]:
+            item.add_marker(pytest.mark.skip(reason=why))
 
 
 @pytest.fixture

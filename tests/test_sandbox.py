@@ -174,12 +174,31 @@ def test_eval_command_prints_the_verdict(tmp_path):
     assert data["status"] == "correct" and data["candidate_time"]["runs"] == 3
 
 
+def test_eval_build_only_runs_nothing_and_names_the_first_error(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from kernelloop.cli import app
+
+    ok = CliRunner().invoke(app, ["eval", str(TASK), str(ADV / "cpu" / "honest.py"), "--device", "cpu",
+                                  "--build-only", "--json"])
+    assert ok.exit_code == 0, ok.output
+    data = json.loads(ok.output[ok.output.index("{"):])
+    assert data["ok"] and data["build"]["ok"] and data["build"]["extensions"] and data["status"] is None
+    assert "trials" not in data and "candidate_time" not in data     # a BuildCheck, nothing was run
+    bad = CliRunner().invoke(app, ["eval", str(TASK), str(ADV / "cpu" / "compile_error.py"), "--device", "cpu",
+                                   "--build-only"])
+    assert bad.exit_code == 1, bad.output
+    assert "compile_error" in bad.output and "first error (candidate line" in bad.output
+
+
 def test_candidates_spread_over_gpu_slots_and_workers_see_only_theirs(monkeypatch):
     import sandbox.evaluate as ev
 
     monkeypatch.setattr(ev, "_device_name", lambda device: "fake GPU")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
-    sb = Sandbox("cuda", EvalConfig())
+    sb = Sandbox("cuda", EvalConfig(), arch="9.0a")
     assert sb.slots == ["2", "5"]
     first, second = sb._pick_slot(), sb._pick_slot()
     assert {first, second} == {0, 1}                      # the least-loaded slot is taken
@@ -190,3 +209,60 @@ def test_candidates_spread_over_gpu_slots_and_workers_see_only_theirs(monkeypatc
     spec = read_spec(TASK, name="adversarial/task_small")
     assert sb.reference(spec, 0) is not sb.reference(spec, 1)   # one trusted reference per GPU
     assert Sandbox("cpu", EvalConfig()).slots == [None]
+
+
+# ---- which CUDA architecture builds target (no GPU needed to check the choice) ----------------
+class _FakeCuda:
+    def __init__(self, caps):
+        self.caps = caps
+
+    def is_available(self):
+        return bool(self.caps)
+
+    def device_count(self):
+        return len(self.caps)
+
+    def get_device_capability(self, i):
+        return self.caps[i]
+
+
+@pytest.mark.parametrize("caps, env, expected", [
+    ([(9, 0)], {}, "9.0a"),                                                    # H100/H200: sm_90a
+    ([(9, 0), (9, 0)], {}, "9.0a"),                                            # each arch once
+    ([(9, 0), (8, 0)], {}, "8.0;9.0a"),
+    ([(9, 0)], {"TORCH_CUDA_ARCH_LIST": "7.5;8.0;8.6;9.0;10.0;12.0+PTX"}, "9.0a"),  # a container's long list loses
+    ([(9, 0)], {"KERNELLOOP_CUDA_ARCH": "8.0"}, "8.0"),                         # the explicit choice wins
+    ([], {"TORCH_CUDA_ARCH_LIST": "9.0"}, "9.0"),                               # no GPU: torch's variable
+    ([], {}, None),
+])
+def test_cuda_arch_choice(monkeypatch, caps, env, expected):
+    import torch
+
+    from sandbox.build import cuda_arch_list
+
+    for name in ("KERNELLOOP_CUDA_ARCH", "TORCH_CUDA_ARCH_LIST"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    fake = _FakeCuda(caps)
+    for attr in ("is_available", "device_count", "get_device_capability"):
+        monkeypatch.setattr(torch.cuda, attr, getattr(fake, attr))
+    assert cuda_arch_list() == expected
+
+
+def test_cuda_sandbox_without_gpu_or_arch_refuses_and_hands_its_arch_to_workers(monkeypatch):
+    import torch
+
+    from sandbox.evaluate import Sandbox
+
+    for name in ("KERNELLOOP_CUDA_ARCH", "TORCH_CUDA_ARCH_LIST"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ValueError, match=r"--arch 9\.0a"):
+        Sandbox("cuda")
+    sandbox = Sandbox("cuda", arch="9.0a")
+    assert sandbox.arch == "9.0a" and sandbox.device_name == "no GPU visible"
+    # build workers run with the GPU hidden: the choice travels in their environment
+    assert sandbox._build_env()["KERNELLOOP_CUDA_ARCH"] == "9.0a"
+    assert "KERNELLOOP_CUDA_ARCH" not in Sandbox("cpu")._build_env()
