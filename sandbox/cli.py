@@ -60,6 +60,8 @@ def print_build_check(c) -> None:
         console.print(f"error: {c.error_type}: {c.error_message}", highlight=False)
     if b and b.extensions:
         console.print(f"extensions: {', '.join(b.extensions)}{' (cached)' if b.cached else ''}", highlight=False)
+    for note in (b.notes if b else []):
+        console.print(f"note: {note}", highlight=False)
     for f in c.flags:
         console.print(f"[yellow]flag {f.kind.value}[/]: {f.reason}", highlight=False)
 

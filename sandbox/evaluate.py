@@ -207,7 +207,8 @@ class Sandbox:
         log = "\n".join(b.get("log", "") for b in builds if b.get("log")) or ""
         info = BuildInfo(ok=reply.get("stage") != "build", seconds=round(time.monotonic() - t0, 3),
                          cached=bool(builds) and all(b.get("cached") for b in builds),
-                         extensions=[b["name"] for b in builds], log=log[-20_000:])
+                         extensions=[b["name"] for b in builds], log=log[-20_000:],
+                         notes=[n for b in builds for n in b.get("notes", [])])
         result.build = info
         if reply.get("stage") == "build":
             full_log = log + "\n" + (reply.get("error_message") or "") + "\n" + stdout + "\n" + stderr

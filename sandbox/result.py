@@ -68,6 +68,7 @@ class BuildInfo(BaseModel):
     log: str = ""                            # capped
     first_error: Optional[str] = None        # first compiler error line, verbatim
     first_error_line: Optional[int] = None   # its line within the candidate's source file
+    notes: list[str] = []                    # how it was built (e.g. the lighter torch header)
 
 
 class OutputCheck(BaseModel):

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU check in few device calls (each stage time-boxed so a call ends inside its limit).
 # On the GPU host, with .whl carried (scripts/fetch_wheels.sh):
-#   bash scripts/gpu_check.sh judge   # probe, seed baselines, adversarial suite, timing fidelity, build speed
+#   bash scripts/gpu_check.sh judge   # probe, seed baselines, adversarial suite, timing fidelity   (~8 min)
+#   bash scripts/gpu_check.sh build   # build speed (lean and KernelBench-style sources), throughput  (~7 min)
 #   bash scripts/gpu_check.sh loop    # builtin optimisation (seeds + level2), replay, report, gpu tests of the rest
+# Each stage fits one device call (10 minutes); run them in separate calls.
 # Logs, the store and reports go to $OUT (or ./out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +22,10 @@ case "$stage" in
     box 240 python3 -m pytest -m gpu -q -s --timeout 200 -p no:cacheprovider tests/test_sandbox_adversarial.py 2>&1 \
       | grep -vE "USDT|^$" | tee "$OUT/adversarial.txt" | grep -E "VERDICT|passed|failed|Error" | head -80
     box 90 python3 scripts/bench_timing.py 2>&1 | tee "$OUT/bench_timing.txt"
-    box 150 python3 scripts/bench_build.py --device cuda --n 2 --styles ${BUILD_STYLES:-lean,torch} 2>&1 | tee "$OUT/bench_build.txt"
+    ;;
+  build)
+    box 240 python3 scripts/bench_build.py --device cuda --n ${BUILD_N:-3} --styles ${BUILD_STYLES:-lean,torch} 2>&1 | tee "$OUT/bench_build.txt"
+    box 240 python3 scripts/bench_throughput.py --device cuda --candidates 40 --kernels 10 2>&1 | tee "$OUT/bench_throughput.txt"
     ;;
   loop)
     box ${LOOP_S:-360} $KL optimize ${TASKS:-tasks/seeds tasks/level2} --model builtin --rounds ${ROUNDS:-2} \

@@ -266,3 +266,15 @@ def test_cuda_sandbox_without_gpu_or_arch_refuses_and_hands_its_arch_to_workers(
     # build workers run with the GPU hidden: the choice travels in their environment
     assert sandbox._build_env()["KERNELLOOP_CUDA_ARCH"] == "9.0a"
     assert "KERNELLOOP_CUDA_ARCH" not in Sandbox("cpu")._build_env()
+
+
+def test_lighter_cuda_sources_swaps_only_the_extension_header():
+    from sandbox.build import lighter_cuda_sources
+
+    src = '#include <torch/extension.h>\n#include <ATen/cuda/CUDAContext.h>\n__global__ void k() {}\n'
+    assert lighter_cuda_sources([src]) == [src.replace("torch/extension.h", "torch/types.h")]
+    assert lighter_cuda_sources(['  #  include "torch/extension.h"  // wrappers\nint x;']) == ["#include <torch/types.h>\nint x;"]
+    assert lighter_cuda_sources(["__global__ void k() {}\n"]) is None               # nothing to swap
+    # sources that bind to Python themselves keep the full header
+    assert lighter_cuda_sources([src + "PYBIND11_MODULE(m, mod) {}\n"]) is None
+    assert lighter_cuda_sources([src + "py::object o;\n"]) is None
