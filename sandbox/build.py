@@ -11,8 +11,8 @@ worker that function is replaced by ``HookedBuilder.load_inline``, which
   never hangs a later build;
 * applies the build-speed levers: a precompiled ``torch/extension.h`` of its own for the
   C++ side (one per flag set, built atomically), no implicit torch headers on CUDA sources
-  that do not use torch, ``torch/types.h`` in place of ``torch/extension.h`` in CUDA sources
-  that do (the full header again where that does not build), one CUDA architecture (the
+  that do not use torch, minimal headers in CUDA sources that do (``header_tries``: the
+  candidate's own headers again where those do not build), one CUDA architecture (the
   GPU's), bounded ninja jobs;
 * imports an already-built extension directly, without asking torch or ninja again;
 * records each build (name, seconds, cached, log) and wraps the returned module so the
@@ -34,9 +34,72 @@ from filelock import FileLock
 LOG_CAP = 20_000
 _TORCH_USE_RE = re.compile(r"\b(torch::|at::|c10::|TORCH_CHECK|AT_DISPATCH|#\s*include\s*<(torch|ATen|c10)/)")
 _PYBIND_NAME_RE = re.compile(r"PYBIND11_MODULE\(\s*([A-Za-z_][A-Za-z0-9_]*)\s*,")
-_EXTENSION_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"]torch/extension\.h[>"][ \t]*(//.*)?$', re.MULTILINE)
+_EXTENSION_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"]torch/(?:extension|torch|all)\.h[>"][ \t]*(//.*)?$',
+                                   re.MULTILINE)
+_TORCH_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"]torch/(?:extension|torch|all|types)\.h[>"][ \t]*(//.*)?$',
+                               re.MULTILINE)
 _PYTHON_USE_RE = re.compile(r"\bPYBIND11_|\bpy::|\bpybind11::|torch/python\.h|Python\.h")
-LIGHT_HEADER_NOTE = "built with <torch/types.h> in place of <torch/extension.h> in the CUDA sources"
+# nvcc's words for a torch name the minimal headers lack (the next, fuller headers may have it)
+_MISSING_TORCH_NAME_RE = re.compile(r'namespace "(?:torch|at|c10)[\w:]*" has no member|identifier "(?:torch|at|c10)::')
+# What a kernel wrapper needs: tensors and their methods, the usual factories, TORCH_CHECK,
+# AT_DISPATCH; ``torch::`` names resolve to ATen's as torch/types.h makes them.
+MINIMAL_TORCH_PRELUDE = "\n".join([
+    "#include <ATen/core/Tensor.h>", "#include <ATen/Dispatch.h>", "#include <c10/cuda/CUDAStream.h>",
+    *(f"#include <ATen/ops/{op}.h>" for op in ("empty", "empty_like", "empty_strided", "zeros", "zeros_like",
+                                                "ones", "ones_like", "full", "full_like")),
+    "namespace torch { using namespace at; }"])
+MINIMAL_NOTE = "CUDA sources built with minimal ATen headers in place of torch's"
+TYPES_NOTE = "CUDA sources built with <torch/types.h> in place of <torch/extension.h>"
+OWN_NOTE = "the candidate's own headers"
+
+
+@dataclass(frozen=True)
+class HeaderTry:
+    """One way to build the CUDA sources: lighter headers first, the candidate's own last."""
+    note: str                       # what a success says; "" for the candidate's own headers
+    cuda: list[str]
+    no_implicit_headers: bool
+
+
+def header_tries(cuda: list[str], no_implicit_headers: bool) -> list[HeaderTry]:
+    """How to build CUDA sources that use torch, fastest first.
+
+    KernelBench-style candidates put their torch wrappers in the ``.cu`` file, and nvcc parses
+    the torch headers three times (host preprocessing, cudafe++ and cicc, then the host
+    compiler): on a 2-core host a one-kernel candidate took 98 s with ``torch/extension.h``,
+    45 s with ``torch/types.h`` and about half that with the minimal ATen headers. So:
+
+    1. the minimal prelude (``MINIMAL_TORCH_PRELUDE``) in place of every torch header;
+    2. where that lacks a torch name, ``torch/types.h`` in place of ``torch/extension.h``;
+    3. the candidate's own headers: where the lighter ones do not build, this build decides the
+       verdict, so the swap never turns a failing candidate into a passing one or back.
+
+    Sources that bind to Python themselves are built as they are (the bindings that
+    ``load_inline`` generates live in the C++ file, which keeps ``torch/extension.h``).
+    """
+    own = HeaderTry("", cuda, no_implicit_headers)
+    if any(_PYTHON_USE_RE.search(s) for s in cuda):
+        return [own]
+    minimal = ["#include <cuda.h>", "#include <cuda_runtime.h>", MINIMAL_TORCH_PRELUDE] + [
+        _TORCH_INCLUDE_RE.sub("", s) for s in cuda]
+    tries = [HeaderTry(MINIMAL_NOTE, minimal, True)]
+    if any(_EXTENSION_INCLUDE_RE.search(s) for s in cuda):
+        tries.append(HeaderTry(TYPES_NOTE, [_EXTENSION_INCLUDE_RE.sub("#include <torch/types.h>", s) for s in cuda],
+                               no_implicit_headers))
+    return tries + [own]
+
+
+def next_try(tries: list[HeaderTry], failed: int, error: str) -> Optional[int]:
+    """The try after ``tries[failed]`` failed with ``error``: the fuller headers only where the
+    error names a missing torch name, else straight to the candidate's own headers."""
+    if failed + 1 >= len(tries):
+        return None
+    if tries[failed].note == MINIMAL_NOTE and tries[failed + 1].note == TYPES_NOTE \
+            and not _MISSING_TORCH_NAME_RE.search(error):
+        return len(tries) - 1
+    return failed + 1
+
+
 _GLOBAL_FN_RE = re.compile(r"__global__\s+(?:__launch_bounds__\([^)]*\)\s*)?(?:static\s+)?[\w:<>\s\*]*?\b([A-Za-z_]\w*)\s*\(")
 
 
@@ -137,21 +200,6 @@ class ExtensionProxy:
 
     def __dir__(self):
         return dir(self._module)
-
-
-def lighter_cuda_sources(cuda: list[str]) -> Optional[list[str]]:
-    """The CUDA sources with ``#include <torch/extension.h>`` swapped for ``<torch/types.h>``,
-    or None where there is nothing to swap or the source needs Python bindings.
-
-    KernelBench-style candidates put their torch wrappers in the ``.cu`` file and include
-    ``torch/extension.h`` there: nvcc parses it three times (host preprocessing, cudafe++ and
-    cicc, then the host compiler), which halves with ``torch/types.h`` (tensors, factories,
-    ``TORCH_CHECK``; all a kernel wrapper needs; the Python bindings are generated into the C++
-    file). Used first; where it does not build, the candidate's own headers are built.
-    """
-    if not any(_EXTENSION_INCLUDE_RE.search(s) for s in cuda) or any(_PYTHON_USE_RE.search(s) for s in cuda):
-        return None
-    return [_EXTENSION_INCLUDE_RE.sub("#include <torch/types.h>", s) for s in cuda]
 
 
 def extension_key(kwargs: dict[str, Any], torch_version: str, arch: Optional[str]) -> str:
@@ -293,37 +341,44 @@ class HookedBuilder:
                 pch_dir = self._pch_include_dir(kwargs["extra_cflags"], include_paths)
                 if pch_dir:
                     include_paths = [pch_dir] + include_paths
-            # The lighter headers first where they apply; a failure there (a name only the full
-            # header declares) rebuilds with the candidate's own, whose outcome is the verdict.
-            lighter = lighter_cuda_sources(cuda) if self.light_headers and cuda else None
-            tries = ([(LIGHT_HEADER_NOTE, lighter)] if lighter else []) + [("", cuda)]
+            # Lighter torch headers first where the CUDA sources use torch (see header_tries);
+            # the candidate's own headers decide the verdict wherever the lighter ones fail.
+            uses_torch = bool(cuda) and any(_TORCH_USE_RE.search(s) for s in cuda)
+            tries = (header_tries(cuda, no_implicit_headers) if self.light_headers and uses_torch
+                     else [HeaderTry("", cuda, no_implicit_headers)])
             notes: list[str] = []
-            for i, (note, cuda_try) in enumerate(tries):
+            i: Optional[int] = 0
+            while i is not None:
+                attempt = tries[i]
                 try:
                     module = self._original(     # copies: load_inline adds its headers and bindings in place
-                        name=ext_name, cpp_sources=list(cpp), cuda_sources=list(cuda_try) or None, functions=functions,
-                        extra_cflags=kwargs["extra_cflags"] or None,
+                        name=ext_name, cpp_sources=list(cpp), cuda_sources=list(attempt.cuda) or None,
+                        functions=functions, extra_cflags=kwargs["extra_cflags"] or None,
                         extra_cuda_cflags=kwargs["extra_cuda_cflags"] or None,
                         extra_ldflags=kwargs["extra_ldflags"] or None,
                         extra_include_paths=include_paths or None,
                         build_directory=str(directory), verbose=False, with_cuda=with_cuda,
                         is_python_module=is_python_module, with_pytorch_error_handling=with_pytorch_error_handling,
-                        keep_intermediates=keep_intermediates, use_pch=False, no_implicit_headers=no_implicit_headers)
+                        keep_intermediates=keep_intermediates, use_pch=False,
+                        no_implicit_headers=attempt.no_implicit_headers)
                 except Exception as exc:
-                    if i + 1 < len(tries):
-                        notes.append(f"not {note}: rebuilt with the candidate's own headers")
-                        # torch would version the rebuild (``name_v1``): the library then no
-                        # longer has the name a later cache hit imports
-                        from torch.utils import cpp_extension as ce
+                    nxt = next_try(tries, i, str(exc))
+                    if nxt is None:
+                        self.records.append(BuildRecord(ext_name, name, str(directory), time.perf_counter() - t0,
+                                                        False, False, str(exc)[-LOG_CAP:], bool(cuda), kernel_names,
+                                                        notes))
+                        raise
+                    notes.append(f"not {attempt.note}: tried {tries[nxt].note or OWN_NOTE}")
+                    # torch would version the rebuild (``name_v1``): the library then no
+                    # longer has the name a later cache hit imports
+                    from torch.utils import cpp_extension as ce
 
-                        ce.JIT_EXTENSION_VERSIONER.entries.pop(ext_name, None)
-                        continue
-                    self.records.append(BuildRecord(ext_name, name, str(directory), time.perf_counter() - t0,
-                                                    False, False, str(exc)[-LOG_CAP:], bool(cuda), kernel_names, notes))
-                    raise
-                if note:
-                    notes.append(note)
-                break
+                    ce.JIT_EXTENSION_VERSIONER.entries.pop(ext_name, None)
+                    i = nxt
+                    continue
+                if attempt.note:
+                    notes.append(attempt.note)
+                i = None
             marker.touch()
         self.records.append(BuildRecord(ext_name, name, str(directory), time.perf_counter() - t0, cached, True,
                                         "", bool(cuda), kernel_names, notes))

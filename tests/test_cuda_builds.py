@@ -142,21 +142,26 @@ class ModelNew(nn.Module):
 '''
 
 
-@pytest.mark.parametrize("extra, light", [
-    ("", True),                                                            # tensors, factories, TORCH_CHECK
-    ("y = torch::nn::functional::relu(y);", False),                        # only torch/extension.h declares it
+@pytest.mark.parametrize("extra, expected", [
+    ("", ["{minimal}"]),                                                   # tensors, factories, TORCH_CHECK
+    ("y = torch::matmul(y, y.t());", ["not {minimal}: tried {types}", "{types}"]),   # an op the minimal headers lack
+    ("y = torch::nn::functional::relu(y);", ["not {minimal}: tried {types}", "not {types}: tried {own}"]),
+    ("y = y + undeclared_name;", ["not {minimal}: tried {own}"]),          # a real error: straight to its own headers
 ])
-def test_kernelbench_style_source_builds_with_the_lighter_header_or_falls_back(sandbox, extra, light):
+def test_kernelbench_style_source_builds_with_the_lightest_headers_that_work(sandbox, extra, expected):
     import uuid
 
-    from sandbox.build import LIGHT_HEADER_NOTE
+    from sandbox.build import MINIMAL_NOTE, OWN_NOTE, TYPES_NOTE
 
+    words = {"minimal": MINIMAL_NOTE, "types": TYPES_NOTE, "own": OWN_NOTE}
+    want = [e.format(**words) for e in expected]
     spec = read_spec(ADVERSARIAL / "task_small.py", name="adversarial/task_small")
     source = KERNELBENCH_STYLE.replace("EXTRA", extra).replace("SALT", uuid.uuid4().hex)
     check = sandbox.build_only(spec, source)
-    assert check.ok, check
-    notes = check.build.notes
-    if light:
-        assert notes == [LIGHT_HEADER_NOTE], notes
+    assert check.build.notes == want, check.build.notes
+    if "undeclared_name" in extra:
+        assert check.status is Status.compile_error and "undeclared_name" in check.build.first_error, check
+        line = check.build.first_error_line
+        assert line is not None and "undeclared_name" in source.splitlines()[line - 1]
     else:
-        assert notes == [f"not {LIGHT_HEADER_NOTE}: rebuilt with the candidate's own headers"], notes
+        assert check.ok, check

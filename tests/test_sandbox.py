@@ -268,13 +268,23 @@ def test_cuda_sandbox_without_gpu_or_arch_refuses_and_hands_its_arch_to_workers(
     assert "KERNELLOOP_CUDA_ARCH" not in Sandbox("cpu")._build_env()
 
 
-def test_lighter_cuda_sources_swaps_only_the_extension_header():
-    from sandbox.build import lighter_cuda_sources
+def test_header_tries_go_from_minimal_headers_to_the_candidates_own():
+    from sandbox.build import MINIMAL_NOTE, MINIMAL_TORCH_PRELUDE, TYPES_NOTE, header_tries, next_try
 
     src = '#include <torch/extension.h>\n#include <ATen/cuda/CUDAContext.h>\n__global__ void k() {}\n'
-    assert lighter_cuda_sources([src]) == [src.replace("torch/extension.h", "torch/types.h")]
-    assert lighter_cuda_sources(['  #  include "torch/extension.h"  // wrappers\nint x;']) == ["#include <torch/types.h>\nint x;"]
-    assert lighter_cuda_sources(["__global__ void k() {}\n"]) is None               # nothing to swap
-    # sources that bind to Python themselves keep the full header
-    assert lighter_cuda_sources([src + "PYBIND11_MODULE(m, mod) {}\n"]) is None
-    assert lighter_cuda_sources([src + "py::object o;\n"]) is None
+    tries = header_tries([src], no_implicit_headers=False)
+    assert [t.note for t in tries] == [MINIMAL_NOTE, TYPES_NOTE, ""]
+    minimal, types, own = tries
+    assert MINIMAL_TORCH_PRELUDE in minimal.cuda and minimal.no_implicit_headers      # no torch/types.h added
+    assert not any("torch/extension.h" in s for s in minimal.cuda) and "<ATen/cuda/CUDAContext.h>" in minimal.cuda[-1]
+    assert types.cuda == [src.replace("torch/extension.h", "torch/types.h")] and not types.no_implicit_headers
+    assert own.cuda == [src] and not own.no_implicit_headers                       # exactly what the candidate wrote
+    # torch used through the implicit torch/types.h only: no types.h step
+    assert [t.note for t in header_tries(["torch::Tensor f(torch::Tensor x);"], False)] == [MINIMAL_NOTE, ""]
+    # sources that bind to Python themselves are built as written
+    assert [t.note for t in header_tries([src + "PYBIND11_MODULE(m, mod) {}\n"], False)] == [""]
+    assert [t.note for t in header_tries([src + "py::object o;\n"], False)] == [""]
+    # after the minimal headers fail: fuller headers only for a missing torch name
+    assert next_try(tries, 0, 'x.cu(9): error: namespace "torch" has no member "matmul"') == 1
+    assert next_try(tries, 0, 'x.cu(9): error: identifier "i" is undefined') == 2
+    assert next_try(tries, 1, "anything") == 2 and next_try(tries, 2, "anything") is None
