@@ -40,7 +40,9 @@ _TORCH_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"]torch/(?:extensi
                                re.MULTILINE)
 _PYTHON_USE_RE = re.compile(r"\bPYBIND11_|\bpy::|\bpybind11::|torch/python\.h|Python\.h")
 # nvcc's words for a torch name the minimal headers lack (the next, fuller headers may have it)
-_MISSING_TORCH_NAME_RE = re.compile(r'namespace "(?:torch|at|c10)[\w:]*" has no member|identifier "(?:torch|at|c10)::')
+_MISSING_TORCH_NAME_RE = re.compile(r'namespace "(?:torch|at|c10)[\w:]*" has no member|identifier "(?:torch|at|c10)::'
+                                    r'|name followed by "::" must be a class or namespace name'   # torch::nn::...
+                                    r'|no operator "[^"]+" matches these operands')     # tensor operators
 # What a kernel wrapper needs: tensors and their methods, the usual factories, TORCH_CHECK,
 # AT_DISPATCH; ``torch::`` names resolve to ATen's as torch/types.h makes them.
 MINIMAL_TORCH_PRELUDE = "\n".join([
@@ -59,6 +61,7 @@ class HeaderTry:
     note: str                       # what a success says; "" for the candidate's own headers
     cuda: list[str]
     no_implicit_headers: bool
+    cpp_prefix: tuple[str, ...] = ()  # what load_inline's implicit headers would have put first in C++
 
 
 def header_tries(cuda: list[str], no_implicit_headers: bool) -> list[HeaderTry]:
@@ -82,7 +85,8 @@ def header_tries(cuda: list[str], no_implicit_headers: bool) -> list[HeaderTry]:
         return [own]
     minimal = ["#include <cuda.h>", "#include <cuda_runtime.h>", MINIMAL_TORCH_PRELUDE] + [
         _TORCH_INCLUDE_RE.sub("", s) for s in cuda]
-    tries = [HeaderTry(MINIMAL_NOTE, minimal, True)]
+    # no implicit headers for the CUDA sources means none for the C++ side either: it keeps its own
+    tries = [HeaderTry(MINIMAL_NOTE, minimal, True, () if no_implicit_headers else ("#include <torch/extension.h>",))]
     if any(_EXTENSION_INCLUDE_RE.search(s) for s in cuda):
         tries.append(HeaderTry(TYPES_NOTE, [_EXTENSION_INCLUDE_RE.sub("#include <torch/types.h>", s) for s in cuda],
                                no_implicit_headers))
@@ -352,7 +356,7 @@ class HookedBuilder:
                 attempt = tries[i]
                 try:
                     module = self._original(     # copies: load_inline adds its headers and bindings in place
-                        name=ext_name, cpp_sources=list(cpp), cuda_sources=list(attempt.cuda) or None,
+                        name=ext_name, cpp_sources=[*attempt.cpp_prefix, *cpp], cuda_sources=list(attempt.cuda) or None,
                         functions=functions, extra_cflags=kwargs["extra_cflags"] or None,
                         extra_cuda_cflags=kwargs["extra_cuda_cflags"] or None,
                         extra_ldflags=kwargs["extra_ldflags"] or None,

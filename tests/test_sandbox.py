@@ -276,6 +276,8 @@ def test_header_tries_go_from_minimal_headers_to_the_candidates_own():
     assert [t.note for t in tries] == [MINIMAL_NOTE, TYPES_NOTE, ""]
     minimal, types, own = tries
     assert MINIMAL_TORCH_PRELUDE in minimal.cuda and minimal.no_implicit_headers      # no torch/types.h added
+    assert minimal.cpp_prefix == ("#include <torch/extension.h>",)    # ... but the C++ side keeps its header
+    assert header_tries([src], no_implicit_headers=True)[0].cpp_prefix == ()      # the candidate includes its own
     assert not any("torch/extension.h" in s for s in minimal.cuda) and "<ATen/cuda/CUDAContext.h>" in minimal.cuda[-1]
     assert types.cuda == [src.replace("torch/extension.h", "torch/types.h")] and not types.no_implicit_headers
     assert own.cuda == [src] and not own.no_implicit_headers                       # exactly what the candidate wrote
@@ -286,5 +288,7 @@ def test_header_tries_go_from_minimal_headers_to_the_candidates_own():
     assert [t.note for t in header_tries([src + "py::object o;\n"], False)] == [""]
     # after the minimal headers fail: fuller headers only for a missing torch name
     assert next_try(tries, 0, 'x.cu(9): error: namespace "torch" has no member "matmul"') == 1
+    assert next_try(tries, 0, 'x.cu(9): error: no operator "+" matches these operands') == 1   # tensor + tensor
+    assert next_try(tries, 0, 'x.cu(9): error: name followed by "::" must be a class or namespace name') == 1
     assert next_try(tries, 0, 'x.cu(9): error: identifier "i" is undefined') == 2
     assert next_try(tries, 1, "anything") == 2 and next_try(tries, 2, "anything") is None
