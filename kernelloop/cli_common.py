@@ -19,13 +19,19 @@ DeviceOption = typer.Option(None, "--device", "-d",
 SetOption = typer.Option(None, "--set", help="size override name=value (repeatable), e.g. --set batch_size=16")
 
 
-def resolve_device(device: Optional[str]) -> str:
+def resolve_device(device: Optional[str], gpu_needed: bool = True) -> str:
+    """The device a command runs on; ``gpu_needed=False`` (building only) accepts ``cuda`` with
+    a CUDA build of torch and no GPU."""
     import torch
 
     if device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cuda", "cpu"):
         fail(f"--device must be cuda or cpu, not {device!r}")
+    if device == "cuda" and not gpu_needed:
+        if not torch.version.cuda:
+            fail(f"--device cuda --build-only needs a CUDA build of torch (this is torch {torch.__version__})")
+        return device
     if device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda: no CUDA GPU is visible to torch "
              f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'})")

@@ -221,14 +221,13 @@ class HookedBuilder:
     """Replaces ``load_inline`` for the lifetime of a worker."""
 
     def __init__(self, cache_root: Path | None = None, max_jobs: int | None = None,
-                 use_pch: bool = True, arch: Optional[str] = None, light_headers: bool = True):
+                 use_pch: bool = True):
         self.cache_root = Path(cache_root) if cache_root else build_cache_dir()
         self.cache_root.mkdir(parents=True, exist_ok=True)
         self.records: list[BuildRecord] = []
         self.counter = CallCounter()
         self.use_pch = use_pch
-        self.light_headers = light_headers
-        self.arch = arch or cuda_arch_list()
+        self.arch = cuda_arch_list()
         if max_jobs:
             os.environ["MAX_JOBS"] = str(max_jobs)
         if self.arch:
@@ -318,8 +317,8 @@ class HookedBuilder:
         directory.mkdir(parents=True, exist_ok=True)
 
         # Levers. No implicit torch headers on CUDA sources that do not use torch.
-        implicit = not no_implicit_headers
-        if implicit and cuda and not any(_TORCH_USE_RE.search(s) for s in cuda):
+        uses_torch = any(_TORCH_USE_RE.search(s) for s in cuda)
+        if not no_implicit_headers and cuda and not uses_torch:
             no_implicit_headers = True
             cpp = ["#include <torch/extension.h>"] + cpp
             cuda = ["#include <cuda.h>", "#include <cuda_runtime.h>"] + cuda
@@ -347,9 +346,7 @@ class HookedBuilder:
                     include_paths = [pch_dir] + include_paths
             # Lighter torch headers first where the CUDA sources use torch (see header_tries);
             # the candidate's own headers decide the verdict wherever the lighter ones fail.
-            uses_torch = bool(cuda) and any(_TORCH_USE_RE.search(s) for s in cuda)
-            tries = (header_tries(cuda, no_implicit_headers) if self.light_headers and uses_torch
-                     else [HeaderTry("", cuda, no_implicit_headers)])
+            tries = header_tries(cuda, no_implicit_headers) if uses_torch else [HeaderTry("", cuda, no_implicit_headers)]
             notes: list[str] = []
             i: Optional[int] = 0
             while i is not None:
@@ -379,10 +376,10 @@ class HookedBuilder:
 
                     ce.JIT_EXTENSION_VERSIONER.entries.pop(ext_name, None)
                     i = nxt
-                    continue
-                if attempt.note:
-                    notes.append(attempt.note)
-                i = None
+                else:
+                    if attempt.note:
+                        notes.append(attempt.note)
+                    i = None
             marker.touch()
         self.records.append(BuildRecord(ext_name, name, str(directory), time.perf_counter() - t0, cached, True,
                                         "", bool(cuda), kernel_names, notes))

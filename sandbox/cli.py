@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -66,18 +65,6 @@ def print_build_check(c) -> None:
         console.print(f"[yellow]flag {f.kind.value}[/]: {f.reason}", highlight=False)
 
 
-def build_device(device: Optional[str], arch: Optional[str]) -> str:
-    """The device for a build-only check: cuda needs a CUDA build of torch, not a GPU."""
-    import torch
-
-    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if dev not in ("cuda", "cpu"):
-        fail(f"--device must be cuda or cpu, not {dev!r}")
-    if dev == "cuda" and not torch.version.cuda:
-        fail(f"--device cuda --build-only needs a CUDA build of torch (this is torch {torch.__version__})")
-    return dev
-
-
 def eval_command(task: str = typer.Argument(..., help="task file or bundled name (e.g. seeds/conv2d_divide_leakyrelu)"),
                  candidate: Path = typer.Argument(..., exists=True, dir_okay=False, help="candidate module defining ModelNew"),
                  device: Optional[str] = DeviceOption,
@@ -96,7 +83,7 @@ def eval_command(task: str = typer.Argument(..., help="task file or bundled name
     from sandbox.result import EvalConfig
     from sandbox.tasks import TaskError, discover, load_task, parse_overrides, read_spec, with_device_sizes
 
-    dev = build_device(device, arch) if build_only else resolve_device(device)
+    dev = resolve_device(device, gpu_needed=not build_only)
     try:
         paths = discover([task])
         if len(paths) != 1:
@@ -117,9 +104,7 @@ def eval_command(task: str = typer.Argument(..., help="task file or bundled name
         else:
             print_build_check(check)
         raise typer.Exit(0 if check.ok else 1)
-    if arch:
-        os.environ["KERNELLOOP_CUDA_ARCH"] = arch
-    result = evaluate(spec, candidate.read_text(), dev, config)
+    result = evaluate(spec, candidate.read_text(), dev, config, arch=arch)
     if as_json:
         print(json.dumps(result.model_dump(mode="json"), indent=2))
     else:

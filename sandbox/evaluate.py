@@ -497,7 +497,8 @@ class Sandbox:
                             f"median {result.candidate_time.median_ms:.4f} ms is below the roofline floor {floor:.4f} ms")
 
 
-def evaluate(spec: TaskSpec, source: str, device: str = "cpu", config: Optional[EvalConfig] = None) -> EvalResult:
+def evaluate(spec: TaskSpec, source: str, device: str = "cpu", config: Optional[EvalConfig] = None,
+             arch: Optional[str] = None) -> EvalResult:
     """Evaluate one candidate with a sandbox of its own (see ``Sandbox`` to evaluate many)."""
-    with Sandbox(device, config) as sandbox:
+    with Sandbox(device, config, arch=arch) as sandbox:
         return sandbox.evaluate(spec, source)

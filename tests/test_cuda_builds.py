@@ -30,6 +30,7 @@ CRITIC = ROOT / "tests" / "fixtures" / "critic"
 MANIFEST = json.loads((CRITIC / "manifest.json").read_text())["fixtures"]
 CRITIC_CUDA = [fx for fx in MANIFEST if fx.get("cuda")]
 ADVERSARIAL = ROOT / "tests" / "adversarial"
+SMALL_TASK = read_spec(ADVERSARIAL / "task_small.py", name="adversarial/task_small")
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +76,7 @@ def test_critic_cuda_fixture_builds_as_the_manifest_says(sandbox, fx):
 
 @pytest.mark.parametrize("name", ["honest", "compile_error"])
 def test_adversarial_cuda_builds(sandbox, name):
-    spec = read_spec(ADVERSARIAL / "task_small.py", name="adversarial/task_small")
+    spec = SMALL_TASK
     check = sandbox.build_only(spec, (ADVERSARIAL / "cuda" / f"{name}.py").read_text())
     if name == "compile_error":
         assert check.status is Status.compile_error and check.build.first_error, check
@@ -84,7 +85,7 @@ def test_adversarial_cuda_builds(sandbox, name):
 
 
 def test_identical_candidate_is_a_cache_hit(sandbox):
-    spec = read_spec(ADVERSARIAL / "task_small.py", name="adversarial/task_small")
+    spec = SMALL_TASK
     source = (ADVERSARIAL / "cuda" / "honest.py").read_text()
     first = sandbox.build_only(spec, source)
     again = sandbox.build_only(spec, source)
@@ -98,7 +99,7 @@ def test_prompt_worked_example_builds(sandbox):
     from agent.prompts import build_proposal_messages
     from agent.types import DeviceFacts
 
-    spec = read_spec(ADVERSARIAL / "task_small.py", name="adversarial/task_small")
+    spec = SMALL_TASK
     gpu = DeviceFacts(device="cuda", name="NVIDIA H200", torch_version="2.13.0", compute_capability="9.0")
     _, messages, _ = build_proposal_messages(spec, gpu, 0, [], None, None)
     parsed = parse_answer(messages[1]["content"], "stop")
@@ -155,7 +156,7 @@ def test_kernelbench_style_source_builds_with_the_lightest_headers_that_work(san
 
     words = {"minimal": MINIMAL_NOTE, "types": TYPES_NOTE, "own": OWN_NOTE}
     want = [e.format(**words) for e in expected]
-    spec = read_spec(ADVERSARIAL / "task_small.py", name="adversarial/task_small")
+    spec = SMALL_TASK
     source = KERNELBENCH_STYLE.replace("EXTRA", extra).replace("SALT", uuid.uuid4().hex)
     check = sandbox.build_only(spec, source)
     assert check.build.notes == want, check.build.notes
