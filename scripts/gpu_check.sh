@@ -4,6 +4,7 @@
 #   bash scripts/gpu_check.sh judge   # probe, seed baselines, adversarial suite, timing fidelity   (~8 min)
 #   bash scripts/gpu_check.sh build   # build speed (lean and KernelBench-style sources), throughput  (~7 min)
 #   bash scripts/gpu_check.sh loop    # builtin optimisation (seeds + level2), replay, report, gpu tests of the rest
+#   BASELINE=0 skips the seed baselines in judge; REST_S=0 skips the remaining gpu tests in loop.
 # Each stage fits one device call (10 minutes); run them in separate calls.
 # Logs, the store and reports go to $OUT (or ./out).
 set -uo pipefail
@@ -18,7 +19,7 @@ box() { local t=$1; shift; timeout --signal=INT --kill-after=15 "$t" "$@"; echo 
 case "$stage" in
   judge)
     box 60 $KL device probe --device cuda 2>&1 | tee "$OUT/probe.txt"
-    box 150 $KL baseline tasks/seeds --device cuda 2>&1 | tee "$OUT/baseline.txt"
+    [ "${BASELINE:-1}" = 1 ] && box 150 $KL baseline tasks/seeds --device cuda 2>&1 | tee "$OUT/baseline.txt"
     box 240 python3 -m pytest -m gpu -q -s --timeout 200 -p no:cacheprovider tests/test_sandbox_adversarial.py 2>&1 \
       | grep -vE "USDT|^$" | tee "$OUT/adversarial.txt" | grep -E "VERDICT|passed|failed|Error" | head -80
     box 90 python3 scripts/bench_timing.py 2>&1 | tee "$OUT/bench_timing.txt"
@@ -34,7 +35,7 @@ case "$stage" in
     box 90 $KL replay "$run" --device cuda --no-compile --tasks seeds/conv2d_divide_leakyrelu 2>&1 | grep -v USDT | tee "$OUT/replay.txt"
     $KL report "$run" --format md -o "$OUT/report.md" >/dev/null; $KL report "$run" --format html -o "$OUT/report.html" >/dev/null
     $KL show "$run" seeds/conv2d_bias_scale_sigmoid_groupnorm 2>&1 | tee "$OUT/analysis_seed.txt" | tail -5
-    box ${REST_S:-120} python3 -m pytest -m gpu -q --timeout 120 -p no:cacheprovider tests --deselect tests/test_sandbox_adversarial.py 2>&1 \
+    [ "${REST_S:-120}" != 0 ] && box ${REST_S:-120} python3 -m pytest -m gpu -q --timeout 120 -p no:cacheprovider tests --deselect tests/test_sandbox_adversarial.py 2>&1 \
       | grep -vE "USDT" | tail -15 | tee "$OUT/pytest_gpu_rest.txt"
     ;;
 esac
