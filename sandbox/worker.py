@@ -219,8 +219,9 @@ class Worker:
                     self.kept[i] = [x.detach().clone() for x in flat]
 
         try:
-            t = _time_runs(fn, self._make_args(int(req["seed"])), self.device, int(req["warmup"]),
-                           int(req["runs"]), bool(req.get("flush_l2", True)), on_output=keep if check else None)
+            with _full_fp32():
+                t = _time_runs(fn, self._make_args(int(req["seed"])), self.device, int(req["warmup"]),
+                               int(req["runs"]), bool(req.get("flush_l2", True)), on_output=keep if check else None)
         except BaseException as exc:  # noqa: BLE001
             return {"ok": False, **_exc_payload(exc)}
         finally:
@@ -242,8 +243,9 @@ class Worker:
         from sandbox.profiling import profile_forward
 
         try:
-            stats = profile_forward(self.model, self._make_args(int(req["seed"])), self.device,
-                                    runs=int(req.get("runs", 3)), own_kernels=self.kernel_names)
+            with _full_fp32():
+                stats = profile_forward(self.model, self._make_args(int(req["seed"])), self.device,
+                                        runs=int(req.get("runs", 3)), own_kernels=self.kernel_names)
         except BaseException as exc:  # noqa: BLE001
             return {"ok": False, **_exc_payload(exc)}
         return {"ok": True, "profile": stats}
@@ -261,9 +263,11 @@ class Worker:
 
 
 class _full_fp32:
-    """Correctness trials compare at full float32 precision: TF32 off in cuDNN and cuBLAS for
-    the reference and the candidate alike (timing keeps PyTorch's defaults). Otherwise a
-    convolution fed by a kernel's output turns 1e-7 input differences into 1e-4 ones."""
+    """Trials, timed runs and profiles all run at full float32 precision: TF32 off in cuDNN and
+    cuBLAS for the reference (eager and compiled) and the candidate alike. Otherwise a
+    convolution fed by a kernel's output turns 1e-7 input differences into 1e-3 ones, the
+    spot checks of timed runs could not use the trials' tolerance, and a candidate could tell
+    a trial from a timed run by reading the TF32 switches."""
 
     def __enter__(self):
         self.saved = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)

@@ -149,6 +149,22 @@ def test_a_stale_build_lock_never_hangs_a_later_build(sandbox, tmp_path, monkeyp
     assert again.status is Status.correct and not (build_dir / "lock").exists()
 
 
+def test_trials_and_timed_runs_see_the_same_precision_switches(sandbox):
+    """Timed runs ran under PyTorch's defaults (cuDNN TF32 on) while trials ran at full fp32:
+    on a GPU an honest conv -> kernel candidate then failed the spot check of its timed runs
+    (errors near 1e-3), and any candidate could tell a trial from a timed run by reading the
+    switch. This one returns a visibly different answer whenever TF32 is on."""
+    spec = read_spec(TASK, name="adversarial/task_small")
+    src = (ADV / "cpu" / "honest.py").read_text().replace(
+        "        return ext.relu_scale(self.linear(x).contiguous(), self.scale)",
+        "        y = ext.relu_scale(self.linear(x).contiguous(), self.scale)\n"
+        "        return y + 1e-3 if (torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32) else y")
+    assert "allow_tf32 or" in src
+    r = sandbox.evaluate(spec, src)
+    assert r.status is Status.correct, [t.reason for t in r.trials]
+    assert len(r.trials) > sandbox.config.trials and all(t.passed for t in r.trials)   # spot checks included
+
+
 def test_compile_error_names_the_first_error_and_its_candidate_line(sandbox):
     spec = read_spec(TASK, name="adversarial/task_small")
     path = ADV / "cpu" / "compile_error.py"
