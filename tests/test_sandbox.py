@@ -35,6 +35,28 @@ def test_error_within_tolerance_passes_and_beyond_fails():
     assert not ok and "outside atol=0.0001" in reason and checks[0].mismatch_pattern == "everywhere"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_chunked_comparison_agrees_with_one_chunk_and_leaves_the_reference_alone(monkeypatch, dtype):
+    import sandbox.compare as compare
+
+    g = torch.Generator().manual_seed(7)
+    ref = torch.randn(3, 5, 67, generator=g).to(dtype)
+    out = (ref.double() + torch.randn(ref.shape, generator=g, dtype=torch.float64) * 2e-4).to(dtype)
+    out.view(-1)[3] = float("nan")
+    ref.view(-1)[150], out.view(-1)[150] = float("inf"), float("inf")
+    out.view(-1)[700] = float("-inf")
+    out[2, 4, 60:] += 1.0
+    before = ref.clone()
+    whole = compare_outputs([ref], [out], CFG)
+    monkeypatch.setattr(compare, "CHUNK", 64)         # chunk edges fall inside rows and runs of NaN
+    chunked = compare_outputs([ref], [out], CFG)
+    assert torch.equal(ref, before)
+    assert whole[0] == chunked[0] and whole[1] == chunked[1]
+    assert [c.model_dump() for c in whole[2]] == [c.model_dump() for c in chunked[2]]
+    c = chunked[2][0]
+    assert (c.nan_count, c.inf_count, c.ref_nonfinite) == (1, 1, 1) and c.mismatched > 7
+
+
 def test_half_outputs_use_the_half_tolerance():
     x = torch.randn(32, 32).half()
     ok, _, checks = compare_outputs([x], [(x.float() + 5e-3).half()], CFG)
