@@ -16,6 +16,7 @@ A crash, hang, CUDA error or cheat ends in a status or a flag for this candidate
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import secrets
@@ -38,6 +39,29 @@ REFERENCE_TIMEOUT_S = 900.0
 # A candidate whose reported time leaves this much of the parent's wall clock unexplained is flagged.
 CLOCK_SLACK_S = 0.25
 CLOCK_FACTOR = 3.0
+
+
+@contextlib.contextmanager
+def _phase(result: EvalResult, name: str):
+    """Record the seconds a stage of the evaluation took (where an evaluation's time goes)."""
+    t0 = time.monotonic()
+    try:
+        yield
+    finally:
+        result.phases[name] = round(result.phases.get(name, 0.0) + time.monotonic() - t0, 3)
+
+
+class _Stages:
+    """Consecutive stages of one evaluation: ``enter`` ends the stage before it."""
+
+    def __init__(self, result: EvalResult):
+        self.result, self.name, self.t0 = result, None, time.monotonic()
+
+    def enter(self, name: Optional[str]) -> None:
+        now = time.monotonic()
+        if self.name:
+            self.result.phases[self.name] = round(self.result.phases.get(self.name, 0.0) + now - self.t0, 3)
+        self.name, self.t0 = name, now
 
 
 def sha256_text(text: str) -> str:
@@ -235,7 +259,9 @@ class Sandbox:
         result = self._new_result(spec, source)
         try:
             with self._build_sem:
+                result.phases["build_wait"] = round(time.monotonic() - t0, 3)
                 built = self._build(spec, source, result)
+            result.phases["build"] = result.build.seconds if result.build else 0.0
             if built:
                 self._run(spec, source, result)
         finally:
@@ -265,15 +291,23 @@ class Sandbox:
     def _run_on(self, slot: int, spec: TaskSpec, source: str, result: EvalResult) -> None:
         cfg = self.config
         ref = self.reference(spec, slot)
-        with ref.lock:
+        with _phase(result, "reference"), ref.lock:
             ref.ensure()
         result.device_name = ref.device_name or result.device_name
         cand = WorkerProcess("candidate", memory_limit_mb=cfg.memory_limit_mb if self.device == "cpu" else None,
                              env={**self._build_env(), **self._slot_env(slot)})
         try:
-            if self._load_candidate(spec, source, result, cand):
-                with self._slot_locks[slot]:
-                    self._run_candidate(result, ref, cand)
+            with _phase(result, "load"):
+                loaded = self._load_candidate(spec, source, result, cand)
+            if loaded:
+                with _phase(result, "device_wait"):
+                    self._slot_locks[slot].acquire()
+                stages = _Stages(result)
+                try:
+                    self._run_candidate(result, ref, cand, stages)
+                finally:
+                    stages.enter(None)
+                    self._slot_locks[slot].release()
         except WorkerTimeout as exc:
             result.status = Status.timeout
             result.error_type = "Timeout"
@@ -309,9 +343,11 @@ class Sandbox:
             result.add_flag(FlagKind.suspicious, f"started {reply['threads_started']} thread(s) while constructing ModelNew")
         return True
 
-    def _run_candidate(self, result: EvalResult, ref: ReferenceWorker, cand: WorkerProcess) -> None:
+    def _run_candidate(self, result: EvalResult, ref: ReferenceWorker, cand: WorkerProcess,
+                       stages: _Stages) -> None:
         cfg = self.config
         # ---- trials
+        stages.enter("trials")
         calls: list[int] = []
         output_bytes = 0
         for index in range(cfg.trials):
@@ -382,6 +418,7 @@ class Sandbox:
         result.status = Status.correct
 
         # ---- timing (same routine, same policy, device held exclusively)
+        stages.enter("timing")
         timing_seed = secrets.randbits(30)
         timed = {"op": "time", "seed": timing_seed, "warmup": cfg.warmup_runs, "runs": cfg.timed_runs,
                  "flush_l2": cfg.flush_l2}
@@ -408,6 +445,7 @@ class Sandbox:
             result.traceback = ct.get("traceback")
             return
         result.candidate_time = Timing(**ct["timing"])
+        stages.enter("spot_checks")
         saved = cand.ask({"op": "timed_outputs"}, cfg.run_timeout_s).get("saved") or {}
         if not self._spot_check(ref, saved, check_runs, timing_seed, result):
             return
@@ -423,6 +461,7 @@ class Sandbox:
                 result.speedup_compile = result.compile_time.median_ms / cand_ms
 
         # ---- evidence: profiles and the roofline floor
+        stages.enter("profile")
         if cfg.profile:
             prof = cand.ask({"op": "profile", "seed": timing_seed}, cfg.run_timeout_s)
             if prof.get("ok"):
@@ -434,6 +473,7 @@ class Sandbox:
                 if ref.profile is None:
                     ref.profile = ref.ask({"op": "profile", "seed": timing_seed})["profile"]
             result.reference_profile = [KernelStat(**row) for row in ref.profile]
+        stages.enter("floor")
         self._floor(ref, result)
 
     def _spot_check(self, ref: ReferenceWorker, saved: dict[str, str], check_runs: list[int],

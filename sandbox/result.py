@@ -125,6 +125,7 @@ class EvalResult(BaseModel):
     torch_version: str = ""
     config: EvalConfig = EvalConfig()
     seconds: float = 0.0                     # wall time of the whole evaluation
+    phases: dict[str, float] = {}            # seconds per stage (build_wait, build, reference, load, device_wait, trials, ...)
 
     build: Optional[BuildInfo] = None
     error_type: Optional[str] = None

@@ -158,6 +158,9 @@ def test_identical_candidate_is_a_cache_hit(sandbox):
     assert first.status is Status.correct and second.status is Status.correct
     assert second.build.cached and second.build.extensions == first.build.extensions
     assert second.build.extensions[0].startswith("kl_")
+    # where the time went, stage by stage, adding up to no more than the whole
+    assert {"build", "reference", "load", "trials", "timing", "spot_checks", "profile", "floor"} <= set(first.phases)
+    assert 0 < sum(first.phases.values()) <= first.seconds + 0.01
 
 
 def test_a_stale_build_lock_never_hangs_a_later_build(sandbox, tmp_path, monkeypatch):
