@@ -140,7 +140,7 @@ class OptimizeLoop:
 
     def run(self, run_id: int, specs: list[TaskSpec], task_parallelism: Optional[int] = None) -> list[TaskProgress]:
         # Enough tasks in flight to keep every device slot and the model's concurrency busy.
-        busy = max(getattr(self.backend, "max_concurrency", 4), len(getattr(self.sandbox, "slots", [None])))
+        busy = max(getattr(self.backend, "max_concurrency", 4), 2 * len(getattr(self.sandbox, "slots", [None])))
         workers = task_parallelism or max(1, min(len(specs), busy))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="task") as pool:
             futures = [pool.submit(self._optimize_task, run_id, sp) for sp in specs]
@@ -153,6 +153,11 @@ class OptimizeLoop:
                 self.stop()
                 for f in futures:
                     f.cancel()
+                # Evaluations in flight would hold the exit for minutes: their workers are
+                # killed and what they return is not stored (--resume evaluates them again).
+                abort = getattr(self.sandbox, "abort", None)
+                if abort is not None:
+                    abort()
                 raise
 
     # ------------------------------------------------------------------ one task
@@ -194,6 +199,10 @@ class OptimizeLoop:
             progress.error = f"{type(exc).__name__}: {exc}"
             progress.stopped = "error"
             self.on_progress(progress)
+        finally:
+            release = getattr(self.sandbox, "release", None)
+            if release is not None and not self._stop.is_set():
+                release(with_device_sizes(spec, self.config.device))
         return progress
 
     def _optimize_task_inner(self, run_id: int, spec: TaskSpec, progress: TaskProgress) -> None:
@@ -337,7 +346,8 @@ class OptimizeLoop:
     def _evaluate_attempt(self, run_id: int, eval_spec: TaskSpec, attempt_id: int, source: str, sha: str) -> None:
         if self._stop.is_set():
             return                      # interrupted: --resume evaluates it
-        evaluate_attempt(self.store, self.sandbox, eval_spec, attempt_id, run_id, source, sha)
+        evaluate_attempt(self.store, self.sandbox, eval_spec, attempt_id, run_id, source, sha,
+                         keep=lambda: not self._stop.is_set())
 
     # ------------------------------------------------------------------ critique
     def _critique(self, run_id: int, spec: TaskSpec) -> None:
@@ -348,10 +358,12 @@ class OptimizeLoop:
 
 
 def evaluate_attempt(store: Store, sandbox: Sandbox, spec: TaskSpec, attempt_id: int, run_id: int,
-                     source: str, sha: str, force: bool = False) -> EvalResult:
+                     source: str, sha: str, force: bool = False,
+                     keep: Optional[Callable[[], bool]] = None) -> EvalResult:
     """Evaluate an attempt's candidate and store the evaluation; an earlier evaluation of the
     same candidate on the same device, torch and config is reused (stored with ``reused_from``)
-    unless ``force``."""
+    unless ``force``. Where ``keep()`` is false once the evaluation ends (the run was
+    interrupted and its workers killed), nothing is stored."""
     with store.session() as s:
         hit = None if force else cached_evaluation(s, sha, spec.key, sandbox.device_name, sandbox.torch_version,
                                                    sandbox.config)
@@ -360,6 +372,8 @@ def evaluate_attempt(store: Store, sandbox: Sandbox, spec: TaskSpec, attempt_id:
             s.add(evaluation_row(result, spec.key, attempt_id, run_id, reused_from=hit.id))
             return result
     result = sandbox.evaluate(spec, source)
+    if keep is not None and not keep():
+        return result
     with store.session() as s:
         s.add(evaluation_row(result, spec.key, attempt_id, run_id))
     return result

@@ -30,7 +30,7 @@ from sandbox import anticheat
 from sandbox.build import cuda_arch_list, first_compiler_error
 from sandbox.compare import compare_outputs
 from sandbox.harness import cpu_model
-from sandbox.process import WorkerDied, WorkerProcess, WorkerTimeout
+from sandbox.process import WorkerDied, WorkerProcess, WorkerTimeout, kill_all_workers
 from sandbox.result import (BuildCheck, BuildInfo, EvalConfig, EvalResult, FlagKind, KernelStat, Status, Timing,
                              Trial)
 from sandbox.tasks import TaskSpec
@@ -123,6 +123,14 @@ class ReferenceWorker:
             self.proc = None
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: taskset, cgroup cpusets), not the host's."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 2
+
+
 def visible_gpus() -> list[str]:
     """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries for its workers."""
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -148,7 +156,7 @@ class Sandbox:
             raise ValueError("no CUDA GPU is visible and neither KERNELLOOP_CUDA_ARCH nor TORCH_CUDA_ARCH_LIST is "
                              "set: name the architecture to build CUDA candidates for (e.g. --arch 9.0a)")
         self.config = config or EvalConfig()
-        cores = os.cpu_count() or 2
+        cores = usable_cores()
         self.build_jobs = max(2, min(8, cores // max(1, build_slots or 1)))
         self._build_sem = threading.Semaphore(build_slots or max(1, cores // 4))
         self.slots: list[Optional[str]] = (gpus or visible_gpus() or [None]) if device == "cuda" else [None]
@@ -182,15 +190,33 @@ class Sandbox:
                     env=self._slot_env(slot))
             return ref
 
-    def _pick_slot(self) -> int:
+    def _pick_slot(self, spec: Optional[TaskSpec] = None) -> int:
+        """The least-loaded slot; among equals, one where the task's reference already runs
+        (each slot starts its own reference worker, torch.compile included)."""
         with self._slot_pick:
-            slot = min(range(len(self.slots)), key=lambda i: self._slot_load[i])
+            key = spec.key if spec is not None else None
+            slot = min(range(len(self.slots)),
+                       key=lambda i: (self._slot_load[i], (key, i) not in self._refs))
             self._slot_load[slot] += 1
             return slot
 
     def _release_slot(self, slot: int) -> None:
         with self._slot_pick:
             self._slot_load[slot] -= 1
+
+    def release(self, spec: TaskSpec) -> None:
+        """Stop the task's reference workers (on every slot): a finished task's workers would
+        otherwise keep their GPU memory and host memory for the rest of a long run."""
+        with self._refs_lock:
+            refs = [self._refs.pop(k) for k in [k for k in self._refs if k[0] == spec.key]]
+        for ref in refs:
+            with ref.lock:
+                ref.close()
+
+    def abort(self) -> None:
+        """Kill every worker now (an interrupted run): evaluations in flight end at once with
+        an error status, which the caller must not store as a verdict."""
+        kill_all_workers()
 
     def close(self) -> None:
         with self._refs_lock:
@@ -282,7 +308,7 @@ class Sandbox:
     def _run(self, spec: TaskSpec, source: str, result: EvalResult) -> None:
         """Load the candidate (outside the device lock: imports and CUDA start-up overlap with
         other candidates' runs), then hold the device for trials, timing and profiling."""
-        slot = self._pick_slot()
+        slot = self._pick_slot(spec)
         try:
             self._run_on(slot, spec, source, result)
         finally:

@@ -13,7 +13,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import weakref
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Optional
@@ -41,6 +43,26 @@ def _describe_exit(code: Optional[int]) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exited with code {code}"
+
+
+_LIVE: "weakref.WeakSet[WorkerProcess]" = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()
+
+
+def kill_all_workers() -> int:
+    """SIGKILL every worker this process started that still runs (an interrupted run must not
+    wait minutes for evaluations in flight); their pending ``ask`` raises ``WorkerDied``."""
+    with _LIVE_LOCK:
+        workers = list(_LIVE)
+    killed = 0
+    for w in workers:
+        if w.proc.poll() is None:
+            try:
+                os.killpg(w.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                w.proc.kill()
+            killed += 1
+    return killed
 
 
 class WorkerProcess:
@@ -79,6 +101,8 @@ class WorkerProcess:
         self.conn = Connection(os.dup(parent_sock.fileno()))
         parent_sock.close()
         self.started = time.monotonic()
+        with _LIVE_LOCK:
+            _LIVE.add(self)
 
     def send(self, payload: dict[str, Any]) -> None:
         try:

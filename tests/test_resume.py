@@ -22,8 +22,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures" / "loop"))
 
 from fakeserver import FakeOpenAI, fake_openai  # noqa: E402,F401  (fixture)
-from support import (CliProcess, answer, cli_env, count, no_compiler_crash, optimize_args,  # noqa: E402
-                     prose, query, reap, shared_cache_dir, tag_of)
+from support import (CliProcess, _is_worker, answer, cli_env, count, no_compiler_crash, optimize_args,  # noqa: E402
+                     prose, query, reap, shared_cache_dir, source, tag_of)
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -183,3 +183,49 @@ def test_ctrl_c_marks_run_interrupted_and_resume_finishes(fake_openai: FakeOpenA
     assert [(r, s, tag_of(t)) for r, s, t in rows] == [(0, 0, "A"), (0, 1, "B"), (1, 0, "C"), (1, 1, "D")]
     assert len(server.requests) == len(rows) == 4
     assert query(db, "SELECT round FROM analyses ORDER BY id") == [(0,), (1,)]
+
+
+def test_ctrl_c_during_an_evaluation_stops_at_once_and_stores_no_verdict(fake_openai: FakeOpenAI,
+                                                                         tmp_path: Path) -> None:
+    """SIGINT while a candidate's forward hangs: the run must not wait for the run timeout
+    (minutes) before stopping, and the evaluation cut short is not stored as the candidate's
+    verdict (``--resume`` evaluates the attempt again)."""
+    import os
+
+    server, db = fake_openai, tmp_path / "store.db"
+    hang = source("correct.py").replace(
+        "        return ext.loop_relu_scale(self.linear(x).contiguous(), self.scale)",
+        "        import time\n        time.sleep(3600)\n        return ext.loop_relu_scale(self.linear(x).contiguous(), self.scale)")
+    assert "sleep(3600)" in hang
+    server.reply(f"Answer H: here is my kernel.\n\n```python\n{hang}```\n")
+    proc = CliProcess(optimize_args(db, rounds=1, samples=1), tmp_path, cli_env(), "hang")
+
+    def candidate_running() -> bool:
+        for pid in proc.children():
+            try:
+                if "kl-candidate-" in os.readlink(f"/proc/{pid}/cwd"):
+                    return True
+            except OSError:
+                pass
+        return False
+
+    try:
+        proc.wait_for("the candidate worker", candidate_running)
+        time.sleep(3.0)                                  # into its first trial
+        workers = proc.children()
+        t0 = time.monotonic()
+        proc.proc.send_signal(signal.SIGINT)
+        proc.wait(120)
+        stopped_after = time.monotonic() - t0
+        output = proc.output()
+    finally:
+        proc.close()
+    assert stopped_after < 30, f"took {stopped_after:.0f} s to stop after Ctrl-C\n{output}"
+    assert query(db, "SELECT status FROM runs") == [("interrupted",)], output
+    assert query(db, "SELECT parse_status FROM attempts") == [("ok",)]
+    assert count(db, "SELECT count(*) FROM evaluations") == 0, query(db, "SELECT status FROM evaluations")
+    time.sleep(1.0)
+    left = [p for p in workers if _is_worker(p)]
+    reap(left, timeout=5)
+    assert left == [], "workers outlived the interrupted run"
+

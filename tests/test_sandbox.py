@@ -232,6 +232,10 @@ def test_eval_build_only_runs_nothing_and_names_the_first_error(tmp_path):
                                    "--build-only"])
     assert bad.exit_code == 1, bad.output
     assert "compile_error" in bad.output and "first error (candidate line" in bad.output
+    # --arch names a CUDA build: it is refused with --device cpu rather than silently ignored
+    mixed = CliRunner().invoke(app, ["eval", str(TASK), str(ADV / "cpu" / "honest.py"), "--device", "cpu",
+                                     "--arch", "9.0a", "--build-only"])
+    assert mixed.exit_code != 0 and "--arch" in mixed.output
 
 
 def test_candidates_spread_over_gpu_slots_and_workers_see_only_theirs(monkeypatch):
@@ -250,6 +254,23 @@ def test_candidates_spread_over_gpu_slots_and_workers_see_only_theirs(monkeypatc
     spec = read_spec(TASK, name="adversarial/task_small")
     assert sb.reference(spec, 0) is not sb.reference(spec, 1)   # one trusted reference per GPU
     assert Sandbox("cpu", EvalConfig()).slots == [None]
+    # among equally loaded slots, the one where the task's reference already runs
+    sb2 = Sandbox("cuda", EvalConfig(), arch="9.0a")
+    sb2.reference(spec, 1)
+    assert sb2._pick_slot(spec) == 1 and sb2._pick_slot(spec) == 0
+    sb2.release(spec)
+    assert sb2._refs == {}
+
+
+def test_release_stops_a_finished_tasks_reference_worker(sandbox):
+    spec = read_spec(TASK, name="adversarial/task_small")
+    assert sandbox.evaluate(spec, (ADV / "cpu" / "honest.py").read_text()).status is Status.correct
+    ref = sandbox.reference(spec)
+    proc = ref.proc.proc
+    assert proc.poll() is None
+    sandbox.release(spec)
+    assert proc.wait(10) is not None and ref.proc is None
+    assert sandbox.reference(spec) is not ref                   # a later evaluation starts afresh
 
 
 # ---- which CUDA architecture builds target (no GPU needed to check the choice) ----------------
