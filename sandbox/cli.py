@@ -83,6 +83,10 @@ def eval_command(task: str = typer.Argument(..., help="task file or bundled name
     from sandbox.result import EvalConfig
     from sandbox.tasks import TaskError, discover, load_task, parse_overrides, read_spec, with_device_sizes
 
+    if arch and device is None:
+        device = "cuda"                 # an architecture names a CUDA build
+    if arch and device == "cpu":
+        fail("--arch names a CUDA architecture; it does not apply to --device cpu")
     dev = resolve_device(device, gpu_needed=not build_only)
     try:
         paths = discover([task])

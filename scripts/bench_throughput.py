@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sandbox.evaluate import Sandbox  # noqa: E402
+from sandbox.evaluate import Sandbox, usable_cores  # noqa: E402
 from sandbox.result import EvalConfig  # noqa: E402
 from sandbox.tasks import read_spec  # noqa: E402
 
@@ -45,7 +45,7 @@ def main() -> None:
     with Sandbox(args.device, cfg) as sb:
         sb.evaluate(spec, candidate(args.device, -1, -1, salt))     # start the reference (not counted)
         t0 = time.monotonic()
-        workers = args.parallel or max(4, (os.cpu_count() or 4) // 2)
+        workers = args.parallel or max(4, usable_cores() // 2)
         with ThreadPoolExecutor(max_workers=workers) as pool:
             results = list(pool.map(lambda s: sb.evaluate(spec, s), cands))
         wall = time.monotonic() - t0
@@ -53,7 +53,7 @@ def main() -> None:
     builds = sum(1 for r in results if r.build and not r.build.cached)
     rate = len(results) / wall * 60
     print(f"{len(results)} candidates ({args.kernels} distinct kernels, {builds} uncached builds) in {wall:.1f} s: "
-          f"{rate:.1f} candidates/min, {ok} correct, {os.cpu_count()} cores (goal >= 30/min)")
+          f"{rate:.1f} candidates/min, {ok} correct, {usable_cores()} cores (goal >= 30/min)")
     print(json.dumps({"candidates": len(results), "wall_s": wall, "per_min": rate, "correct": ok}))
 
 
