@@ -104,7 +104,15 @@ def next_try(tries: list[HeaderTry], failed: int, error: str) -> Optional[int]:
     return failed + 1
 
 
-_GLOBAL_FN_RE = re.compile(r"__global__\s+(?:__launch_bounds__\([^)]*\)\s*)?(?:static\s+)?[\w:<>\s\*]*?\b([A-Za-z_]\w*)\s*\(")
+_GLOBAL_FN_RE = re.compile(r"__global__\s+(?:static\s+)?[\w:<>\s\*]*?\b([A-Za-z_]\w*)\s*\(")
+_LAUNCH_BOUNDS_RE = re.compile(r"__launch_bounds__\s*\([^)]*\)")
+
+
+def kernel_names(sources: list[str]) -> list[str]:
+    """Names of the ``__global__`` functions the sources declare. ``__launch_bounds__(...)`` may
+    stand before or after the return type (the builtin generator writes it after), so it is
+    removed first rather than matched in one place."""
+    return sorted({m.group(1) for s in sources for m in _GLOBAL_FN_RE.finditer(_LAUNCH_BOUNDS_RE.sub(" ", s))})
 
 
 def build_cache_dir() -> Path:
@@ -323,7 +331,7 @@ class HookedBuilder:
             cpp = ["#include <torch/extension.h>"] + cpp
             cuda = ["#include <cuda.h>", "#include <cuda_runtime.h>"] + cuda
         include_paths = list(kwargs["extra_include_paths"])
-        kernel_names = sorted({m.group(1) for s in cuda for m in _GLOBAL_FN_RE.finditer(s)})
+        declared = kernel_names(cuda)
 
         t0 = time.perf_counter()
         marker = directory / ".built"
@@ -338,7 +346,7 @@ class HookedBuilder:
 
                 module = ce._import_module_from_library(ext_name, str(directory), is_python_module)
                 self.records.append(BuildRecord(ext_name, name, str(directory), time.perf_counter() - t0, True, True,
-                                                "", bool(cuda), kernel_names))
+                                                "", bool(cuda), declared))
                 return ExtensionProxy(module, ext_name, self.counter) if is_python_module else module
             if self.use_pch:
                 pch_dir = self._pch_include_dir(kwargs["extra_cflags"], include_paths)
@@ -366,7 +374,7 @@ class HookedBuilder:
                     nxt = next_try(tries, i, str(exc))
                     if nxt is None:
                         self.records.append(BuildRecord(ext_name, name, str(directory), time.perf_counter() - t0,
-                                                        False, False, str(exc)[-LOG_CAP:], bool(cuda), kernel_names,
+                                                        False, False, str(exc)[-LOG_CAP:], bool(cuda), declared,
                                                         notes))
                         raise
                     notes.append(f"not {attempt.note}: tried {tries[nxt].note or OWN_NOTE}")
@@ -382,7 +390,7 @@ class HookedBuilder:
                     i = None
             marker.touch()
         self.records.append(BuildRecord(ext_name, name, str(directory), time.perf_counter() - t0, cached, True,
-                                        "", bool(cuda), kernel_names, notes))
+                                        "", bool(cuda), declared, notes))
         if not is_python_module:
             return module
         return ExtensionProxy(module, ext_name, self.counter)

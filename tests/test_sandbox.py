@@ -127,6 +127,21 @@ def test_summarize_median_and_iqr():
     assert t.iqr_ms == pytest.approx(2.0)
 
 
+def test_kernel_names_with_launch_bounds_before_or_after_the_return_type():
+    """The builtin generator writes ``__global__ void __launch_bounds__(256) name(``: the name
+    was missed, and every builtin candidate on the H200 was flagged as running no kernel of its own."""
+    from sandbox.build import kernel_names
+    from sandbox.profiling import _is_own
+
+    sources = ["__global__ __launch_bounds__(256, 2) void a(int x) {}",
+               "template <typename I>\n__global__ void __launch_bounds__(256) kl_g0_kernel4(const float* in, I n) {}",
+               "__global__ static void c(float* p) {}\nextern \"C\" __global__ void d() {}"]
+    names = kernel_names(sources)
+    assert names == ["a", "c", "d", "kl_g0_kernel4"]
+    assert _is_own("void kl_g0_kernel4<int>(float const*, float*, int)", names)
+    assert not _is_own("void at::native::elementwise_kernel<128, 2>(int)", names)
+
+
 def test_extension_key_depends_on_sources_and_flags_only():
     a = {"cpp_sources": ["int f();"], "extra_cflags": ["-O3"]}
     assert extension_key(a, "2.13", None) == extension_key(dict(a), "2.13", None)
