@@ -165,6 +165,7 @@ class Sandbox:
         self._slot_pick = threading.Lock()
         self._refs: dict[tuple[str, int], ReferenceWorker] = {}
         self._refs_lock = threading.Lock()
+        self._aborted = threading.Event()
         # KernelBench's convention: one seed before both constructors; secret inputs seeds per trial.
         self.init_seed = init_seed if init_seed is not None else secrets.randbits(31)
         self.device_name = _device_name(device)
@@ -215,10 +216,18 @@ class Sandbox:
 
     def abort(self) -> None:
         """Kill every worker now (an interrupted run): evaluations in flight end at once with
-        an error status, which the caller must not store as a verdict."""
+        an error status, which the caller must not store as a verdict, and no evaluation starts
+        another worker afterwards (one waiting for a build slot would otherwise build for a minute)."""
+        self._aborted.set()
         kill_all_workers()
 
+    def _check_aborted(self) -> None:
+        if self._aborted.is_set():
+            raise WorkerDied("the sandbox was stopped (the run was interrupted)", None)
+
     def close(self) -> None:
+        if self._aborted.is_set():
+            kill_all_workers()          # whatever started in the moment before the abort
         with self._refs_lock:
             for ref in self._refs.values():
                 ref.close()
@@ -286,6 +295,10 @@ class Sandbox:
         try:
             with self._build_sem:
                 result.phases["build_wait"] = round(time.monotonic() - t0, 3)
+                if self._aborted.is_set():
+                    result.status, result.error_type = Status.runtime_error, "Interrupted"
+                    result.error_message = "the sandbox was stopped before this candidate was built"
+                    return result
                 built = self._build(spec, source, result)
             result.phases["build"] = result.build.seconds if result.build else 0.0
             if built:
@@ -318,8 +331,10 @@ class Sandbox:
         cfg = self.config
         ref = self.reference(spec, slot)
         with _phase(result, "reference"), ref.lock:
+            self._check_aborted()
             ref.ensure()
         result.device_name = ref.device_name or result.device_name
+        self._check_aborted()
         cand = WorkerProcess("candidate", memory_limit_mb=cfg.memory_limit_mb if self.device == "cpu" else None,
                              env={**self._build_env(), **self._slot_env(slot)})
         try:

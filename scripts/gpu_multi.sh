@@ -9,7 +9,8 @@
 #   bash scripts/gpu_multi.sh              # judge + build on GPU 0, loop on GPUs 1..N-1
 #   RESUME=1 bash scripts/gpu_multi.sh     # finish the loop on all GPUs; replay, report, gpu tests
 #
-# Knobs: LOOP_S (seconds the loop may run in this call), ROUNDS, SAMPLES, TASKS.
+# Knobs: LOOP_S (seconds the loop may run in this call), ROUNDS, SAMPLES, TASKS; ADV_K (pytest -k for the
+# adversarial cases), ADV_S, TIMING=0, BUILD_S, BUILD_N, BUILD_STYLES, THROUGHPUT_S; POST=1 reports the run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -34,14 +35,19 @@ if [ "${RESUME:-0}" = 0 ]; then
     export CUDA_VISIBLE_DEVICES=0 MAX_JOBS=16
     pin="taskset -c $((ncpu - 16))-$((ncpu - 1))"
     box 60 $pin $KL device probe --device cuda 2>&1 | tee "$OUT/probe.txt"
-    box 240 $pin python3 -m pytest -m gpu -q -s --timeout 200 -p no:cacheprovider tests/test_sandbox_adversarial.py 2>&1 \
+    box ${ADV_S:-240} $pin python3 -m pytest -m gpu -q -s --timeout 200 -p no:cacheprovider tests/test_sandbox_adversarial.py ${ADV_K:+-k "$ADV_K"} 2>&1 \
       | grep -vE "USDT|^$" > "$OUT/adversarial.txt"; grep -E "VERDICT|passed|failed" "$OUT/adversarial.txt" | tail -40
-    box 60 $pin python3 scripts/bench_timing.py 2>&1 | tee "$OUT/bench_timing.txt"
-    box 120 $pin python3 scripts/bench_build.py --device cuda --n ${BUILD_N:-3} --styles lean,torch 2>&1 | tee "$OUT/bench_build.txt"
-    box 100 $pin python3 scripts/bench_throughput.py --device cuda --candidates 40 --kernels 10 2>&1 | tee "$OUT/bench_throughput.txt"
+    [ "${TIMING:-1}" = 1 ] && box 60 $pin python3 scripts/bench_timing.py 2>&1 | tee "$OUT/bench_timing.txt"
+    box ${BUILD_S:-120} $pin python3 scripts/bench_build.py --device cuda --n ${BUILD_N:-3} --styles ${BUILD_STYLES:-lean,torch} 2>&1 | tee "$OUT/bench_build.txt"
+    box ${THROUGHPUT_S:-100} $pin python3 scripts/bench_throughput.py --device cuda --candidates 40 --kernels 10 2>&1 | tee "$OUT/bench_throughput.txt"
   ) 2>&1 | tee "$OUT/judge.txt"
   wait $loop_pid
   tail -45 "$OUT/optimize.txt"
+  if [ "${POST:-0}" = 1 ]; then          # report and the seed analysis of this call's run
+    run=$(last_run)
+    $KL report "$run" --format md -o "$OUT/report.md" >/dev/null; $KL report "$run" --format html -o "$OUT/report.html" >/dev/null
+    $KL show "$run" seeds/conv2d_bias_scale_sigmoid_groupnorm > "$OUT/analysis_seed.txt" 2>&1
+  fi
 else
   run=$(last_run)
   box ${LOOP_S:-300} $KL optimize --resume "$run" 2>&1 | grep -v USDT > "$OUT/optimize_resume.txt"; tail -45 "$OUT/optimize_resume.txt"
