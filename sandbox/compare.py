@@ -1,6 +1,8 @@
-"""Comparing candidate outputs with reference outputs, in the parent process.
+"""Comparing candidate outputs with reference outputs, in the trusted reference worker.
 
-The candidate never runs in this process, so it cannot patch what decides its verdict.
+The candidate never runs in that process, so it cannot patch what decides its verdict; the
+comparison runs on the reference's device (a gigabyte-sized output is compared in
+milliseconds on a GPU, in seconds on a CPU).
 Policy: the same number of outputs; identical shapes and dtypes; every element within
 ``atol + rtol * |ref|`` (float32 and wider: ``EvalConfig.tol_fp32``, half types:
 ``tol_half``); NaN or Inf where the reference is finite fails; non-finite reference
@@ -64,13 +66,14 @@ def compare_tensor(index: int, ref: torch.Tensor, out: torch.Tensor, config: Eva
     # of seconds of page faults (and tens of GB) per comparison; chunks reuse a few MB.
     flat_r, flat_o = ref.reshape(-1), out.reshape(-1)
     numel = flat_r.numel()
+    chunk = CHUNK if ref.device.type == "cpu" else CHUNK * 16      # a GPU wants bigger pieces
     bad_all: Optional[torch.Tensor] = None
     max_abs = max_rel = 0.0
     any_inf_diff = False
     mismatched = 0
     counts = {"nan": 0, "inf": 0, "ref_nonfinite": 0}
-    for lo in range(0, numel, CHUNK):
-        hi = min(numel, lo + CHUNK)
+    for lo in range(0, numel, chunk):
+        hi = min(numel, lo + chunk)
         r, o = flat_r[lo:hi].double(), flat_o[lo:hi].double()
         if bool(torch.isfinite(r).all()) and bool(torch.isfinite(o).all()):
             # the common case, in a third of the passes
@@ -88,7 +91,7 @@ def compare_tensor(index: int, ref: torch.Tensor, out: torch.Tensor, config: Eva
         if n_bad:
             mismatched += n_bad
             if bad_all is None:
-                bad_all = torch.zeros(numel, dtype=torch.bool)
+                bad_all = torch.zeros(numel, dtype=torch.bool, device=ref.device)
             bad_all[lo:hi] = bad
     check.nan_count, check.inf_count, check.ref_nonfinite = counts["nan"], counts["inf"], counts["ref_nonfinite"]
     check.max_abs_err = max_abs

@@ -3,8 +3,8 @@
 1. static scan (flags only);
 2. build, in a worker with the GPU hidden (runs in parallel with other candidates' runs);
 3. load: a fresh candidate worker imports the cached build and constructs ``ModelNew``;
-4. trials: fresh inputs from secret seeds, compared in *this* process with the
-   reference's outputs (computed by a separate, trusted reference worker); the candidate
+4. trials: fresh inputs from secret seeds; the candidate's outputs are compared with the
+   reference's by the separate, trusted reference worker, on its device; the candidate
    runs first in trial 0; in trial 1 the same input tensors are refilled with new values
    between two calls (caches keyed by id or data_ptr fail); the cascade stops at the first
    failing trial;
@@ -28,11 +28,10 @@ import torch
 
 from sandbox import anticheat
 from sandbox.build import cuda_arch_list, first_compiler_error
-from sandbox.compare import compare_outputs
 from sandbox.harness import cpu_model
 from sandbox.process import WorkerDied, WorkerProcess, WorkerTimeout, kill_all_workers
-from sandbox.result import (BuildCheck, BuildInfo, EvalConfig, EvalResult, FlagKind, KernelStat, Status, Timing,
-                             Trial)
+from sandbox.result import (BuildCheck, BuildInfo, EvalConfig, EvalResult, FlagKind, KernelStat, OutputCheck,
+                             Status, Timing, Trial)
 from sandbox.tasks import TaskSpec
 
 REFERENCE_TIMEOUT_S = 900.0
@@ -66,13 +65,6 @@ class _Stages:
 
 def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _load_outputs(path: str) -> list[torch.Tensor]:
-    data = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(data, list) or not all(type(t) is torch.Tensor for t in data):
-        raise ValueError("outputs are not a list of plain tensors")
-    return data
 
 
 def _device_name(device: str) -> str:
@@ -395,7 +387,7 @@ class Sandbox:
             seed = secrets.randbits(31)
             candidate_first = index == 0
             ask = {"op": "trial", "seed": seed, "index": index, "output_bytes": output_bytes}
-            ref_ask = ask
+            ref_ask = {**ask, "keep": True}
             if index == 1:
                 # The candidate's inputs are refilled in place with the values of `refill_seed`
                 # before the checked run (see the worker); the reference computes those values.
@@ -431,19 +423,7 @@ class Sandbox:
                 result.add_flag(FlagKind.inputs_mutated, trial.reason)
                 result.status = Status.incorrect
                 return
-            try:
-                cand_out = _load_outputs(c["path"])
-            except Exception as exc:  # noqa: BLE001
-                trial.reason = f"the candidate's outputs could not be read as plain tensors ({type(exc).__name__})"
-                result.status = Status.incorrect
-                return
-            ref_out = _load_outputs(r["path"])
-            passed, reason, checks = compare_outputs(ref_out, cand_out, cfg)
-            for p in (c["path"], r["path"]):
-                try:
-                    os.unlink(p)
-                except OSError:
-                    pass
+            passed, reason, checks = self._compare(ref, index, c["path"])
             trial.outputs = checks
             trial.passed = passed
             trial.reason = reason
@@ -517,6 +497,14 @@ class Sandbox:
         stages.enter("floor")
         self._floor(ref, result)
 
+    def _compare(self, ref: ReferenceWorker, index: int, cand_path: str) -> tuple[bool, Optional[str], list[OutputCheck]]:
+        """The candidate's saved outputs against the reference's kept ones, compared by the
+        trusted reference worker on its device (``sandbox.compare``'s policy, this config)."""
+        reply = ref.ask({"op": "compare", "index": index, "path": cand_path, "config": self.config.model_dump(mode="json")})
+        if not reply.get("ok"):
+            raise WorkerDied(f"the reference worker could not compare outputs: {reply.get('error_message')}", None)
+        return bool(reply["passed"]), reply.get("reason"), [OutputCheck(**c) for c in reply.get("checks", [])]
+
     def _spot_check(self, ref: ReferenceWorker, saved: dict[str, str], check_runs: list[int],
                     timing_seed: int, result: EvalResult) -> bool:
         for i in check_runs:
@@ -525,11 +513,8 @@ class Sandbox:
             if path is None:
                 trial.reason = f"the output of timed run {i} was not a plain tensor"
             else:
-                r = ref.ask({"op": "trial", "seed": timing_seed + i, "index": 1000 + i})
-                try:
-                    passed, reason, checks = compare_outputs(_load_outputs(r["path"]), _load_outputs(path), self.config)
-                except Exception as exc:  # noqa: BLE001
-                    passed, reason, checks = False, f"unreadable output ({type(exc).__name__})", []
+                ref.ask({"op": "trial", "seed": timing_seed + i, "index": 1000 + i, "keep": True})
+                passed, reason, checks = self._compare(ref, 1000 + i, path)
                 trial.passed, trial.outputs = passed, checks
                 trial.reason = None if passed else f"timed run {i}: {reason}"
             result.trials.append(trial)

@@ -3,8 +3,9 @@
 Run as ``python -m sandbox.worker FD``. The parent (``sandbox.evaluate``) starts it with
 a fresh temporary working directory, stdout/stderr sent to files, and one end of a
 socket pair as FD: the only channel results travel on. Messages are JSON (no pickle);
-output tensors are written with ``torch.save`` and read back by the parent with
-``weights_only=True``, so nothing a candidate returns can run code in the parent.
+a candidate's output tensors are written with ``torch.save`` and read back by the trusted
+reference worker with ``weights_only=True`` (its ``compare`` request), so nothing a candidate
+returns can run code outside the candidate's own process.
 
 Roles:
 * ``build``: execute the candidate module with the hooked ``load_inline`` (GPU hidden),
@@ -191,11 +192,45 @@ class Worker:
         mutated = [i for i, (a, b) in enumerate(zip(tensors, originals))
                    if a.shape != b.shape or not _equal_nan(a, b)]
         reply["inputs_mutated"] = mutated
+        reply["output_bytes"] = sum(x.numel() * x.element_size() for x in flat)
+        if req.get("keep") and self.role == "reference":
+            # Kept on the device for the `compare` request that follows (one trial at a time).
+            self.kept_reference = (index, [x.detach() for x in flat])
+            return reply
         path = self.out_dir / f"{self.role}_{index}.pt"
         _save([x.detach().to("cpu").contiguous() for x in flat], str(path))
         reply["path"] = str(path)
-        reply["output_bytes"] = sum(x.numel() * x.element_size() for x in flat)
         return reply
+
+    def compare(self, req: dict[str, Any]) -> dict[str, Any]:
+        """The reference's kept outputs of trial ``index`` against the candidate's saved ones, on
+        this (trusted) worker's device: no reference outputs cross a process boundary and no
+        gigabyte-sized comparison runs on the parent's CPU. The candidate's file is read with
+        ``weights_only=True`` and must hold a list of plain tensors."""
+        from sandbox.compare import compare_outputs
+        from sandbox.result import EvalConfig
+
+        index, path = int(req["index"]), str(req["path"])
+        kept = getattr(self, "kept_reference", None)
+        self.kept_reference = None
+        if kept is None or kept[0] != index:
+            return {"ok": False, "error_type": "ProtocolError",
+                    "error_message": f"no reference outputs kept for trial {index}"}
+        try:
+            data = torch.load(path, map_location=self.device, weights_only=True)
+            if not isinstance(data, list) or not all(type(t) is torch.Tensor for t in data):
+                raise ValueError("outputs are not a list of plain tensors")
+        except Exception as exc:  # noqa: BLE001
+            return {"ok": True, "passed": False, "checks": [],
+                    "reason": f"the candidate's outputs could not be read as plain tensors ({type(exc).__name__})"}
+        finally:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        passed, reason, checks = compare_outputs(kept[1], data, EvalConfig.model_validate(req["config"]))
+        del data, kept
+        return {"ok": True, "passed": passed, "reason": reason, "checks": [c.model_dump(mode="json") for c in checks]}
 
     def _make_args(self, seed: int):
         return lambda i: make_inputs(self.task, seed + i, self.device)
@@ -295,7 +330,8 @@ def serve(conn: Connection) -> None:
     _send(conn, reply)
     if not reply.get("ok"):
         return
-    handlers = {"trial": worker.trial, "time": worker.time, "timed_outputs": worker.timed_outputs,
+    handlers = {"trial": worker.trial, "compare": worker.compare, "time": worker.time,
+                "timed_outputs": worker.timed_outputs,
                 "profile": worker.profile,
                 "roofline": worker.roofline}
     while True:
