@@ -83,10 +83,9 @@ def compare_tensor(index: int, ref: torch.Tensor, out: torch.Tensor, config: Eva
             max_abs = max(max_abs, float(diff.max()))
             max_rel = max(max_rel, float((diff / r_abs.clamp_min_(1e-12)).max()))
         else:
-            bad = _slow_chunk(r, o, tol, counts)
-            max_abs = max(max_abs, counts.pop("max_abs"))
-            max_rel = max(max_rel, counts.pop("max_rel"))
-            any_inf_diff = any_inf_diff or counts.pop("inf_diff")
+            bad, chunk_abs, chunk_rel, inf_diff = _slow_chunk(r, o, tol, counts)
+            max_abs, max_rel = max(max_abs, chunk_abs), max(max_rel, chunk_rel)
+            any_inf_diff = any_inf_diff or inf_diff
         n_bad = int(bad.sum())
         if n_bad:
             mismatched += n_bad
@@ -102,8 +101,10 @@ def compare_tensor(index: int, ref: torch.Tensor, out: torch.Tensor, config: Eva
     return check
 
 
-def _slow_chunk(r: torch.Tensor, o: torch.Tensor, tol: Tolerance, counts: dict) -> torch.Tensor:
-    """A chunk with NaN or Inf on either side: counts them and returns the mismatch mask."""
+def _slow_chunk(r: torch.Tensor, o: torch.Tensor, tol: Tolerance,
+                counts: dict[str, int]) -> tuple[torch.Tensor, float, float, bool]:
+    """A chunk with NaN or Inf on either side: adds them to ``counts``; returns the mismatch
+    mask, the largest absolute and relative errors, and whether an error is infinite."""
     ref_finite = torch.isfinite(r)
     counts["nan"] += int((torch.isnan(o) & ref_finite).sum())
     counts["inf"] += int((torch.isinf(o) & ref_finite).sum())
@@ -114,12 +115,9 @@ def _slow_chunk(r: torch.Tensor, o: torch.Tensor, tol: Tolerance, counts: dict) 
     diff = torch.nan_to_num(diff, nan=float("inf"))
     bad = (diff > tol.atol + tol.rtol * r.abs().nan_to_num(posinf=0.0, neginf=0.0)) | nonfinite_mismatch
     finite_diff = torch.where(torch.isfinite(diff), diff, torch.zeros_like(diff))
-    counts["max_abs"] = float(diff.max())
-    counts["inf_diff"] = bool(torch.isinf(diff).any())
     rel = finite_diff / r.abs().clamp_min(1e-12)
     rel = torch.where(ref_finite, rel, torch.zeros_like(rel))
-    counts["max_rel"] = float(rel.max())
-    return bad
+    return bad, float(diff.max()), float(rel.max()), bool(torch.isinf(diff).any())
 
 
 def compare_outputs(ref: list[torch.Tensor], out: list[torch.Tensor],

@@ -40,18 +40,9 @@ CLOCK_SLACK_S = 0.25
 CLOCK_FACTOR = 3.0
 
 
-@contextlib.contextmanager
-def _phase(result: EvalResult, name: str):
-    """Record the seconds a stage of the evaluation took (where an evaluation's time goes)."""
-    t0 = time.monotonic()
-    try:
-        yield
-    finally:
-        result.phases[name] = round(result.phases.get(name, 0.0) + time.monotonic() - t0, 3)
-
-
 class _Stages:
-    """Consecutive stages of one evaluation: ``enter`` ends the stage before it."""
+    """Consecutive stages of one evaluation, their seconds added to ``result.phases`` (where
+    an evaluation's time goes): ``enter`` ends the stage before it, ``enter(None)`` the last."""
 
     def __init__(self, result: EvalResult):
         self.result, self.name, self.t0 = result, None, time.monotonic()
@@ -61,6 +52,17 @@ class _Stages:
         if self.name:
             self.result.phases[self.name] = round(self.result.phases.get(self.name, 0.0) + now - self.t0, 3)
         self.name, self.t0 = name, now
+
+
+@contextlib.contextmanager
+def _phase(result: EvalResult, name: str):
+    """One stage, as a block."""
+    stages = _Stages(result)
+    stages.enter(name)
+    try:
+        yield
+    finally:
+        stages.enter(None)
 
 
 def sha256_text(text: str) -> str:
@@ -285,16 +287,20 @@ class Sandbox:
         t0 = time.monotonic()
         result = self._new_result(spec, source)
         try:
-            with self._build_sem:
-                result.phases["build_wait"] = round(time.monotonic() - t0, 3)
-                if self._aborted.is_set():
-                    result.status, result.error_type = Status.runtime_error, "Interrupted"
-                    result.error_message = "the sandbox was stopped before this candidate was built"
-                    return result
+            with _phase(result, "build_wait"):
+                self._build_sem.acquire()
+            try:
+                self._check_aborted()
                 built = self._build(spec, source, result)
+            finally:
+                self._build_sem.release()
             result.phases["build"] = result.build.seconds if result.build else 0.0
             if built:
                 self._run(spec, source, result)
+        except WorkerDied as exc:
+            if not self._aborted.is_set():
+                raise
+            result.status, result.error_type, result.error_message = Status.runtime_error, "Interrupted", str(exc)
         finally:
             result.seconds = round(time.monotonic() - t0, 3)
         return result

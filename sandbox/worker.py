@@ -163,7 +163,7 @@ class Worker:
                 # Same tensor objects, new values: run once, then overwrite the inputs in place
                 # and run again; the second output is the one checked. A candidate that caches
                 # by id, data_ptr or shape returns the first output and fails.
-                with torch.no_grad(), _full_fp32():
+                with torch.no_grad():
                     self.model(*inputs)
                 timing.device_sync(self.device)
                 fresh = [x for x in make_inputs(self.task, int(refill), self.device) if isinstance(x, torch.Tensor)]
@@ -172,7 +172,7 @@ class Worker:
                 originals = [x.clone() for x in tensors]
                 if self.builder is not None:
                     self.builder.counter.reset()
-            with torch.no_grad(), _full_fp32():
+            with torch.no_grad():
                 out = self.model(*inputs)
             timing.device_sync(self.device)
         except SystemExit as exc:
@@ -254,9 +254,8 @@ class Worker:
                     self.kept[i] = [x.detach().clone() for x in flat]
 
         try:
-            with _full_fp32():
-                t = _time_runs(fn, self._make_args(int(req["seed"])), self.device, int(req["warmup"]),
-                               int(req["runs"]), bool(req.get("flush_l2", True)), on_output=keep if check else None)
+            t = _time_runs(fn, self._make_args(int(req["seed"])), self.device, int(req["warmup"]),
+                           int(req["runs"]), bool(req.get("flush_l2", True)), on_output=keep if check else None)
         except BaseException as exc:  # noqa: BLE001
             return {"ok": False, **_exc_payload(exc)}
         finally:
@@ -278,9 +277,8 @@ class Worker:
         from sandbox.profiling import profile_forward
 
         try:
-            with _full_fp32():
-                stats = profile_forward(self.model, self._make_args(int(req["seed"])), self.device,
-                                        runs=int(req.get("runs", 3)), own_kernels=self.kernel_names)
+            stats = profile_forward(self.model, self._make_args(int(req["seed"])), self.device,
+                                    runs=int(req.get("runs", 3)), own_kernels=self.kernel_names)
         except BaseException as exc:  # noqa: BLE001
             return {"ok": False, **_exc_payload(exc)}
         return {"ok": True, "profile": stats}
@@ -298,8 +296,10 @@ class Worker:
 
 
 class _full_fp32:
-    """Trials, timed runs and profiles all run at full float32 precision: TF32 off in cuDNN and
-    cuBLAS for the reference (eager and compiled) and the candidate alike. Otherwise a
+    """Every request a loaded worker serves (and the load, with the reference's warm-up
+    torch.compile) runs at full float32 precision: TF32 off in cuDNN and cuBLAS for the
+    reference (eager and compiled) and the candidate alike, set afresh for each request (a
+    candidate that switched TF32 on gets it switched off again). Otherwise a
     convolution fed by a kernel's output turns 1e-7 input differences into 1e-3 ones, the
     spot checks of timed runs could not use the trials' tolerance, and a candidate could tell
     a trial from a timed run by reading the TF32 switches."""
@@ -326,7 +326,8 @@ def serve(conn: Connection) -> None:
     if worker.role == "build":
         _send(conn, worker.build())
         return
-    reply = worker.load_candidate() if worker.role == "candidate" else worker.load_reference()
+    with _full_fp32():
+        reply = worker.load_candidate() if worker.role == "candidate" else worker.load_reference()
     _send(conn, reply)
     if not reply.get("ok"):
         return
@@ -343,7 +344,12 @@ def serve(conn: Connection) -> None:
         if op == "exit":
             return
         handler = handlers.get(op)
-        _send(conn, handler(req) if handler else {"ok": False, "error_message": f"unknown op {op!r}"})
+        if handler is None:
+            _send(conn, {"ok": False, "error_message": f"unknown op {op!r}"})
+            continue
+        with _full_fp32():
+            reply = handler(req)
+        _send(conn, reply)
 
 
 def main() -> None:
