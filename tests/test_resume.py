@@ -11,7 +11,6 @@ built at most once per session).
 """
 from __future__ import annotations
 
-import signal
 import sys
 import time
 from pathlib import Path
@@ -154,10 +153,7 @@ def test_ctrl_c_marks_run_interrupted_and_resume_finishes(fake_openai: FakeOpenA
     proc = CliProcess(optimize_args(db, "--concurrency", "1"), tmp_path, env, "interrupted")
     try:
         proc.wait_for("the slow round-0 request", lambda: len(server.requests) == 2)
-        t0 = time.monotonic()
-        proc.proc.send_signal(signal.SIGINT)
-        proc.wait(120)
-        stopped_after = time.monotonic() - t0
+        stopped_after = proc.ctrl_c()
         output = proc.output()
     finally:
         proc.close()
@@ -213,10 +209,7 @@ def test_ctrl_c_during_an_evaluation_stops_at_once_and_stores_no_verdict(fake_op
         proc.wait_for("the candidate worker", candidate_running)
         time.sleep(3.0)                                  # into its first trial
         workers = proc.children()
-        t0 = time.monotonic()
-        proc.proc.send_signal(signal.SIGINT)
-        proc.wait(120)
-        stopped_after = time.monotonic() - t0
+        stopped_after = proc.ctrl_c()
         output = proc.output()
     finally:
         proc.close()
