@@ -3,39 +3,58 @@
 # On the GPU host, with .whl carried (scripts/fetch_wheels.sh):
 #   bash scripts/gpu_check.sh judge   # probe, seed baselines, adversarial suite, timing fidelity   (~8 min)
 #   bash scripts/gpu_check.sh build   # build speed (lean and KernelBench-style sources), throughput  (~7 min)
-#   bash scripts/gpu_check.sh loop    # builtin optimisation (seeds + level2), replay, report, gpu tests of the rest
-#   BASELINE=0 skips the seed baselines in judge; REST_S=0 skips the remaining gpu tests in loop.
-# Each stage fits one device call (10 minutes); run them in separate calls.
-# Logs, the store and reports go to $OUT (or ./out).
+#   bash scripts/gpu_check.sh loop    # builtin optimisation (seeds + level2), then `post`
+#   bash scripts/gpu_check.sh post    # the store's last optimisation run: replay, report, seed analysis, gpu tests of the rest
+# Each stage fits one device call (10 minutes); run them in separate calls. scripts/gpu_multi.sh
+# runs them side by side on a host with several GPUs.
+# Knobs: BASELINE=0 (no seed baselines), ADV_K (pytest -k for the adversarial cases), ADV_S,
+# TIMING=0, BUILD_S, BUILD_N, BUILD_STYLES, THROUGHPUT_S, LOOP_S, ROUNDS, SAMPLES, TASKS,
+# REPLAY=0, REST_S=0 (no remaining gpu tests); PIN (a prefix such as `taskset -c 48-63`).
+# Logs and reports go to $OUT (or ./out); the store is $KERNELLOOP_DB (default $OUT/gpu.db).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 source scripts/gpu_env.sh || exit 1
-export PYTHONUNBUFFERED=1 KERNELLOOP_DB="$OUT/gpu.db" MAX_JOBS=8
+export PYTHONUNBUFFERED=1 KERNELLOOP_DB=${KERNELLOOP_DB:-$OUT/gpu.db} MAX_JOBS=${MAX_JOBS:-8}
 KL="python3 -m kernelloop.cli"
+PIN=${PIN:-}
 stage=${1:-judge}
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
-box() { local t=$1; shift; timeout --signal=INT --kill-after=15 "$t" "$@"; echo "[exit $? after stage: $*]"; }
+box() { local t=$1; shift; timeout --signal=INT --kill-after=20 "$t" $PIN "$@"; echo "[exit $? after stage: $*]"; }
+post() {
+  local run; run=$(last_run)
+  [ -n "$run" ] || { echo "no optimisation run in $KERNELLOOP_DB"; return 1; }
+  [ "${REPLAY:-1}" = 1 ] && box 90 $KL replay "$run" --device cuda --no-compile --tasks seeds/conv2d_divide_leakyrelu 2>&1 \
+    | grep -v USDT | tee "$OUT/replay.txt"
+  $KL report "$run" --format md -o "$OUT/report.md" >/dev/null; $KL report "$run" --format html -o "$OUT/report.html" >/dev/null
+  $KL show "$run" seeds/conv2d_bias_scale_sigmoid_groupnorm 2>&1 | tee "$OUT/analysis_seed.txt" | tail -5
+  [ "${REST_S:-120}" != 0 ] && box ${REST_S:-120} python3 -m pytest -m gpu -q --timeout 120 -p no:cacheprovider tests \
+    --deselect tests/test_sandbox_adversarial.py 2>&1 | grep -vE "USDT" | tail -15 | tee "$OUT/pytest_gpu_rest.txt"
+  return 0
+}
 case "$stage" in
   judge)
     box 60 $KL device probe --device cuda 2>&1 | tee "$OUT/probe.txt"
     [ "${BASELINE:-1}" = 1 ] && box 150 $KL baseline tasks/seeds --device cuda 2>&1 | tee "$OUT/baseline.txt"
-    box 240 python3 -m pytest -m gpu -q -s --timeout 200 -p no:cacheprovider tests/test_sandbox_adversarial.py 2>&1 \
-      | grep -vE "USDT|^$" | tee "$OUT/adversarial.txt" | grep -E "VERDICT|passed|failed|Error" | head -80
-    box 90 python3 scripts/bench_timing.py 2>&1 | tee "$OUT/bench_timing.txt"
+    box ${ADV_S:-240} python3 -m pytest -m gpu -q -s --timeout 200 -p no:cacheprovider tests/test_sandbox_adversarial.py \
+      ${ADV_K:+-k "$ADV_K"} 2>&1 | grep -vE "USDT|^$" | tee "$OUT/adversarial.txt" | grep -E "VERDICT|passed|failed|Error" | head -80
+    [ "${TIMING:-1}" = 1 ] && box 90 python3 scripts/bench_timing.py 2>&1 | tee "$OUT/bench_timing.txt"
     ;;
   build)
-    box 240 python3 scripts/bench_build.py --device cuda --n ${BUILD_N:-3} --styles ${BUILD_STYLES:-lean,torch} 2>&1 | tee "$OUT/bench_build.txt"
-    box 240 python3 scripts/bench_throughput.py --device cuda --candidates 40 --kernels 10 2>&1 | tee "$OUT/bench_throughput.txt"
+    box ${BUILD_S:-240} python3 scripts/bench_build.py --device cuda --n ${BUILD_N:-3} --styles ${BUILD_STYLES:-lean,torch} 2>&1 \
+      | tee "$OUT/bench_build.txt"
+    box ${THROUGHPUT_S:-240} python3 scripts/bench_throughput.py --device cuda --candidates 40 --kernels 10 2>&1 \
+      | tee "$OUT/bench_throughput.txt"
     ;;
   loop)
     box ${LOOP_S:-360} $KL optimize ${TASKS:-tasks/seeds tasks/level2} --model builtin --rounds ${ROUNDS:-2} \
       --samples ${SAMPLES:-2} --device cuda 2>&1 | grep -v USDT | tee "$OUT/optimize.txt"
-    run=$(sqlite3 "$KERNELLOOP_DB" "select max(id) from runs" 2>/dev/null || python3 -c "import sqlite3,os;print(sqlite3.connect(os.environ['KERNELLOOP_DB']).execute('select max(id) from runs').fetchone()[0])")
-    box 90 $KL replay "$run" --device cuda --no-compile --tasks seeds/conv2d_divide_leakyrelu 2>&1 | grep -v USDT | tee "$OUT/replay.txt"
-    $KL report "$run" --format md -o "$OUT/report.md" >/dev/null; $KL report "$run" --format html -o "$OUT/report.html" >/dev/null
-    $KL show "$run" seeds/conv2d_bias_scale_sigmoid_groupnorm 2>&1 | tee "$OUT/analysis_seed.txt" | tail -5
-    [ "${REST_S:-120}" != 0 ] && box ${REST_S:-120} python3 -m pytest -m gpu -q --timeout 120 -p no:cacheprovider tests --deselect tests/test_sandbox_adversarial.py 2>&1 \
-      | grep -vE "USDT" | tail -15 | tee "$OUT/pytest_gpu_rest.txt"
+    post
+    ;;
+  post)
+    post
+    ;;
+  *)
+    echo "unknown stage $stage (judge, build, loop, post)"; exit 2
     ;;
 esac
