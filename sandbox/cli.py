@@ -102,7 +102,8 @@ def eval_command(task: str = typer.Argument(..., help="task file or bundled name
             sandbox = Sandbox(dev, config, arch=arch)
         except ValueError as exc:
             fail(str(exc))
-        check = sandbox.build_only(spec, candidate.read_text())
+        with sandbox:
+            check = sandbox.build_only(spec, candidate.read_text())
         if as_json:
             print(json.dumps(check.model_dump(mode="json"), indent=2))
         else:
