@@ -3,6 +3,7 @@ the sandbox's build path, side by side in one run, each build in a fresh process
 source (no cache hits). Prints medians and the ratio.
 
     python scripts/bench_build.py --device cuda --n 3
+    python scripts/bench_build.py --device cuda --n 3 --parallel 3   # the three builds of each kind at once
     python scripts/bench_build.py --device cuda --arch 9.0   # nvcc and a CUDA torch, no GPU needed
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 KERNEL_LEAN = r'''
 __global__ void scale_add(const float* x, float* y, float s, long n) {
@@ -101,6 +103,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--n", type=int, default=3)
     ap.add_argument("--styles", default="lean,torch")
+    ap.add_argument("--parallel", type=int, default=1,
+                    help="builds at once (each in its own process; plain and sandbox alike): on a host with many "
+                         "cores this shortens the benchmark, not the builds")
     ap.add_argument("--arch", default=None,
                     help="CUDA arch for both modes (e.g. 9.0): build CUDA candidates on a host with nvcc but no GPU, "
                          "as plain load_inline would on that GPU")
@@ -108,11 +113,15 @@ def main() -> None:
     cache = tempfile.mkdtemp(prefix="kl-bench-build-")
     styles = args.styles.split(",") if args.device == "cuda" else ["cpp"]
     rows = []
+    def batch(mode: str, style: str) -> list[float]:
+        with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+            return list(pool.map(lambda _: build_once(mode, style, args.device, cache, args.arch), range(args.n)))
+
     for style in styles:
-        plain = [build_once("plain", style, args.device, cache, args.arch) for _ in range(args.n)]
-        # The first sandbox build also makes the precompiled header (once per torch install and flags).
+        plain = batch("plain", style)
+        # The first sandbox build also makes the precompiled headers (once per torch install and flags).
         warm = build_once("sandbox", style, args.device, cache, args.arch)
-        ours = [build_once("sandbox", style, args.device, cache, args.arch) for _ in range(args.n)]
+        ours = batch("sandbox", style)
         p, o = statistics.median(plain), statistics.median(ours)
         rows.append((style, p, o, warm))
         print(f"[{args.device}/{style}] plain load_inline median {p:.1f} s {['%.1f' % x for x in plain]}; "

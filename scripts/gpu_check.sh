@@ -8,7 +8,7 @@
 # Each stage fits one device call (10 minutes); run them in separate calls. scripts/gpu_multi.sh
 # runs them side by side on a host with several GPUs.
 # Knobs: BASELINE=0 (no seed baselines), ADV_K (pytest -k for the adversarial cases), ADV_S,
-# TIMING=0, BUILD_S, BUILD_N, BUILD_STYLES, THROUGHPUT_S, LOOP_S, ROUNDS, SAMPLES, TASKS,
+# TIMING=0, BUILD_S, BUILD_N, BUILD_P (builds at once), BUILD_STYLES, THROUGHPUT_S, LOOP_S, ROUNDS, SAMPLES, TASKS,
 # REPLAY=0, REST_S=0 (no remaining gpu tests); PIN (a prefix such as `taskset -c 48-63`).
 # Logs and reports go to $OUT (or ./out); the store is $KERNELLOOP_DB (default $OUT/gpu.db).
 set -uo pipefail
@@ -41,7 +41,7 @@ case "$stage" in
     [ "${TIMING:-1}" = 1 ] && box 90 python3 scripts/bench_timing.py 2>&1 | tee "$OUT/bench_timing.txt"
     ;;
   build)
-    box ${BUILD_S:-240} python3 scripts/bench_build.py --device cuda --n ${BUILD_N:-3} --styles ${BUILD_STYLES:-lean,torch} 2>&1 \
+    box ${BUILD_S:-240} python3 scripts/bench_build.py --device cuda --n ${BUILD_N:-3} --parallel ${BUILD_P:-3} --styles ${BUILD_STYLES:-lean,torch} 2>&1 \
       | tee "$OUT/bench_build.txt"
     box ${THROUGHPUT_S:-240} python3 scripts/bench_throughput.py --device cuda --candidates 40 --kernels 10 2>&1 \
       | tee "$OUT/bench_throughput.txt"
