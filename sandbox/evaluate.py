@@ -559,7 +559,9 @@ class Sandbox:
             return
         counts = RooflineCounts(**ref.counts["counts"])
         result.floor_flops, result.floor_bytes = float(counts.flops), float(counts.min_bytes)
-        floor = floor_ms(counts, probe)
+        # Every run here is at full fp32 (the worker turns TF32 off), so fp32 convolutions and
+        # matmuls are charged at the fp32 rate, not at the TF32 rate PyTorch's defaults allow.
+        floor = floor_ms(counts, probe, tf32=set())
         if not floor:
             return
         result.floor_ms = floor

@@ -406,3 +406,30 @@ def test_store_baseline_upserts_the_task(tmp_store):
         rows = list(s.scalars(sa.select(Baseline)))
         assert {r.task_id for r in rows} == {rows[0].task.id}
         assert rows[0].task.source == spec.source
+
+
+def test_the_sandbox_floor_charges_fp32_convolutions_at_the_fp32_rate(monkeypatch):
+    """The sandbox runs everything at full fp32 (TF32 off in its workers), so its floor must not
+    use the TF32 rate that PyTorch's defaults (cuDNN TF32 on) would give the parent process: on
+    an H200 that made the conv tasks' floor 8x too low (0.75 ms against ~5.9 ms)."""
+    from dataclasses import asdict
+    from types import SimpleNamespace
+
+    from sandbox.evaluate import Sandbox
+    from sandbox.result import EvalResult, Status, Timing
+
+    conv = count_task(read_spec(TASKS / "level1" / "conv2d.py"), "cuda")
+    p = _probe(bw=1e9, fp32=50.0, tf32=400.0)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)       # PyTorch's default
+    monkeypatch.setattr(probe_mod, "get_probe", lambda device, measure=False: p)
+    import threading
+
+    ref = SimpleNamespace(lock=threading.Lock(), counts={"counts": asdict(conv)})
+    sb = Sandbox.__new__(Sandbox)
+    sb.device = "cuda"
+    result = EvalResult(task="level1/conv2d", device="cuda", status=Status.correct)
+    result.candidate_time = Timing(median_ms=100.0, iqr_ms=0.0, mean_ms=100.0, min_ms=100.0, max_ms=100.0, runs=1,
+                                   clock="cuda_event")
+    sb._floor(ref, result)
+    assert result.floor_ms == pytest.approx(floor_breakdown(conv, p, tf32=set())["floor_ms"])
+    assert result.floor_ms == pytest.approx(max(conv.min_bytes / (p.bandwidth_gbps * 1e9) * 1e3, conv.flops / 50e12 * 1e3))
