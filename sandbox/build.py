@@ -87,8 +87,8 @@ def header_tries(cuda: list[str], no_implicit_headers: bool, lite_dirs: tuple[st
     1. the minimal prelude (``MINIMAL_TORCH_PRELUDE``) in place of every torch header, its
        factory headers lightened where ``lite_dirs`` are given (``sandbox.lite_headers``, and
        the directory of its precompiled lean binding header): then the C++ file too starts
-       with the lean binding header in place of ``torch/extension.h``, unless the candidate
-       asked for no implicit headers;
+       with the lean binding header in place of ``torch/extension.h`` (``cpp``: the C++
+       sources, where load_inline's or the candidate's own ``torch/extension.h`` leads them);
     2. where that lacks a torch name, ``torch/types.h`` in place of ``torch/extension.h``;
     3. the candidate's own headers: where the lighter ones do not build, this build decides the
        verdict, so the swap never turns a failing candidate into a passing one or back.
@@ -102,13 +102,13 @@ def header_tries(cuda: list[str], no_implicit_headers: bool, lite_dirs: tuple[st
     minimal = ["#include <cuda.h>", "#include <cuda_runtime.h>", MINIMAL_TORCH_PRELUDE] + [
         _TORCH_INCLUDE_RE.sub("", s) for s in cuda]
     # no implicit headers for the CUDA sources means none for the C++ side either: it keeps its own
-    if no_implicit_headers:
-        first = HeaderTry(MINIMAL_NOTE, minimal, True, (), tuple(lite_dirs))
-    elif lite_dirs and cpp is not None:
+    if lite_dirs and cpp is not None:
         from sandbox.lite_headers import LEAN_BINDING
 
         first = HeaderTry(MINIMAL_NOTE, minimal, True, (f"#include <{LEAN_BINDING['cuda']}>",), tuple(lite_dirs),
                           [_TORCH_INCLUDE_RE.sub("", s) for s in cpp])
+    elif no_implicit_headers:
+        first = HeaderTry(MINIMAL_NOTE, minimal, True, (), tuple(lite_dirs))
     else:
         first = HeaderTry(MINIMAL_NOTE, minimal, True, ("#include <torch/extension.h>",), tuple(lite_dirs))
     tries = [first]
@@ -402,7 +402,9 @@ class HookedBuilder:
 
         # Levers. No implicit torch headers on CUDA sources that do not use torch.
         uses_torch = any(_TORCH_USE_RE.search(s) for s in cuda)
-        lean_cpp = None if no_implicit_headers else cpp     # where the lean binding header may go first
+        # where the lean binding header may go first: load_inline's implicit torch/extension.h,
+        # or the candidate's own (the builtin proposer includes it and asks for no implicit headers)
+        lean_cpp = cpp if not no_implicit_headers or any(_EXTENSION_INCLUDE_RE.search(s) for s in cpp) else None
         if not no_implicit_headers and cuda and not uses_torch:
             no_implicit_headers = True
             cpp = ["#include <torch/extension.h>"] + cpp

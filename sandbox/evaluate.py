@@ -369,7 +369,7 @@ class Sandbox:
             fraction = min(1.0, (cfg.memory_limit_mb << 20) / total)
         reply = cand.ask({"role": "candidate", "device": self.device, "out_dir": str(cand.out_dir),
                           "task": spec.__dict__, "source": source, "init_seed": self.init_seed,
-                          "memory_fraction": fraction},
+                          "memory_fraction": fraction, "profile": cfg.profile},
                          cfg.build_timeout_s + cfg.run_timeout_s)
         if not reply.get("ok"):
             stage = reply.get("stage")

@@ -21,6 +21,21 @@ def _is_own(name: str, own_kernels: Sequence[str]) -> bool:
                or f"::{k}(" in name or f"{k}<" in name for k in own_kernels)
 
 
+def warm_up(device: str) -> None:
+    """Open and close one profiler session on a tiny op. A process's first CUDA profiler session
+    initialises CUPTI; on an H200 host every candidate's profile took 3.5-4 s, most of it that,
+    and the parent holds the device while a candidate is profiled. Workers call this while they
+    load, before the device is theirs. Best effort: the real profile reports any failure."""
+    if device != "cuda":
+        return
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+            torch.zeros(1, device="cuda").add_(1)
+            torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001
+        pass
+
+
 def profile_forward(model: Callable, make_args: Callable[[int], Sequence[Any]], device: str,
                     runs: int = 3, own_kernels: Sequence[str] = ()) -> list[dict[str, Any]]:
     arg_sets = [tuple(make_args(10_000 + i)) for i in range(runs)]

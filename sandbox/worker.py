@@ -67,6 +67,7 @@ class Worker:
         self.compiled = None
         self.kernel_names: list[str] = []
         self.warm_compile = bool(init.get("warm_compile"))
+        self.profile_wanted = bool(init.get("profile"))
         if self.device == "cuda" and init.get("memory_fraction"):
             torch.cuda.set_per_process_memory_fraction(float(init["memory_fraction"]))
 
@@ -102,7 +103,12 @@ class Worker:
             return {**reply, "stage": "import", "error_type": "NameError",
                     "error_message": "the candidate module defines no class ModelNew", "traceback": ""}
         self.kernel_names = sorted({k for r in self.builder.records for k in r.kernel_names})
-        return {**reply, **self._construct(cls)}
+        reply.update(self._construct(cls))
+        if reply.get("ok") and self.profile_wanted:
+            from sandbox.profiling import warm_up
+
+            warm_up(self.device)        # while the parent does not hold the device
+        return reply
 
     def load_reference(self) -> dict[str, Any]:
         self.task = load_task(self.spec, validate=False)

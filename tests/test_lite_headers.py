@@ -99,3 +99,15 @@ def test_a_cpu_candidate_builds_with_the_lean_header_or_else_with_its_own(sandbo
     full = sandbox.evaluate(spec, needs_more)
     assert full.build.notes == [f"not {LEAN_NOTE}: tried {OWN_NOTE}"], full.build.notes
     assert full.status is Status.correct, full
+
+
+def test_a_candidate_that_includes_torch_extension_itself_gets_the_lean_header_too(sandbox):
+    """The builtin proposer writes ``#include <torch/extension.h>`` and asks for no implicit
+    headers; on the H200 its builds took 24 s with torch's 790 MB precompiled header."""
+    spec = read_spec(TASK, name="adversarial/task_small")
+    honest = (ADV / "cpu" / "honest.py").read_text().replace("(p[i] > 0.f", f"/* {uuid.uuid4().hex} */ (p[i] > 0.f")
+    own = honest.replace('CPP = r"""\n', 'CPP = r"""\n#include <torch/extension.h>\n').replace(
+        'functions=["relu_scale", "uninit_like"])', 'functions=["relu_scale", "uninit_like"], no_implicit_headers=True)')
+    assert own.count("no_implicit_headers=True") == 1 and "#include <torch/extension.h>" in own
+    r = sandbox.evaluate(spec, own)
+    assert r.status is Status.correct and r.build.notes == [LEAN_NOTE], r.build.notes
