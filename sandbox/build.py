@@ -31,6 +31,8 @@ from typing import Any, Callable, Optional
 
 from filelock import FileLock
 
+from sandbox.lite_headers import FACTORY_OPS, LEAN_BINDING
+
 LOG_CAP = 20_000
 _TORCH_USE_RE = re.compile(r"\b(torch::|at::|c10::|TORCH_CHECK|AT_DISPATCH|#\s*include\s*<(torch|ATen|c10)/)")
 _PYBIND_NAME_RE = re.compile(r"PYBIND11_MODULE\(\s*([A-Za-z_][A-Za-z0-9_]*)\s*,")
@@ -50,8 +52,7 @@ _MISSING_TORCH_NAME_RE = re.compile(r'namespace "(?:torch|at|c10)[\w:]*" has no 
 # AT_DISPATCH; ``torch::`` names resolve to ATen's as torch/types.h makes them.
 MINIMAL_TORCH_PRELUDE = "\n".join([
     "#include <ATen/core/Tensor.h>", "#include <ATen/Dispatch.h>", "#include <c10/cuda/CUDAStream.h>",
-    *(f"#include <ATen/ops/{op}.h>" for op in ("empty", "empty_like", "empty_strided", "zeros", "zeros_like",
-                                                "ones", "ones_like", "full", "full_like")),
+    *(f"#include <ATen/ops/{op}.h>" for op in FACTORY_OPS),
     "namespace torch { using namespace at; }"])
 MINIMAL_NOTE = "CUDA sources built with minimal ATen headers in place of torch's"
 LEAN_NOTE = "C++ bindings built with the lean binding header in place of <torch/extension.h>"
@@ -72,7 +73,13 @@ class HeaderTry:
     @property
     def lean_binding(self) -> bool:
         """The C++ file starts with the lean binding header, not torch/extension.h."""
-        return any("lean_binding" in line for line in self.cpp_prefix)
+        return any(line == f"#include <{h}>" for h in LEAN_BINDING.values() for line in self.cpp_prefix)
+
+
+def _lean_try(note: str, cuda: list[str], cpp: list[str], lite_dirs: tuple[str, ...], device: str) -> HeaderTry:
+    """A try whose C++ file starts with the lean binding header, torch's own headers taken out."""
+    return HeaderTry(note, cuda, True, (f"#include <{LEAN_BINDING[device]}>",), tuple(lite_dirs),
+                     [_TORCH_INCLUDE_RE.sub("", s) for s in cpp])
 
 
 def header_tries(cuda: list[str], no_implicit_headers: bool, lite_dirs: tuple[str, ...] = (),
@@ -103,10 +110,7 @@ def header_tries(cuda: list[str], no_implicit_headers: bool, lite_dirs: tuple[st
         _TORCH_INCLUDE_RE.sub("", s) for s in cuda]
     # no implicit headers for the CUDA sources means none for the C++ side either: it keeps its own
     if lite_dirs and cpp is not None:
-        from sandbox.lite_headers import LEAN_BINDING
-
-        first = HeaderTry(MINIMAL_NOTE, minimal, True, (f"#include <{LEAN_BINDING['cuda']}>",), tuple(lite_dirs),
-                          [_TORCH_INCLUDE_RE.sub("", s) for s in cpp])
+        first = _lean_try(MINIMAL_NOTE, minimal, cpp, lite_dirs, "cuda")
     elif no_implicit_headers:
         first = HeaderTry(MINIMAL_NOTE, minimal, True, (), tuple(lite_dirs))
     else:
@@ -125,10 +129,7 @@ def binding_tries(own: HeaderTry, cpp: Optional[list[str]], lite_dirs: tuple[str
     implicit headers), then as ``own`` says."""
     if cpp is None or not lite_dirs:
         return [own]
-    from sandbox.lite_headers import LEAN_BINDING
-
-    return [HeaderTry(LEAN_NOTE, own.cuda, True, (f"#include <{LEAN_BINDING[device]}>",), tuple(lite_dirs),
-                      [_TORCH_INCLUDE_RE.sub("", s) for s in cpp]), own]
+    return [_lean_try(LEAN_NOTE, own.cuda, cpp, lite_dirs, device), own]
 
 
 def next_try(tries: list[HeaderTry], failed: int, error: str) -> Optional[int]:
@@ -365,15 +366,16 @@ class HookedBuilder:
             os.replace(tmp, target)
         return str(root)
 
-    def _lite_dirs(self, device: str, extra_cflags: list[str], include_paths: list[str]) -> tuple[str, ...]:
+    def _lite_dirs(self, device: str, extra_cflags: list[str], include_paths: list[str],
+                   lean_binding: bool) -> tuple[str, ...]:
         """The include directories of ``sandbox.lite_headers`` (its lean binding header precompiled
-        first, where it can be), or none where torch's headers are not as expected."""
-        from sandbox.lite_headers import LEAN_BINDING, lean_binding_text, lite_include_dir
+        first, where a try will use it), or none where torch's headers are not as expected."""
+        from sandbox.lite_headers import lean_binding_text, lite_include_dir
 
         lite = lite_include_dir(self.cache_root.parent)
         if not lite:
             return ()
-        pch = self.use_pch and self._pch_include_dir(extra_cflags, [lite, *include_paths], LEAN_BINDING[device],
+        pch = lean_binding and self.use_pch and self._pch_include_dir(extra_cflags, [lite, *include_paths], LEAN_BINDING[device],
                                                       lean_binding_text(device), device=device)
         return (pch, lite) if pch else (lite,)
 
@@ -430,9 +432,11 @@ class HookedBuilder:
             # Lighter torch headers first where the CUDA sources use torch (see header_tries);
             # the candidate's own headers decide the verdict wherever the lighter ones fail.
             device = "cuda" if cuda else "cpu"
-            lite_dirs = self._lite_dirs(device, kwargs["extra_cflags"], include_paths)
+            lite_dirs: tuple[str, ...] = ()
+            if uses_torch or lean_cpp is not None:
+                lite_dirs = self._lite_dirs(device, kwargs["extra_cflags"], include_paths, lean_cpp is not None)
             if uses_torch:
-                tries = header_tries(cuda, no_implicit_headers, lite_dirs, cpp)
+                tries = header_tries(cuda, no_implicit_headers, lite_dirs, lean_cpp)
             else:
                 tries = binding_tries(HeaderTry("", cuda, no_implicit_headers), lean_cpp, lite_dirs, device)
             notes: list[str] = []

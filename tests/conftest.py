@@ -1,4 +1,5 @@
-"""Shared pytest setup: the checkout on sys.path, the ``gpu`` and ``nvcc`` markers, a temporary store."""
+"""Shared pytest setup: the checkout on sys.path, the ``gpu`` and ``nvcc`` markers, a temporary store, a
+small CPU sandbox."""
 from __future__ import annotations
 
 import sys
@@ -57,3 +58,14 @@ def tmp_store(tmp_path: Path):
         yield store
     finally:
         store.close()
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    """A CPU ``Sandbox`` with few trials and runs, one per test module (modules may define their own)."""
+    from sandbox.evaluate import Sandbox
+    from sandbox.result import EvalConfig
+
+    cfg = EvalConfig(trials=2, timed_runs=3, warmup_runs=1, time_compile=False, run_timeout_s=60.0)
+    with Sandbox("cpu", cfg, build_slots=1) as sb:
+        yield sb

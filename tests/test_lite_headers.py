@@ -8,12 +8,9 @@ import sysconfig
 import uuid
 from pathlib import Path
 
-import pytest
-
 from sandbox.build import LEAN_NOTE, OWN_NOTE, HeaderTry, binding_tries, next_try, header_tries
-from sandbox.evaluate import Sandbox
 from sandbox.lite_headers import FACTORY_OPS, LEAN_BINDING, lighten, lite_include_dir
-from sandbox.result import EvalConfig, Status
+from sandbox.result import Status
 from sandbox.tasks import read_spec
 
 ADV = Path(__file__).parent / "adversarial"
@@ -77,13 +74,6 @@ def test_binding_tries_put_the_lean_header_first_unless_the_candidate_chose_its_
     tries = [lean, own]
     assert next_try(tries, 0, "error: 'matmul' is not a member of 'torch'") == 1
     assert next_try(tries, 0, "error: 'j' was not declared in this scope") == 1
-
-
-@pytest.fixture(scope="module")
-def sandbox():
-    cfg = EvalConfig(trials=2, timed_runs=3, warmup_runs=1, time_compile=False, run_timeout_s=60.0)
-    with Sandbox("cpu", cfg, build_slots=1) as sb:
-        yield sb
 
 
 def test_a_cpu_candidate_builds_with_the_lean_header_or_else_with_its_own(sandbox):

@@ -158,13 +158,6 @@ def test_first_compiler_error_maps_to_the_candidate_line(tmp_path):
 
 
 # ------------------------------------------------------------------ real builds and runs
-@pytest.fixture(scope="module")
-def sandbox():
-    cfg = EvalConfig(trials=2, timed_runs=3, warmup_runs=1, time_compile=False, run_timeout_s=60.0)
-    with Sandbox("cpu", cfg, build_slots=1) as sb:
-        yield sb
-
-
 def test_identical_candidate_is_a_cache_hit(sandbox):
     spec = read_spec(TASK, name="adversarial/task_small")
     src = (ADV / "cpu" / "honest.py").read_text()
