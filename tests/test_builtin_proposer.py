@@ -6,6 +6,7 @@ load_inline build) and the ``gpu`` test (skipped without a CUDA device).
 from __future__ import annotations
 
 import ast
+import copy
 import re
 import types
 from pathlib import Path
@@ -135,17 +136,18 @@ def test_seed_groups_fuse_the_chains_between_library_ops():
     expect = {
         "gemm_sigmoid_gemm_logsumexp": [["sigmoid"], ["logsumexp"]],
         "gemm_logsumexp_leakyrelu_gelu": [["logsumexp", "leaky_relu", "leaky_relu", "gelu", "gelu"]],
-        "conv2d_bias_scale_sigmoid_groupnorm": [["add", "mul", "sigmoid", "group_norm"]],
+        # the convolution's own bias is the first add (see test_conv_bias_joins_the_next_kernel)
+        "conv2d_bias_scale_sigmoid_groupnorm": [["add", "add", "mul", "sigmoid", "group_norm"]],
         "gemm_groupnorm_leakyrelu_sum": [["group_norm", "leaky_relu", "add"]],
-        "conv2d_divide_leakyrelu": [["div", "leaky_relu"]],
+        "conv2d_divide_leakyrelu": [["add", "div", "leaky_relu"]],
     }
     for name, groups in expect.items():
         cand = propose(read_spec(ROOT / "tasks" / "seeds" / f"{name}.py"), "cuda", 0, 0, [])
         assert [g["ops"] for g in cand.choices["groups"]] == groups, name
         assert cand.uncovered_ops == []
         src = cand.source
-        # library operators stay as the reference's modules
-        assert re.search(r"self\.(linear1|linear|fc|conv)\(", src)
+        # library operators stay on PyTorch: the reference's modules, or the convolution without its bias
+        assert re.search(r"self\.(linear1|linear|fc)\(|torch\.conv2d\(x, v_conv_weight, None,", src)
         # CUDA: kernels without torch headers, wrappers on the current stream, float4 path
         cuda = src[src.index('_CUDA_SOURCE = r"""'):]
         assert "#include <torch" not in cuda and "__global__" in cuda and "float4" in cuda
@@ -156,10 +158,10 @@ def test_fusion_modes_move_group_boundaries():
     spec = _gn_spec()
     plans = {m: [g["ops"] for g in generate(spec, "cpu", Knobs(fusion=m)).choices["groups"]]
              for m in ("max", "no_prologue", "split", "elementwise")}
-    assert plans["max"] == [["add", "mul", "sigmoid", "group_norm"]]
-    assert plans["no_prologue"] == [["add", "mul", "sigmoid"], ["group_norm"]]
-    assert plans["split"] == [["add", "mul", "sigmoid"], ["group_norm"]]
-    assert plans["elementwise"] == [["add", "mul", "sigmoid"]]       # the norm stays on PyTorch
+    assert plans["max"] == [["add", "add", "mul", "sigmoid", "group_norm"]]
+    assert plans["no_prologue"] == [["add", "add", "mul", "sigmoid"], ["group_norm"]]
+    assert plans["split"] == [["add", "add", "mul", "sigmoid"], ["group_norm"]]
+    assert plans["elementwise"] == [["add", "add", "mul", "sigmoid"]]       # the norm stays on PyTorch
     src = generate(spec, "cpu", Knobs(fusion="elementwise")).source
     assert "kept on PyTorch in this variant (elementwise fusion)" in src
     gemm = read_spec(ROOT / "tasks" / "seeds" / "gemm_groupnorm_leakyrelu_sum.py")
@@ -174,6 +176,61 @@ def test_corner_cases_residual_inplace_identity_view():
     assert ["mul", "relu"] in ops
     assert ["mean"] in ops and ["sub"] in ops
     assert "v_act.view(" in cand.source      # views stay on PyTorch
+
+
+CONV_POOL = """
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.convt = nn.ConvTranspose2d(8, 4, 3, stride=2, padding=1, output_padding=1)
+        self.pool = nn.MaxPool2d(2)
+        self.last = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        x = self.pool(self.conv(x))          # its user is a library op: the bias stays inside
+        x = torch.tanh(self.convt(x))       # transposed: the bias joins the tanh kernel
+        return self.last(x)                 # returned as it is: nothing to fuse
+
+
+def get_inputs():
+    return [torch.randn(2, 3, 13, 11)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+def test_conv_bias_joins_the_next_kernel(tmp_path):
+    """PyTorch adds a convolution's bias in a kernel of its own; where the convolution feeds a
+    generated kernel, the builtin calls it without the bias and adds the bias in that kernel."""
+    gn = propose(_gn_spec(), "cpu", 0, 0, [])
+    assert "torch.conv2d(x, v_conv_weight, None, (1, 1), (0, 0), (1, 1), 1)" in gn.source
+    assert "v_conv_bias.view(-1, 1, 1)" in gn.source and "self.conv(" not in gn.source
+    path = tmp_path / "conv_pool.py"
+    path.write_text(CONV_POOL)
+    spec = read_spec(path, name="fixtures/conv_pool")
+    cand = propose(spec, "cpu", 0, 0, [])
+    src = cand.source
+    assert [g["ops"] for g in cand.choices["groups"]] == [["add", "tanh"]]
+    assert "self.conv(" in src and "self.last(" in src and "self.convt(" not in src
+    assert "torch.conv_transpose2d(" in src and "v_convt_bias.view(-1, 1, 1)" in src
+    # the split graph computes what the reference computes (the kernels stubbed by PyTorch here)
+    from agent.builtin.trace import trace_task
+    traced = trace_task(spec, "cpu")
+    task = load_task(spec)
+    torch.manual_seed(0)
+    ref = task.Model()
+    gm = copy.deepcopy(traced.gm)            # the trace is cached, and built on the meta device
+    gm.load_state_dict(ref.state_dict(), assign=True)
+    x = torch.randn(2, 3, 13, 11)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), ref(x))
 
 
 # --------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.fx import GraphModule, Node, symbolic_trace
 from torch.fx.passes.shape_prop import ShapeProp
 
@@ -81,6 +82,8 @@ def _trace_with(spec: TaskSpec, device: str, how: str) -> Traced:
         inputs = task.get_inputs()
     gm = symbolic_trace(model)
     ShapeProp(gm).propagate(*inputs)
+    if _split_conv_bias(gm):
+        ShapeProp(gm).propagate(*inputs)
     _rewrite_tuple_reductions(gm)
     modules = dict(gm.named_modules())
     known = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
@@ -101,6 +104,53 @@ def _get_path(obj: Any, path: str) -> Any:
     for part in path.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+_CONVS: dict[type, Any] = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d,
+                           nn.ConvTranspose1d: F.conv_transpose1d, nn.ConvTranspose2d: F.conv_transpose2d,
+                           nn.ConvTranspose3d: F.conv_transpose3d}
+
+
+def _split_conv_bias(gm: GraphModule) -> bool:
+    """``conv(x)`` -> ``conv(x, weight, None) + bias.view(-1, 1, ...)`` where the convolution's one
+    user is an operator the plan fuses. PyTorch adds a convolution's bias in a kernel of its
+    own after cuDNN's (a full read and write of the output); as an add node it becomes part of
+    the generated kernel that follows. The sum is the same float32 addition. Returns whether
+    the graph changed (its shapes must then be propagated again)."""
+    from agent.builtin.ops import classify
+
+    modules = dict(gm.named_modules())
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
+            continue
+        mod = modules.get(str(node.target))
+        fn = _CONVS.get(type(mod))
+        if fn is None or getattr(mod, "bias", None) is None or getattr(mod, "padding_mode", "zeros") != "zeros":
+            continue
+        users = list(node.users)
+        if len(users) != 1 or not classify(users[0], modules, {}).fusible:
+            continue
+        rank = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3, F.conv_transpose1d: 1, F.conv_transpose2d: 2,
+                F.conv_transpose3d: 3}[fn]
+        if isinstance(mod, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
+            extra = (mod.stride, mod.padding, mod.output_padding, mod.groups, mod.dilation)
+        else:
+            extra = (mod.stride, mod.padding, mod.dilation, mod.groups)
+        graph = gm.graph
+        with graph.inserting_before(node):
+            weight = graph.get_attr(f"{node.target}.weight")
+            bias = graph.get_attr(f"{node.target}.bias")
+            conv = graph.call_function(fn, (node.args[0], weight, None, *extra))
+            shaped = graph.call_method("view", (bias, -1, *([1] * rank)))
+            added = graph.call_function(operator.add, (conv, shaped))
+        node.replace_all_uses_with(added)
+        graph.erase_node(node)
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return changed
 
 
 def _rewrite_tuple_reductions(gm: GraphModule) -> None:
