@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -54,7 +55,16 @@ def main() -> None:
     rate = len(results) / wall * 60
     print(f"{len(results)} candidates ({args.kernels} distinct kernels, {builds} uncached builds) in {wall:.1f} s: "
           f"{rate:.1f} candidates/min, {ok} correct, {usable_cores()} cores (goal >= 30/min)")
-    print(json.dumps({"candidates": len(results), "wall_s": wall, "per_min": rate, "correct": ok}))
+    # where an evaluation's time goes (median seconds per phase; the device is held for trials,
+    # timing, spot checks, profile and floor, one candidate at a time)
+    names = sorted({k for r in results for k in r.phases})
+    phases = {k: round(statistics.median(r.phases.get(k, 0.0) for r in results), 3) for k in names}
+    held = ("trials", "timing", "spot_checks", "profile", "floor")
+    device_s = sum(sum(r.phases.get(k, 0.0) for k in held) for r in results)
+    print("median phase seconds: " + ", ".join(f"{k} {v}" for k, v in phases.items()))
+    print(f"device held {device_s:.1f} s of {wall:.1f} s wall ({device_s / len(results):.2f} s per candidate)")
+    print(json.dumps({"candidates": len(results), "wall_s": wall, "per_min": rate, "correct": ok,
+                      "phases_median_s": phases, "device_held_s": device_s}))
 
 
 if __name__ == "__main__":
