@@ -559,9 +559,13 @@ class Sandbox:
             return
         counts = RooflineCounts(**ref.counts["counts"])
         result.floor_flops, result.floor_bytes = float(counts.flops), float(counts.min_bytes)
-        # Every run here is at full fp32 (the worker turns TF32 off), so fp32 convolutions and
-        # matmuls are charged at the fp32 rate, not at the TF32 rate PyTorch's defaults allow.
-        floor = floor_ms(counts, probe, tf32=set())
+        # Every run here is at full fp32 (the worker turns TF32 off), so fp32 matmuls are charged
+        # at the fp32 rate, not at the TF32 rate PyTorch's defaults allow. Convolutions are not:
+        # at fp32 cuDNN picks FFT and Winograd algorithms that do a fraction of a direct
+        # convolution's FLOPs (level2/conv_hardswish_mean's eager run beat its direct-FLOP floor
+        # by 1.3x on an H200), so their FLOPs are charged at the TF32 rate (7x the fp32 rate on
+        # Hopper), a bound no legitimate convolution algorithm crosses.
+        floor = floor_ms(counts, probe, tf32={"conv"})
         if not floor:
             return
         result.floor_ms = floor
