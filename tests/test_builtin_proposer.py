@@ -441,3 +441,24 @@ def test_seeds_build_and_match_on_cuda(name):
         cand = propose(read_spec(path), "cuda", 0, sample, [])
         report = check_source(str(path), "cuda", cand.source)
         assert report["ok"], report
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_batchnorm_over_columns_matches_on_cuda(tmp_path):
+    """BatchNorm of a (N, C) input runs the column kernel (rows are adjacent columns of single
+    elements): both reduction variants, and odd sizes with a partial 32-column tile."""
+    from agent.builtin.selfcheck import check_source
+
+    text = (ROOT / "tasks" / "level2" / "gemm_batchnorm_gelu.py").read_text()
+    for name, value in (("batch_size", 1000), ("in_features", 96), ("out_features", 75)):
+        text, n = re.subn(rf"^{name} = .*$", f"{name} = {value}", text, flags=re.M)
+        assert n == 1, name
+    path = tmp_path / "gemm_batchnorm_gelu_odd.py"
+    path.write_text(text)
+    spec = read_spec(path, name="fixtures/gemm_batchnorm_gelu_odd")
+    for sample in (0, 1):                    # onepass and twopass statistics
+        cand = propose(spec, "cuda", 0, sample, [])
+        assert "_cols<int><<<" in cand.source
+        report = check_source(str(path), "cuda", cand.source)
+        assert report["ok"], report
