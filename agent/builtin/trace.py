@@ -131,8 +131,7 @@ def _split_conv_bias(gm: GraphModule) -> bool:
         users = list(node.users)
         if len(users) != 1 or not classify(users[0], modules, {}).fusible:
             continue
-        rank = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3, F.conv_transpose1d: 1, F.conv_transpose2d: 2,
-                F.conv_transpose3d: 3}[fn]
+        rank = len(mod.kernel_size)          # spatial dimensions after the channels
         if isinstance(mod, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
             extra = (mod.stride, mod.padding, mod.output_padding, mod.groups, mod.dilation)
         else:
