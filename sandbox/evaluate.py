@@ -393,7 +393,7 @@ class Sandbox:
             seed = secrets.randbits(31)
             candidate_first = index == 0
             ask = {"op": "trial", "seed": seed, "index": index, "output_bytes": output_bytes}
-            ref_ask = {**ask, "keep": True}
+            ref_ask = ask
             if index == 1:
                 # The candidate's inputs are refilled in place with the values of `refill_seed`
                 # before the checked run (see the worker); the reference computes those values.
@@ -519,7 +519,7 @@ class Sandbox:
             if path is None:
                 trial.reason = f"the output of timed run {i} was not a plain tensor"
             else:
-                ref.ask({"op": "trial", "seed": timing_seed + i, "index": 1000 + i, "keep": True})
+                ref.ask({"op": "trial", "seed": timing_seed + i, "index": 1000 + i})
                 passed, reason, checks = self._compare(ref, 1000 + i, path)
                 trial.passed, trial.outputs = passed, checks
                 trial.reason = None if passed else f"timed run {i}: {reason}"

@@ -199,7 +199,7 @@ class Worker:
                    if a.shape != b.shape or not _equal_nan(a, b)]
         reply["inputs_mutated"] = mutated
         reply["output_bytes"] = sum(x.numel() * x.element_size() for x in flat)
-        if req.get("keep") and self.role == "reference":
+        if self.role == "reference":
             # Kept on the device for the `compare` request that follows (one trial at a time).
             self.kept_reference = (index, [x.detach() for x in flat])
             return reply
