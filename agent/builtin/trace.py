@@ -132,7 +132,7 @@ def _split_conv_bias(gm: GraphModule) -> bool:
         if len(users) != 1 or not classify(users[0], modules, {}).fusible:
             continue
         rank = len(mod.kernel_size)          # spatial dimensions after the channels
-        if isinstance(mod, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
+        if mod.transposed:
             extra = (mod.stride, mod.padding, mod.output_padding, mod.groups, mod.dilation)
         else:
             extra = (mod.stride, mod.padding, mod.dilation, mod.groups)
