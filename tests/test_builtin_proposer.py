@@ -122,7 +122,9 @@ def test_generated_sources_compile_and_define_model_new(device, monkeypatch):
         assert list(a) == list(b), path
         assert all(torch.equal(a[k], b[k]) for k in a), f"{path}: parameters differ"
         assert not hasattr(ns["_Layers"], "forward") or ns["_Layers"].forward is torch.nn.Module.forward
-        if not cand.choices.get("groups"):
+        if cand.choices.get("tc3"):
+            assert "load_inline" in src and device == "cuda"
+        if not cand.choices.get("groups") and not cand.choices.get("tc3"):
             # no kernel to build: the candidate runs as it is, and must match the reference
             torch.manual_seed(3)
             inputs = task.get_inputs()
@@ -146,8 +148,10 @@ def test_seed_groups_fuse_the_chains_between_library_ops():
         assert [g["ops"] for g in cand.choices["groups"]] == groups, name
         assert cand.uncovered_ops == []
         src = cand.source
-        # library operators stay on PyTorch: the reference's modules, or the convolution without its bias
-        assert re.search(r"self\.(linear1|linear|fc)\(|torch\.conv2d\(x, v_conv_weight, None,", src)
+        # library operators stay on PyTorch (the reference's modules, or the convolution without its
+        # bias), or a large GEMM runs as split-TF32 GEMMs on the module's own parameters
+        assert re.search(r"self\.(linear1|linear|fc)\(|torch\.conv2d\(x, v_conv_weight, None,|"
+                         r"_ext\.kl_tc_linear\(x, self\.(linear1|linear|fc)\.weight, self\.\w+\.bias\)", src)
         # CUDA: kernels without torch headers, wrappers on the current stream, float4 path
         cuda = src[src.index('_CUDA_SOURCE = r"""'):]
         assert "#include <torch" not in cuda and "__global__" in cuda and "float4" in cuda
@@ -241,7 +245,9 @@ def test_distinct_candidates_within_a_round():
     cands = [propose(spec, "cuda", 0, s, []) for s in range(4)]
     assert len({body_hash(c.source) for c in cands}) == 4
     assert len({tuple(sorted(c.choices["knobs"].items())) for c in cands}) == 4
-    assert cands[0].choices["knobs"] == {"fusion": "max", "vec": True, "block": 256, "reduce": "onepass"}
+    # no GEMM here: the matmul knob is normalised to its default
+    assert cands[0].choices["knobs"] == {"fusion": "max", "vec": True, "block": 256, "reduce": "onepass",
+                                         "matmul": "tc3"}
 
 
 def test_variants_without_any_kernel_are_not_proposed_while_others_remain():
@@ -345,13 +351,18 @@ def test_nothing_fusible_still_answers_a_valid_candidate(monkeypatch):
     path = ROOT / "tasks" / "level1" / "matmul_square.py"
     if not path.is_file():
         pytest.skip("tasks/level1 is not in this checkout")
+    # on cpu (and on cuda with the GEMM left to PyTorch's float32 call) there is no code of its own
+    for cand in (propose(read_spec(path), "cpu", 0, 0, []), generate(read_spec(path), "cuda", Knobs(matmul="ieee"))):
+        assert cand.choices["groups"] == [] and cand.choices["tc3"] == []
+        assert "load_inline(" not in cand.source
+        assert "No operator of this model could be fused" in cand.source
+        ns: dict = {"__name__": "kl_candidate"}
+        exec(compile(cand.source, "c.py", "exec"), ns)
+        assert "ModelNew" in ns
+    # on cuda the 4096^3 GEMM runs as split-TF32 GEMMs: a candidate with an extension of its own
     cand = propose(read_spec(path), "cuda", 0, 0, [])
-    assert cand.choices["groups"] == []
-    assert "load_inline(" not in cand.source
-    assert "No operator of this model could be fused" in cand.source
-    ns: dict = {"__name__": "kl_candidate"}
-    exec(compile(cand.source, "c.py", "exec"), ns)
-    assert "ModelNew" in ns
+    assert cand.choices["groups"] == [] and cand.choices["tc3"] == ["matmul"]
+    assert "load_inline(" in cand.source and "functions=['kl_tc_matmul']" in cand.source
 
 
 def test_unknown_operator_stays_on_pytorch_with_a_comment():

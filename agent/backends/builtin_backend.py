@@ -41,13 +41,18 @@ def _sentence(cand, device: str) -> str:
     target = "CUDA" if device == "cuda" else "C++/OpenMP"
     if cand.choices.get("fallback") == "untraceable":
         return "The reference could not be traced with torch.fx, so this candidate keeps its computation on PyTorch."
+    tc = cand.choices.get("tc3") or []
+    gemms = f"running the GEMM(s) {', '.join(tc)} as split-TF32 tensor-core GEMMs with K-chunked accumulation"
     if not groups:
+        if tc:
+            return f"No operator of this model can be fused, so this candidate is {gemms}."
         return "No operator of this model can be fused, so this candidate keeps the library operators on PyTorch."
     chains = "; ".join(" -> ".join(g["ops"]) for g in groups)
     knobs = cand.choices.get("knobs") or {}
     knob_text = ", ".join(f"{k}={v}" for k, v in sorted(knobs.items()))
-    return (f"This candidate fuses {len(groups)} group(s) into generated {target} kernels ({chains}), "
-            f"keeping library operators on PyTorch ({knob_text}).")
+    keeping = f"{gemms} and keeping the other library operators on PyTorch" if tc else \
+        "keeping library operators on PyTorch"
+    return f"This candidate fuses {len(groups)} group(s) into generated {target} kernels ({chains}), {keeping} ({knob_text})."
 
 
 @register("builtin")

@@ -6,7 +6,9 @@ chains between them into generated kernels - elementwise chains, reductions and
 normalisations with fused prologues and epilogues - from the jinja2 templates in
 ``templates/`` (CUDA for ``cuda``, C++/OpenMP for ``cpu``). Each round it answers distinct
 variants (where groups end, vectorised loads, block size, one- or two-pass statistics)
-and it learns from the history of its own attempts (see ``feedback``).
+and it learns from the history of its own attempts (see ``feedback``). On ``cuda`` a large
+float32 GEMM runs by default as split-TF32 tensor-core GEMMs with K-chunked accumulation
+(the ``matmul`` knob, see ``gemm``), still through cuBLAS.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from agent.builtin.codegen import HEADER_PREFIX, Knobs, Rendered, body_hash, render_candidate
-from agent.builtin.feedback import Feedback, parse_header, read_history, variant_order
+from agent.builtin.feedback import Feedback, _knobs_of, parse_header, read_history, variant_order
 from agent.builtin.kernels import KernelGroup
 from agent.builtin.plan import Plan, classify_graph, make_plan
 from agent.builtin.trace import Traced, trace_task
@@ -74,11 +76,14 @@ class _Generator:
         eff = Knobs(fusion=knobs.fusion,
                     vec=knobs.vec if "vec" in used else DEFAULT_KNOBS.vec,
                     block=knobs.block if "block" in used else DEFAULT_KNOBS.block,
-                    reduce=knobs.reduce if "reduce" in used else DEFAULT_KNOBS.reduce)
-        header = self.header(plan, kgroups, eff, excluded)
+                    reduce=knobs.reduce if "reduce" in used else DEFAULT_KNOBS.reduce,
+                    matmul=knobs.matmul if "matmul" in used else DEFAULT_KNOBS.matmul)
+        # (where the knob is used it is kept as asked, so the probe ran the same GEMMs)
+        header = self.header(plan, kgroups, eff, excluded, [g.node.name for g in probe.tc])
         return render_candidate(self.traced, plan, kgroups, self.device, eff, header)
 
-    def header(self, plan: Plan, kgroups: list[KernelGroup], knobs: Knobs, excluded: set[str]) -> dict[str, Any]:
+    def header(self, plan: Plan, kgroups: list[KernelGroup], knobs: Knobs, excluded: set[str],
+               tc: list[str]) -> dict[str, Any]:
         infos = plan.infos
         groups = [{"name": kg.name, "kind": kg.kind, "ops": kg.ops, "nodes": [n.name for n in kg.nodes],
                    "kinds": [infos[n].kind for n in kg.nodes]} for kg in kgroups]
@@ -87,6 +92,7 @@ class _Generator:
             "knobs": knobs.as_dict(), "groups": groups,
             "cuts": sorted(self.fb.cuts), "excluded": sorted(excluded),
             "library": [infos[n].op for n in infos if infos[n].kind == "library"],
+            "tc3": tc,          # library GEMM nodes run as split-TF32 tensor-core GEMMs
             "uncovered": sorted({infos[n].op for n in infos if infos[n].kind == "other"}),
         }
 
@@ -108,8 +114,8 @@ def propose(spec: TaskSpec, device: str, round: int, sample: int,
     for knobs in variant_order(fb):
         r = gen.render(knobs)
         h = body_hash(r.source)
-        if h in fb.seen or h in picked or not r.groups:
-            continue            # seen before, or no kernel at all (kept for when all else is spent)
+        if h in fb.seen or h in picked or not r.has_kernel:
+            continue            # seen before, or no code of its own (kept for when all else is spent)
         picked.append(h)
         if len(picked) > sample:
             chosen = r
@@ -117,11 +123,11 @@ def propose(spec: TaskSpec, device: str, round: int, sample: int,
     if chosen is None:
         # every knob setting was tried: leave everything to PyTorch if that is new, else repeat the best
         everything = frozenset(n.name for n, i in gen.infos.items() if i.fusible)
-        r = gen.render(DEFAULT_KNOBS, everything)
+        r = gen.render(Knobs(matmul="ieee"), everything)
         if body_hash(r.source) not in fb.seen and body_hash(r.source) not in picked:
             chosen = r
         else:
-            best = Knobs(**fb.best["knobs"]) if fb.best and fb.best.get("knobs") else DEFAULT_KNOBS
+            best = Knobs(**_knobs_of(fb.best)) if fb.best and fb.best.get("knobs") else DEFAULT_KNOBS
             chosen = gen.render(best)
             chosen.header["repeat"] = True
             chosen.source = _rewrite_header(chosen.source, chosen.header)

@@ -11,6 +11,7 @@ import jinja2
 from torch.fx import Node
 
 from agent.builtin import pysource
+from agent.builtin.gemm import TcGemm, tc3_gemms
 from agent.builtin.kernels import LANES, KernelGroup
 from agent.builtin.ops import c_float
 from agent.builtin.plan import Plan
@@ -28,6 +29,7 @@ class Knobs:
     vec: bool = True           # float4 loads (cuda) / omp simd (cpu)
     block: int = 256           # threads per block (cuda); chunk/tile scale (cpu)
     reduce: str = "onepass"    # onepass | twopass (logsumexp/softmax, norm statistics)
+    matmul: str = "tc3"        # tc3 (large GEMMs as split-TF32 tensor-core GEMMs, cuda; see gemm.py) | ieee
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -252,6 +254,12 @@ class Rendered:
     header: dict[str, Any]
     groups: list[GroupCode] = field(default_factory=list)
     knobs_used: set[str] = field(default_factory=set)
+    tc: list[TcGemm] = field(default_factory=list)      # library GEMMs run as split-TF32 GEMMs
+
+    @property
+    def has_kernel(self) -> bool:
+        """Whether the candidate runs code of its own: a fused group or a split-TF32 GEMM."""
+        return bool(self.groups or self.tc)
 
 
 def body_hash(source: str) -> str:
@@ -265,9 +273,15 @@ def body_hash(source: str) -> str:
 def render_candidate(traced: Traced, plan: Plan, kgroups: list[KernelGroup], device: str,
                      knobs: Knobs, header: dict[str, Any]) -> Rendered:
     codes = [GroupCode(kg, device, knobs) for kg in kgroups]
+    qualifying = tc3_gemms(plan.infos, traced.modules, device)
+    tc = qualifying if knobs.matmul == "tc3" else []
+    tc_fns = {g.fn for g in tc}
     kernels = "\n".join(c.kernel_source() for c in codes)
+    if tc:
+        kernels += ("\n" if kernels else "") + render("cuda_tc.cu.j2")
     common = render("common.h.j2", device=device)
-    wrappers = render("wrapper.cpp.j2", device=device, wrappers=[c.wrapper() for c in codes])
+    wrappers = render("wrapper.cpp.j2", device=device, wrappers=[c.wrapper() for c in codes],
+                      tc_linear="kl_tc_linear" in tc_fns, tc_matmul="kl_tc_matmul" in tc_fns)
     if device == "cuda":
         cuda_source = common + "\n" + kernels
         cpp_source = wrappers
@@ -276,45 +290,59 @@ def render_candidate(traced: Traced, plan: Plan, kgroups: list[KernelGroup], dev
         cpp_source = common + "\n" + kernels + "\n" + wrappers
     digest = hashlib.sha256((cpp_source + cuda_source).encode()).hexdigest()[:16]
     ext_name = f"kl_builtin_{device}_{digest}"
-    forward = emit_forward(traced, plan, codes)
+    forward = emit_forward(traced, plan, codes, tc)
     used: set[str] = set()
     for c in codes:
         used |= c.uses_knobs
+    if qualifying:
+        used.add("matmul")
     spec = traced.spec
-    summary = _summary(plan, codes)
+    summary = _summary(plan, codes, tc)
+    functions = [c.kg.name for c in codes] + sorted(tc_fns)
     source = render(
         "candidate.py.j2",
         header=json.dumps(header, sort_keys=True, separators=(",", ":")),
-        task_name=spec.name, summary=summary, groups=bool(codes), device=device,
+        task_name=spec.name, summary=summary, build=bool(functions), device=device,
         prelude=pysource.task_prelude(spec), constants=pysource.constants_block(traced.constants),
         cpp_source=cpp_source, cuda_source=cuda_source, ext_name=ext_name,
-        functions=repr([c.kg.name for c in codes]), layers=pysource.layers_class(spec),
+        functions=repr(functions), layers=pysource.layers_class(spec),
         forward=forward)
-    return Rendered(source=source, header=header, groups=codes, knobs_used=used)
+    return Rendered(source=source, header=header, groups=codes, knobs_used=used, tc=tc)
 
 
-def _summary(plan: Plan, codes: list[GroupCode]) -> list[str]:
+def _summary(plan: Plan, codes: list[GroupCode], tc: list[TcGemm]) -> list[str]:
     out = []
     for c in codes:
         out.append(f"{c.kg.name}: {c.kg.kind} kernel fusing {c.kg.describe()} "
                    f"(nodes {', '.join(n.name for n in c.kg.nodes)})")
-    lib = [n.name for n, i in plan.infos.items() if i.kind == "library"]
+    for g in tc:
+        out.append(f"{g.fn} ({g.node.name}, [{g.m}x{g.k}] x [{g.k}x{g.n}]): the float32 GEMM runs as split-TF32 "
+                   "tensor-core GEMMs with K-chunked accumulation: each operand is split into its TF32 rounding "
+                   "and the float32 remainder; cuBLAS (TF32 on for these calls only) computes bias + the two "
+                   "cross products in one GEMM, then adds the big x big product in K-chunks of 256 with "
+                   "float32 rounding: as accurate as an fp32 SGEMM.")
+    on_tc = {g.node for g in tc}
+    lib = [n.name for n, i in plan.infos.items() if i.kind == "library" and n not in on_tc]
     if lib:
         out.append(f"Library operators kept on PyTorch: {', '.join(lib)}.")
     other = [f"{n.name} ({i.note})" for n, i in plan.infos.items() if i.kind == "other"]
     if other:
         out.append(f"Left on PyTorch: {'; '.join(other)}.")
     if not codes:
-        out.append("Nothing could be fused: this candidate runs the library operators only.")
+        if tc:
+            out.append("Nothing could be fused: the candidate's own code is its split-TF32 GEMM.")
+        else:
+            out.append("Nothing could be fused: this candidate runs the library operators only.")
     return out
 
 
-def emit_forward(traced: Traced, plan: Plan, codes: list[GroupCode]) -> str:
+def emit_forward(traced: Traced, plan: Plan, codes: list[GroupCode], tc: Optional[list[TcGemm]] = None) -> str:
     nodes = list(traced.gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     at_output = {c.kg.out_node: c for c in codes}
     group_of = {n: c for c in codes for n in c.kg.nodes}
     device_src = next((p for p in placeholders if p.meta.get("tensor_meta") is not None), None)
+    on_tc = {g.node: g for g in tc or []}
     body: list[str] = []
     for n in nodes:
         info = plan.infos[n]
@@ -338,6 +366,10 @@ def emit_forward(traced: Traced, plan: Plan, codes: list[GroupCode]) -> str:
                 suffix = ".contiguous()" if info.op == "contiguous" else ""
                 body.append(f"{var(n)} = {fmt(src)}{suffix}")
                 continue
+        if n in on_tc:
+            body.append(on_tc[n].comment())
+            body.append(on_tc[n].statement())
+            continue
         if info.kind == "other":
             body.append(f"# not covered by builtin: {info.op} ({info.note}); stays on PyTorch")
         elif info.kind == "library":

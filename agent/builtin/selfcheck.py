@@ -111,6 +111,7 @@ def _job(args: tuple) -> dict[str, Any]:
         rep = check_source(task_path, device, cand.source, time_it=time_it)
         rep["groups"] = [" -> ".join(g["ops"]) for g in cand.choices.get("groups", [])]
         rep["knobs"] = cand.choices.get("knobs")
+        rep["tc3"] = cand.choices.get("tc3") or []
         rep["variant"] = variant
         return rep
     except Exception as exc:  # noqa: BLE001 - reported
