@@ -7,7 +7,11 @@ its groups (node names). From the history the generator derives:
   timeout, incorrect output) and was never part of a correct attempt is narrowed - split
   around its core, halved, or (a single operator) left to PyTorch. A compiler or runtime
   message that names one kernel (``kl_g3``) blames that group alone;
-* ``bad knobs``: a failure whose groups all appear in correct attempts blames the knobs;
+* ``bad knobs``: a failure whose groups all appear in correct attempts blames the knobs; a
+  failure that names the split-TF32 GEMM (``kl_tc_*``), or one whose only code of its own is
+  that GEMM, blames ``matmul="tc3"``;
+* ``precision``: a correct attempt whose precision the sandbox doubts (see ``precision_doubt``)
+  is never the best, and where it ran split-TF32 GEMMs it blames ``matmul="tc3"``;
 * ``best``: the fastest correct attempt, around which exploration continues;
 * ``seen``: hashes of every earlier source body, so no identical source is proposed twice.
 """
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from agent.builtin.codegen import BLOCK_SIZES, HEADER_PREFIX, Knobs, body_hash
+from agent.builtin.gemm import MATMUL_MODES
 from agent.builtin.plan import FUSION_MODES, narrow
 from typing import TYPE_CHECKING
 
@@ -27,6 +32,8 @@ if TYPE_CHECKING:  # agent.types pulls in pydantic; the generator itself needs o
 
 FAILED = {"compile_error", "load_error", "runtime_error", "timeout", "incorrect"}
 _GROUP_RE = re.compile(r"\bkl_g(\d+)(?!\d)")
+_TC_RE = re.compile(r"\bkl_tc_")
+TC3 = ("matmul", "tc3")
 
 
 def parse_header(source: Optional[str]) -> Optional[dict[str, Any]]:
@@ -92,7 +99,60 @@ def _group_at_line(source: str, line: int) -> Optional[str]:
 
 
 def _knobs_of(header: dict[str, Any]) -> dict[str, Any]:
-    return dict(header.get("knobs") or {})
+    """A header's knobs as ``Knobs(**...)`` takes them. Headers written before the ``matmul`` knob
+    existed lack it: those attempts ran their library GEMMs on PyTorch in float32, ``ieee``."""
+    knobs = dict(header.get("knobs") or {})
+    if knobs and "matmul" not in knobs:
+        knobs["matmul"] = "ieee"
+    return knobs
+
+
+def _flag_kinds(result: Any) -> dict[str, str]:
+    out = {}
+    for f in getattr(result, "flags", None) or []:
+        kind = getattr(f, "kind", None)
+        out[str(getattr(kind, "value", kind))] = str(getattr(f, "reason", ""))
+    return out
+
+
+def _fp64_measured(result: Any) -> bool:
+    """Whether the sandbox measured the outputs' error against a float64 run of the reference
+    (then its ``inaccurate`` flag, not the static scan's ``precision`` note, is the verdict)."""
+    return any(getattr(o, "fp64_rel_rms", None) is not None
+               for t in getattr(result, "trials", None) or [] for o in getattr(t, "outputs", None) or [])
+
+
+def precision_doubt(result: Any) -> Optional[str]:
+    """Why a correct result's precision is in doubt, or None: a measured ``inaccurate`` flag, or
+    a ``precision`` flag where the sandbox did not measure the error against float64."""
+    kinds = _flag_kinds(result)
+    if "inaccurate" in kinds:
+        return f"inaccurate: {kinds['inaccurate']}"
+    if "precision" in kinds and not _fp64_measured(result):
+        return f"precision: {kinds['precision']}"
+    return None
+
+
+def _names_tc(att: AttemptView) -> bool:
+    """Whether a failure points at the split-TF32 GEMM: the compiler's line inside its code, or
+    ``kl_tc_`` in the first compiler error / the runtime error message."""
+    r = att.result
+    if r is None:
+        return False
+    if r.build is not None and r.build.first_error_line and att.source:
+        if _tc_at_line(att.source, r.build.first_error_line):
+            return True
+    texts = [r.build.first_error if r.build is not None else None, r.error_message]
+    return any(t and _TC_RE.search(t) for t in texts)
+
+
+def _tc_at_line(source: str, line: int) -> bool:
+    inside = False
+    for text in source.splitlines()[:line]:
+        m = re.search(r"// ---- kl_tc (begin|end)", text)
+        if m:
+            inside = m.group(1) == "begin"
+    return inside
 
 
 def read_history(history: list[AttemptView], device: str) -> Feedback:
@@ -106,7 +166,22 @@ def read_history(history: list[AttemptView], device: str) -> Feedback:
             continue
         ours.append((att, h))
     correct = [(a, h) for a, h in ours if a.result.correct]
+    # the groups of a correct attempt computed the right values, whatever its flags say
     proven = {tuple(g["nodes"]) for _, h in correct for g in h.get("groups", [])}
+    doubted = {id(a): precision_doubt(a.result) for a, _ in correct}
+    for att, h in correct:
+        why = doubted[id(att)]
+        if why is None:
+            continue
+        knobs = _knobs_of(h)
+        if knobs.get("matmul") == "tc3" and h.get("tc3"):
+            fb.bad_knobs.add(TC3)
+            fb.bad_combos.add(frozenset(knobs.items()))
+            fb.notes.append(f"attempt {att.attempt_id} (correct, {why}): not counted as the best; "
+                            f"blaming knobs {[TC3]} (split-TF32 GEMMs on {', '.join(h['tc3'])})")
+        else:
+            fb.notes.append(f"attempt {att.attempt_id} (correct, {why}): not counted as the best")
+    correct = [(a, h) for a, h in correct if doubted[id(a)] is None]
     good_values = {kv for _, h in correct for kv in _knobs_of(h).items()}
     for att, h in correct:
         t = att.result.candidate_time.median_ms if att.result.candidate_time else None
@@ -121,9 +196,17 @@ def read_history(history: list[AttemptView], device: str) -> Feedback:
         if status not in FAILED:
             continue
         groups = h.get("groups", [])
+        tc = h.get("tc3") or []
+        knobs = _knobs_of(h)
+        if tc and knobs.get("matmul") == "tc3" and (not groups or _names_tc(att)):
+            # the split-TF32 GEMM failed (or is the only code of its own): blame it, not the groups
+            fb.bad_knobs.add(TC3)
+            fb.bad_combos.add(frozenset(knobs.items()))
+            fb.notes.append(f"attempt {att.attempt_id} ({status}): the split-TF32 GEMM failed; "
+                            f"blaming knobs {[TC3]}")
+            continue
         if not groups:
             continue
-        knobs = _knobs_of(h)
         named = _named_groups(att, groups)
         pool = named or groups
         culprits = [g for g in pool if tuple(g["nodes"]) not in proven]
@@ -145,18 +228,24 @@ def read_history(history: list[AttemptView], device: str) -> Feedback:
     return fb
 
 
+# The third entry is the first's twin with PyTorch's own float32 GEMM, so that the loop measures
+# the split-TF32 GEMMs against it early (on tasks without a qualifying GEMM the knob is
+# normalised away and the twin is the first again, skipped as seen).
 DEFAULT_ORDER = [
-    Knobs("max", True, 256, "onepass"),
-    Knobs("max", False, 256, "twopass"),
-    Knobs("max", True, 512, "twopass"),
-    Knobs("no_prologue", True, 256, "onepass"),
-    Knobs("elementwise", True, 256, "onepass"),
-    Knobs("max", True, 128, "onepass"),
-    Knobs("split", True, 256, "twopass"),
+    Knobs("max", True, 256, "onepass", "tc3"),
+    Knobs("max", False, 256, "twopass", "tc3"),
+    Knobs("max", True, 256, "onepass", "ieee"),
+    Knobs("max", True, 512, "twopass", "tc3"),
+    Knobs("no_prologue", True, 256, "onepass", "tc3"),
+    Knobs("elementwise", True, 256, "onepass", "tc3"),
+    Knobs("max", True, 128, "onepass", "tc3"),
+    Knobs("split", True, 256, "twopass", "tc3"),
 ]
-ALL_KNOBS = [Knobs(f, v, b, r) for f in FUSION_MODES for v in (True, False) for b in BLOCK_SIZES
-             for r in ("onepass", "twopass")]
-_PRIORITY = {"block": 0, "vec": 1, "reduce": 2, "fusion": 3}
+ALL_KNOBS = [Knobs(f, v, b, r, m) for f in FUSION_MODES for v in (True, False) for b in BLOCK_SIZES
+             for r in ("onepass", "twopass") for m in MATMUL_MODES]
+# Around the best, one-knob changes are tried in this order: the GEMM's mode first (the GEMM
+# dominates the time of every task that has a qualifying one).
+_PRIORITY = {"matmul": 0, "block": 1, "vec": 2, "reduce": 3, "fusion": 4}
 
 
 def variant_order(fb: Feedback) -> list[Knobs]:
