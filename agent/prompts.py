@@ -34,7 +34,7 @@ MAX_MESSAGE_CHARS = 600        # an error message or log excerpt quoted as evide
 _DEPTH = {"flagged": 0, Status.incorrect.value: 1, Status.runtime_error.value: 2, Status.timeout.value: 3,
           Status.load_error.value: 4, Status.compile_error.value: 5, "parse": 6}
 _DOUBTFUL = {FlagKind.suspicious, FlagKind.impossible, FlagKind.no_custom_kernel, FlagKind.fallback,
-             FlagKind.inputs_mutated}
+             FlagKind.inputs_mutated, FlagKind.inaccurate}
 
 
 # ---------------------------------------------------------------- rendering

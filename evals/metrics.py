@@ -8,9 +8,11 @@ Definitions (every figure in ``kernelloop report`` and ``compare`` comes from th
 
 * **Correct kernel.** An attempt counts as correct only when its latest evaluation is
   ``EvalResult.clean``: status ``correct`` *and* no ``suspicious``, ``impossible``,
-  ``no_custom_kernel``, ``fallback`` or ``inputs_mutated`` flag. A correct-but-flagged
-  attempt is not a correct kernel; it is counted separately (``flagged_attempts``,
-  ``tasks_flagged_only``, ``flag_counts``). A ``precision`` flag alone does not disqualify.
+  ``no_custom_kernel``, ``fallback``, ``inputs_mutated`` or ``inaccurate`` flag. A
+  correct-but-flagged attempt is not a correct kernel; it is counted separately
+  (``flagged_attempts``, ``tasks_flagged_only``, ``flag_counts``). A ``precision`` flag (the
+  source asks for a narrower format) alone does not disqualify: the float64 check measures
+  whether accuracy was lost (``inaccurate``).
 * **Tasks of a run.** Every task the run touched: any task with an attempt, a model call or
   an analysis in the run. A task whose model calls all failed still counts (as not correct).
 * **Best attempt per task.** For each baseline separately, the clean-correct attempt with the

@@ -2,7 +2,9 @@
 
 The scan only raises flags; verdicts come from the dynamic checks (fresh inputs,
 poisoned memory, parent-side comparison, profiler evidence, clock cross-checks). A flag
-keeps a correct candidate from counting as a clean pass.
+keeps a correct candidate from counting as a clean pass, except ``precision``: a source that
+asks for a narrower format (half types, TF32, fast-math) is noted, and whether it lost accuracy
+is measured by the float64 check, which flags ``inaccurate`` (see ``sandbox.compare``).
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ _PRECISION_PATTERNS = [
     (re.compile(r"\.half\(\)|torch\.(float16|half|bfloat16)\b|\bat::(kHalf|kBFloat16)\b"), "casts to a half type"),
     (re.compile(r"\b__half2?\b|\b__nv_bfloat16\b|\b__float2half|\bhalf2\b"), "computes in CUDA half types"),
     (re.compile(r"allow_tf32\s*=\s*True|set_float32_matmul_precision\(\s*['\"](high|medium)"), "enables TF32 matmuls"),
+    (re.compile(r"setAllowTF32Cu(BLAS|DNN)\s*\(\s*(true|1)\b|CUBLAS_COMPUTE_32F_FAST_(TF32|16F|16BF)|CUBLAS_TF32_TENSOR_OP_MATH"),
+     "enables TF32 (or a 16-bit compute type) in cuBLAS/cuDNN from C++"),
     (re.compile(r"\bautocast\b"), "uses autocast"),
     (re.compile(r"--use_fast_math|-ffast-math"), "compiles with fast-math"),
 ]

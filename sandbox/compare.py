@@ -143,3 +143,48 @@ def compare_outputs(ref: list[torch.Tensor], out: list[torch.Tensor],
                       f"rtol={c.tolerance.rtol:g} (max abs error {c.max_abs_err:.3g}, "
                       f"max rel error {c.max_rel_err:.3g}, {c.mismatch_pattern})")
     return reason is None, reason, checks
+
+
+FP32_EPS = float(torch.finfo(torch.float32).eps)
+# The float32 reference itself further than this from its float64 run (relative RMS) means the
+# two runs did not compute the same thing (random numbers drawn in forward, a model that casts
+# to float32 itself): the float64 check does not apply.
+FP64_APPLIES_BELOW = 1e-3
+
+
+def fp64_errors(ref: torch.Tensor, out: torch.Tensor, ref64: torch.Tensor) -> Optional[tuple[float, float]]:
+    """Relative RMS errors of the float32 reference and of the candidate against the reference
+    run in float64: ``(ref_rel, cand_rel)``, each ``rms(x - ref64) / rms(ref64)`` over the
+    elements all three hold finite. None where it does not apply (not floating point, other
+    shapes, a float64 run that did not produce float64)."""
+    if not (ref.dtype.is_floating_point and out.dtype == ref.dtype and ref64.dtype == torch.float64
+            and ref.shape == out.shape == ref64.shape) or ref.numel() == 0:
+        return None
+    fr, fo, f64 = ref.reshape(-1), out.reshape(-1), ref64.reshape(-1)
+    chunk = CHUNK if ref.device.type == "cpu" else CHUNK * 16
+    sq_ref = sq_out = sq_64 = 0.0
+    for lo in range(0, fr.numel(), chunk):
+        hi = min(fr.numel(), lo + chunk)
+        r, o, x = fr[lo:hi].double(), fo[lo:hi].to(ref64.device).double(), f64[lo:hi]
+        ok = torch.isfinite(r) & torch.isfinite(o) & torch.isfinite(x)
+        zero = torch.zeros((), dtype=torch.float64, device=x.device)
+        sq_ref += float(torch.where(ok, (r - x) ** 2, zero).sum())
+        sq_out += float(torch.where(ok, (o - x) ** 2, zero).sum())
+        sq_64 += float(torch.where(ok, x * x, zero).sum())
+    if sq_64 == 0.0:
+        # an all-zero (or all non-finite) output: absolute errors, on the scale of 1
+        return sq_ref ** 0.5, sq_out ** 0.5
+    return (sq_ref / sq_64) ** 0.5, (sq_out / sq_64) ** 0.5
+
+
+def fp64_verdict(check: OutputCheck, config: EvalConfig) -> Optional[str]:
+    """Why the candidate's output is less accurate than the float32 reference's, or None."""
+    ref_rel, cand_rel = check.ref_fp64_rel_rms, check.fp64_rel_rms
+    if ref_rel is None or cand_rel is None or ref_rel > FP64_APPLIES_BELOW:
+        return None
+    allowed = config.fp64_factor * ref_rel + config.fp64_slack_eps * FP32_EPS
+    if cand_rel <= allowed:
+        return None
+    return (f"output {check.index}: relative RMS error {cand_rel:.3g} against the reference run in float64, "
+            f"the float32 reference's is {ref_rel:.3g} (allowed: {config.fp64_factor:g}x that "
+            f"+ {config.fp64_slack_eps:g} float32 epsilons = {allowed:.3g})")

@@ -7,7 +7,8 @@
    reference's by the separate, trusted reference worker, on its device; the candidate
    runs first in trial 0; in trial 1 the same input tensors are refilled with new values
    between two calls (caches keyed by id or data_ptr fail); the cascade stops at the first
-   failing trial;
+   failing trial; in trial 0 the reference also runs in float64, and an output further from
+   that than the float32 reference's (``EvalConfig.fp64_factor``) is flagged ``inaccurate``;
 5. timing of reference eager, reference torch.compile and candidate by the same code,
    with the device held exclusively, and a parent-side clock cross-check;
 6. profiler evidence and the roofline floor.
@@ -28,6 +29,7 @@ import torch
 
 from sandbox import anticheat
 from sandbox.build import cuda_arch_list, first_compiler_error
+from sandbox.compare import fp64_verdict
 from sandbox.harness import cpu_model
 from sandbox.process import WorkerDied, WorkerProcess, WorkerTimeout, kill_all_workers
 from sandbox.result import (BuildCheck, BuildInfo, EvalConfig, EvalResult, FlagKind, KernelStat, OutputCheck,
@@ -393,7 +395,7 @@ class Sandbox:
             seed = secrets.randbits(31)
             candidate_first = index == 0
             ask = {"op": "trial", "seed": seed, "index": index, "output_bytes": output_bytes}
-            ref_ask = ask
+            ref_ask = {**ask, "fp64": True} if index == 0 and cfg.fp64_check else ask
             if index == 1:
                 # The candidate's inputs are refilled in place with the values of `refill_seed`
                 # before the checked run (see the worker); the reference computes those values.
@@ -438,6 +440,12 @@ class Sandbox:
             if not passed:
                 result.status = Status.incorrect
                 return
+            if r.get("fp64_note"):
+                result.stderr += f"\n[kernelloop] float64 check skipped: {r['fp64_note']}"
+            for check in checks:
+                why = fp64_verdict(check, cfg)
+                if why:
+                    result.add_flag(FlagKind.inaccurate, why)
         result.custom_calls_per_forward = (sum(calls) / len(calls)) if calls else 0.0
         if not calls or min(calls) == 0:
             result.add_flag(FlagKind.no_custom_kernel,

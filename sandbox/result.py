@@ -25,7 +25,8 @@ class Status(str, Enum):
 class FlagKind(str, Enum):
     no_custom_kernel = "no_custom_kernel"   # no kernel of the candidate's own ran
     fallback = "fallback"                   # a path back to PyTorch (try/except, reference Model)
-    precision = "precision"                 # lowered precision (half, bf16, tf32) in the candidate
+    precision = "precision"                 # the source asks for lower precision (half, bf16, tf32): a note
+    inaccurate = "inaccurate"               # measured: further from float64 than the float32 reference
     suspicious = "suspicious"               # evidence of tampering with the harness or the timer
     impossible = "impossible"               # faster than the roofline floor allows
     inputs_mutated = "inputs_mutated"
@@ -55,6 +56,12 @@ class EvalConfig(BaseModel):
     time_compile: bool = True                  # also time the reference under torch.compile
     profile: bool = True
     flush_l2: bool = True
+    # The float64 check (first trial): each float output's relative RMS error against the
+    # reference run in float64 may be at most fp64_factor x the float32 reference's own error
+    # plus fp64_slack_eps float32 epsilons; else the candidate is flagged `inaccurate`.
+    fp64_check: bool = True
+    fp64_factor: float = Field(2.0, ge=1.0)
+    fp64_slack_eps: float = Field(4.0, ge=0.0)
 
     def hash(self) -> str:
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
@@ -87,6 +94,9 @@ class OutputCheck(BaseModel):
     mismatch_pattern: Optional[str] = None   # everywhere | some_rows | tile_edges | scattered
     bad_rows: Optional[list[int]] = None     # first few rows (leading dims) with mismatches
     tolerance: Tolerance
+    # the float64 check (first trial only): relative RMS errors against the reference in float64
+    fp64_rel_rms: Optional[float] = None     # the candidate's
+    ref_fp64_rel_rms: Optional[float] = None # the float32 reference's own
 
 
 class Trial(BaseModel):
@@ -159,7 +169,7 @@ class EvalResult(BaseModel):
     def clean(self) -> bool:
         """Correct and carrying no flag that casts doubt on the verdict or the timing."""
         bad = {FlagKind.suspicious, FlagKind.impossible, FlagKind.no_custom_kernel,
-               FlagKind.fallback, FlagKind.inputs_mutated}
+               FlagKind.fallback, FlagKind.inputs_mutated, FlagKind.inaccurate}
         return self.correct and not any(f.kind in bad for f in self.flags)
 
     def has_flag(self, kind: FlagKind | str) -> bool:

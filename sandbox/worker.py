@@ -160,6 +160,13 @@ class Worker:
         self._poison(2 * in_bytes + int(req.get("output_bytes", 0)) * 2)
         originals = [x.clone() for x in tensors]
         ptrs = {x.data_ptr() for x in tensors if x.numel()}
+        inputs64 = None
+        if self.role == "reference" and req.get("fp64"):
+            # the float64 check: the same inputs in float64, taken before the forward runs
+            inputs64 = [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                        for x in inputs]
+            if getattr(self, "model64", None) is None:
+                self.model64 = self._double_model()
         if self.builder is not None:
             self.builder.counter.reset()
         threads_before = threading.active_count()
@@ -201,19 +208,43 @@ class Worker:
         reply["output_bytes"] = sum(x.numel() * x.element_size() for x in flat)
         if self.role == "reference":
             # Kept on the device for the `compare` request that follows (one trial at a time).
-            self.kept_reference = (index, [x.detach() for x in flat])
+            flat64, note = (self._run_fp64(inputs64) if inputs64 is not None else (None, None))
+            self.kept_reference = (index, [x.detach() for x in flat], flat64)
+            if note:
+                reply["fp64_note"] = note
             return reply
         path = self.out_dir / f"{self.role}_{index}.pt"
         _save([x.detach().to("cpu").contiguous() for x in flat], str(path))
         reply["path"] = str(path)
         return reply
 
+    def _double_model(self) -> Any:
+        """A float64 copy of the reference model (same weights, same state), or the reason why not."""
+        import copy
+
+        try:
+            return copy.deepcopy(self.model).double()
+        except Exception as exc:  # noqa: BLE001 - the float64 check then does not apply
+            return f"the reference model could not be copied to float64 ({type(exc).__name__}: {exc})"[:300]
+
+    def _run_fp64(self, inputs64: list[Any]) -> tuple[Any, Any]:
+        """The reference's outputs in float64 (the float64 check's yardstick), or (None, why not)."""
+        if isinstance(self.model64, str):
+            return None, self.model64
+        try:
+            with torch.no_grad():
+                out = self.model64(*inputs64)
+            timing.device_sync(self.device)
+        except Exception as exc:  # noqa: BLE001
+            return None, f"the reference did not run in float64 ({type(exc).__name__}: {exc})"[:300]
+        return [x.detach() if isinstance(x, torch.Tensor) else x for x in flatten_outputs(out)], None
+
     def compare(self, req: dict[str, Any]) -> dict[str, Any]:
         """The reference's kept outputs of trial ``index`` against the candidate's saved ones, on
         this (trusted) worker's device: no reference outputs cross a process boundary and no
         gigabyte-sized comparison runs on the parent's CPU. The candidate's file is read with
         ``weights_only=True`` and must hold a list of plain tensors."""
-        from sandbox.compare import compare_outputs
+        from sandbox.compare import compare_outputs, fp64_errors
         from sandbox.result import EvalConfig
 
         index, path = int(req["index"]), str(req["path"])
@@ -235,7 +266,14 @@ class Worker:
             except OSError:
                 pass
         passed, reason, checks = compare_outputs(kept[1], data, EvalConfig.model_validate(req["config"]))
-        del data, kept
+        flat64 = kept[2]
+        if passed and flat64 is not None and len(flat64) == len(checks):
+            for check, r, o, r64 in zip(checks, kept[1], data, flat64):
+                if isinstance(r64, torch.Tensor):
+                    errs = fp64_errors(r, o, r64)
+                    if errs is not None:
+                        check.ref_fp64_rel_rms, check.fp64_rel_rms = errs
+        del data, kept, flat64
         return {"ok": True, "passed": passed, "reason": reason, "checks": [c.model_dump(mode="json") for c in checks]}
 
     def _make_args(self, seed: int):

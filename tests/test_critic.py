@@ -675,7 +675,8 @@ def test_repeated_flag_kinds_are_merged():
 
 @pytest.mark.parametrize("kind,words", [
     ("fallback", "path back to PyTorch"),
-    ("precision", "lowers precision"),
+    ("precision", "asks for a narrower format"),
+    ("inaccurate", "less accurate than the float32 reference"),
     ("suspicious", "not to be trusted"),
     ("impossible", "faster than the roofline floor allows"),
 ])

@@ -10,7 +10,7 @@ import torch
 
 from sandbox import anticheat
 from sandbox.build import HookedBuilder, extension_key, first_compiler_error
-from sandbox.compare import compare_outputs
+from sandbox.compare import FP32_EPS, compare_outputs, fp64_errors, fp64_verdict
 from sandbox.evaluate import Sandbox
 from sandbox.result import EvalConfig, FlagKind, Status
 from sandbox.tasks import read_spec
@@ -100,10 +100,56 @@ def test_shape_dtype_and_count_mismatches():
     assert "2 output" in compare_outputs([x], [x, x], CFG)[1]
 
 
+# ------------------------------------------------------------------ the float64 check
+def _gemm(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(64, 512, generator=g), torch.randn(512, 48, generator=g)
+    return a, b, (a.double() @ b.double())
+
+
+def test_fp64_errors_measure_both_sides_against_float64():
+    a, b, ref64 = _gemm()
+    ref = a @ b
+    truncated = (ref.view(torch.int32) & ~0xff).view(torch.float32)      # 15 significand bits
+    ref_rel, cand_rel = fp64_errors(ref, truncated, ref64)
+    assert 0 < ref_rel < 1e-6                        # float32 GEMM: a few ulps
+    assert 1e-6 < cand_rel < 2 ** -15                 # truncation: much worse, still within rtol
+    assert fp64_errors(ref, ref.clone(), ref64) == (ref_rel, ref_rel)
+    # non-finite elements are the tolerance check's business: left out here
+    nan_ref = ref.clone(); nan_ref[0, 0] = float("nan")
+    assert fp64_errors(nan_ref, nan_ref.clone(), ref64)[0] == pytest.approx(ref_rel, rel=0.05)
+    # not applicable: integer outputs, a float32 "float64 run", other shapes
+    assert fp64_errors(ref.int(), ref.int(), ref64) is None
+    assert fp64_errors(ref, ref, ref64.float()) is None
+    assert fp64_errors(ref, ref, ref64[:1]) is None
+
+
+def test_fp64_verdict_allows_reordered_sums_and_flags_lost_bits():
+    a, b, ref64 = _gemm(1)
+    ref = a @ b
+    reordered = sum(a[:, k:k + 64] @ b[k:k + 64] for k in range(0, 512, 64))   # another summation order
+    truncated = (ref.view(torch.int32) & ~0xff).view(torch.float32)
+    tf32ish = (a.view(torch.int32) & ~0x1fff).view(torch.float32) @ (b.view(torch.int32) & ~0x1fff).view(torch.float32)
+    checks = compare_outputs([ref, ref, ref], [reordered, truncated, tf32ish], CFG)[2]
+    for c, cand in zip(checks, (reordered, truncated, tf32ish)):
+        c.ref_fp64_rel_rms, c.fp64_rel_rms = fp64_errors(ref, cand, ref64)
+    assert fp64_verdict(checks[0], CFG) is None
+    assert "relative RMS error" in fp64_verdict(checks[1], CFG)
+    assert fp64_verdict(checks[2], CFG) is not None
+    # an all-elementwise output: a reference error of ~0 still leaves a few epsilons of room
+    checks[0].ref_fp64_rel_rms, checks[0].fp64_rel_rms = 0.0, 3 * FP32_EPS
+    assert fp64_verdict(checks[0], CFG) is None
+    # a reference that is itself far from its float64 run (random numbers in forward): no verdict
+    checks[1].ref_fp64_rel_rms = 0.5
+    assert fp64_verdict(checks[1], CFG) is None
+
+
 # ------------------------------------------------------------------ static scan
 @pytest.mark.parametrize("snippet, kind", [
     ("y = x.half()", FlagKind.precision),
     ("torch.backends.cuda.matmul.allow_tf32 = True", FlagKind.precision),
+    ("at::globalContext().setAllowTF32CuBLAS(true);", FlagKind.precision),
+    ("cublasGemmEx(h, a, b, CUBLAS_COMPUTE_32F_FAST_TF32, algo);", FlagKind.precision),
     ("import time\ntime.perf_counter = lambda: 0", FlagKind.suspicious),
     ("torch.allclose = lambda *a, **k: True", FlagKind.suspicious),
     ("import threading\nthreading.Thread(target=f).start()", FlagKind.suspicious),

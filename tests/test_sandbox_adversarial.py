@@ -90,8 +90,8 @@ def test_suite_covers_every_known_exploit():
     for required in ("stale_empty", "cache_by_data_ptr", "cache_by_id", "cache_constant", "return_input",
                      "mutate_inputs", "background_thread", "lazy_subclass", "patched_timer", "patched_harness",
                      "forged_stdout", "sys_exit", "os_exit", "seed_predict", "lowered_precision",
-                     "try_except_fallback", "calls_reference", "only_torch_ops"):
+                     "try_except_fallback", "calls_reference", "only_torch_ops", "truncated_mantissa"):
         assert required in names
     cuda_names = {p.stem for p in CUDA_CASES}
     assert names - {"segfault"} <= cuda_names | {"segfault"}
-    assert {"side_stream", "patched_sync", "illegal_address"} <= cuda_names
+    assert {"side_stream", "patched_sync", "illegal_address", "tf32_in_cpp"} <= cuda_names

@@ -1166,8 +1166,17 @@ def _flags(a: AttemptView, r: EvalResult, d: Diagnosis) -> None:
                                   "Model); let failures show.")
             d.short += "; fallback"
         elif f.kind is FlagKind.precision:
-            cause = f"Flagged precision: it lowers precision ({_code(f.reason)}), within tolerance here."
-            d.short += "; lowered precision"
+            measured = any(o.fp64_rel_rms is not None for t in r.trials for o in t.outputs)
+            measured = (" The float64 check measured it no less accurate than the float32 reference, so "
+                        "the note does not disqualify it.") if measured and not r.has_flag(FlagKind.inaccurate) else ""
+            cause = f"Flagged precision: its source asks for a narrower format ({_code(f.reason)}).{measured}"
+            d.short += "; precision note"
+        elif f.kind is FlagKind.inaccurate:
+            cause = (f"Flagged inaccurate: within tolerance, but measurably less accurate than the float32 "
+                     f"reference ({_code(f.reason)}); it does not count as a correct kernel.")
+            d.step(2, "inaccurate", "keep float32 accuracy: no narrower storage or compute format (half, bf16, "
+                                    "uncompensated TF32) for values that reach the output.")
+            d.short += "; inaccurate"
         elif f.kind is FlagKind.suspicious:
             cause = f"Flagged suspicious: {_code(f.reason)}; its verdict and timing are not to be trusted."
             d.step(2, "suspicious", f"flagged suspicious ({_code(f.reason, 160)}): do all of the work inside "
