@@ -567,13 +567,13 @@ class Sandbox:
             return
         counts = RooflineCounts(**ref.counts["counts"])
         result.floor_flops, result.floor_bytes = float(counts.flops), float(counts.min_bytes)
-        # Every run here is at full fp32 (the worker turns TF32 off), so fp32 matmuls are charged
-        # at the fp32 rate, not at the TF32 rate PyTorch's defaults allow. Convolutions are not:
-        # at fp32 cuDNN picks FFT and Winograd algorithms that do a fraction of a direct
-        # convolution's FLOPs (level2/conv_hardswish_mean's eager run beat its direct-FLOP floor
-        # by 1.3x on an H200), so their FLOPs are charged at the TF32 rate (7x the fp32 rate on
-        # Hopper), a bound no legitimate convolution algorithm crosses.
-        floor = floor_ms(counts, probe, tf32={"conv"})
+        # FP32 GEMM and convolution FLOPs are charged at the TF32 rate (7x the fp32 rate on Hopper),
+        # though every run here starts at full fp32: cuDNN's FFT and Winograd algorithms do a
+        # fraction of a direct convolution's FLOPs (level2/conv_hardswish_mean's eager run beat its
+        # direct-FLOP fp32 floor by 1.3x on an H200), and split-TF32 GEMMs on tensor cores are as
+        # accurate as fp32 SGEMM (the float64 check measures that) and faster. One TF32 pass over
+        # the direct FLOPs is a bound no legitimate algorithm crosses.
+        floor = floor_ms(counts, probe, tf32={"conv", "matmul"})
         if not floor:
             return
         result.floor_ms = floor
