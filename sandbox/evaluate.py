@@ -570,7 +570,7 @@ class Sandbox:
         # FP32 GEMM and convolution FLOPs are charged at the TF32 rate (7x the fp32 rate on Hopper),
         # though every run here starts at full fp32: cuDNN's FFT and Winograd algorithms do a
         # fraction of a direct convolution's FLOPs (level2/conv_hardswish_mean's eager run beat its
-        # direct-FLOP fp32 floor by 1.3x on an H200), and split-TF32 GEMMs on tensor cores are as
+        # direct-FLOP fp32 floor by 1.3x on an H200), and split-TF32 GEMMs on tensor cores are about as
         # accurate as fp32 SGEMM (the float64 check measures that) and faster. One TF32 pass over
         # the direct FLOPs is a bound no legitimate algorithm crosses.
         floor = floor_ms(counts, probe, tf32={"conv", "matmul"})

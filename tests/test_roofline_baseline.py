@@ -419,7 +419,7 @@ def test_the_sandbox_floor_charges_fp32_matmuls_and_convolutions_at_the_tf32_rat
     and convolution FLOPs at the TF32 rate: cuDNN's FFT and Winograd algorithms do a fraction of
     a direct convolution's FLOPs (on an H200 level2/conv_hardswish_mean's eager run was 1.3x
     under its direct-FLOP fp32 floor), and split-TF32 GEMMs (three tensor-core passes over
-    rounded operands, the builtin's `tc3`) are as accurate as fp32 SGEMM and 1.5x faster than it
+    rounded operands, the builtin's `tc3`) are about as accurate as fp32 SGEMM and 1.5x faster
     on an H200, so an fp32-rate floor flagged honest candidates `impossible`. Accuracy is the
     float64 check's business; one TF32 pass over the direct FLOPs is a bound none crosses."""
     from dataclasses import asdict

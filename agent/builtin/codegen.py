@@ -320,7 +320,7 @@ def _summary(plan: Plan, codes: list[GroupCode], tc: list[TcGemm]) -> list[str]:
                    "tensor-core GEMMs with K-chunked accumulation: each operand is split into its TF32 rounding "
                    "and the float32 remainder; cuBLAS (TF32 on for these calls only) computes bias + the two "
                    "cross products in one GEMM, then adds the big x big product in K-chunks of 256 with "
-                   "float32 rounding: as accurate as an fp32 SGEMM.")
+                   "float32 rounding: within 2x of an fp32 SGEMM's error against float64 (0.6-1.75x measured on an H200).")
     on_tc = {g.node for g in tc}
     lib = [n.name for n, i in plan.infos.items() if i.kind == "library" and n not in on_tc]
     if lib:
