@@ -45,6 +45,10 @@ def _pattern(bad: torch.Tensor) -> tuple[str, Optional[list[int]]]:
     return "scattered", bad_rows
 
 
+def _chunk_len(device: torch.device) -> int:
+    return CHUNK if device.type == "cpu" else CHUNK * 16      # a GPU wants bigger pieces
+
+
 def compare_tensor(index: int, ref: torch.Tensor, out: torch.Tensor, config: EvalConfig) -> OutputCheck:
     tol = tolerance_for(ref.dtype, config)
     check = OutputCheck(index=index, shape=list(out.shape), dtype=str(out.dtype).replace("torch.", ""),
@@ -66,7 +70,7 @@ def compare_tensor(index: int, ref: torch.Tensor, out: torch.Tensor, config: Eva
     # of seconds of page faults (and tens of GB) per comparison; chunks reuse a few MB.
     flat_r, flat_o = ref.reshape(-1), out.reshape(-1)
     numel = flat_r.numel()
-    chunk = CHUNK if ref.device.type == "cpu" else CHUNK * 16      # a GPU wants bigger pieces
+    chunk = _chunk_len(ref.device)
     bad_all: Optional[torch.Tensor] = None
     max_abs = max_rel = 0.0
     any_inf_diff = False
@@ -161,16 +165,17 @@ def fp64_errors(ref: torch.Tensor, out: torch.Tensor, ref64: torch.Tensor) -> Op
             and ref.shape == out.shape == ref64.shape) or ref.numel() == 0:
         return None
     fr, fo, f64 = ref.reshape(-1), out.reshape(-1), ref64.reshape(-1)
-    chunk = CHUNK if ref.device.type == "cpu" else CHUNK * 16
+    chunk = _chunk_len(ref.device)
     sq_ref = sq_out = sq_64 = 0.0
     for lo in range(0, fr.numel(), chunk):
         hi = min(fr.numel(), lo + chunk)
         r, o, x = fr[lo:hi].double(), fo[lo:hi].to(ref64.device).double(), f64[lo:hi]
         ok = torch.isfinite(r) & torch.isfinite(o) & torch.isfinite(x)
-        zero = torch.zeros((), dtype=torch.float64, device=x.device)
-        sq_ref += float(torch.where(ok, (r - x) ** 2, zero).sum())
-        sq_out += float(torch.where(ok, (o - x) ** 2, zero).sum())
-        sq_64 += float(torch.where(ok, x * x, zero).sum())
+        if not bool(ok.all()):
+            r, o, x = r[ok], o[ok], x[ok]
+        sq_ref += float(((r - x) ** 2).sum())
+        sq_out += float(((o - x) ** 2).sum())
+        sq_64 += float((x * x).sum())
     if sq_64 == 0.0:
         # an all-zero (or all non-finite) output: absolute errors, on the scale of 1
         return sq_ref ** 0.5, sq_out ** 0.5

@@ -172,6 +172,11 @@ class EvalResult(BaseModel):
                FlagKind.fallback, FlagKind.inputs_mutated, FlagKind.inaccurate}
         return self.correct and not any(f.kind in bad for f in self.flags)
 
+    @property
+    def fp64_measured(self) -> bool:
+        """Whether the float64 check measured an output (then ``inaccurate`` is its verdict)."""
+        return any(o.fp64_rel_rms is not None for t in self.trials for o in t.outputs)
+
     def has_flag(self, kind: FlagKind | str) -> bool:
         return any(f.kind == FlagKind(kind) for f in self.flags)
 

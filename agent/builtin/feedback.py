@@ -89,10 +89,10 @@ def _named_groups(att: AttemptView, groups: list[dict[str, Any]]) -> list[dict[s
 
 
 def _group_at_line(source: str, line: int) -> Optional[str]:
-    lines = source.splitlines()
+    """The marked block (``kl_g3``, or ``kl_tc`` for the split-TF32 GEMM) holding ``line``."""
     current = None
-    for i, text in enumerate(lines[:line], start=1):
-        m = re.search(r"// ---- (kl_g\d+) (begin|end)", text)
+    for text in source.splitlines()[:line]:
+        m = re.search(r"// ---- (kl_g\d+|kl_tc) (begin|end)", text)
         if m:
             current = m.group(1) if m.group(2) == "begin" else None
     return current
@@ -115,20 +115,14 @@ def _flag_kinds(result: Any) -> dict[str, str]:
     return out
 
 
-def _fp64_measured(result: Any) -> bool:
-    """Whether the sandbox measured the outputs' error against a float64 run of the reference
-    (then its ``inaccurate`` flag, not the static scan's ``precision`` note, is the verdict)."""
-    return any(getattr(o, "fp64_rel_rms", None) is not None
-               for t in getattr(result, "trials", None) or [] for o in getattr(t, "outputs", None) or [])
-
-
 def precision_doubt(result: Any) -> Optional[str]:
     """Why a correct result's precision is in doubt, or None: a measured ``inaccurate`` flag, or
-    a ``precision`` flag where the sandbox did not measure the error against float64."""
+    a ``precision`` flag where the sandbox did not measure the error against float64 (where it
+    did, its ``inaccurate`` flag, not the static scan's note, is the verdict)."""
     kinds = _flag_kinds(result)
     if "inaccurate" in kinds:
         return f"inaccurate: {kinds['inaccurate']}"
-    if "precision" in kinds and not _fp64_measured(result):
+    if "precision" in kinds and not result.fp64_measured:
         return f"precision: {kinds['precision']}"
     return None
 
@@ -140,19 +134,10 @@ def _names_tc(att: AttemptView) -> bool:
     if r is None:
         return False
     if r.build is not None and r.build.first_error_line and att.source:
-        if _tc_at_line(att.source, r.build.first_error_line):
+        if _group_at_line(att.source, r.build.first_error_line) == "kl_tc":
             return True
     texts = [r.build.first_error if r.build is not None else None, r.error_message]
     return any(t and _TC_RE.search(t) for t in texts)
-
-
-def _tc_at_line(source: str, line: int) -> bool:
-    inside = False
-    for text in source.splitlines()[:line]:
-        m = re.search(r"// ---- kl_tc (begin|end)", text)
-        if m:
-            inside = m.group(1) == "begin"
-    return inside
 
 
 def read_history(history: list[AttemptView], device: str) -> Feedback:

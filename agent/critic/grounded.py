@@ -1166,10 +1166,10 @@ def _flags(a: AttemptView, r: EvalResult, d: Diagnosis) -> None:
                                   "Model); let failures show.")
             d.short += "; fallback"
         elif f.kind is FlagKind.precision:
-            measured = any(o.fp64_rel_rms is not None for t in r.trials for o in t.outputs)
-            measured = (" The float64 check measured it no less accurate than the float32 reference, so "
-                        "the note does not disqualify it.") if measured and not r.has_flag(FlagKind.inaccurate) else ""
-            cause = f"Flagged precision: its source asks for a narrower format ({_code(f.reason)}).{measured}"
+            cause = f"Flagged precision: its source asks for a narrower format ({_code(f.reason)})."
+            if r.fp64_measured and not r.has_flag(FlagKind.inaccurate):
+                cause += (" The float64 check measured it no less accurate than the float32 reference, so "
+                          "the note does not disqualify it.")
             d.short += "; precision note"
         elif f.kind is FlagKind.inaccurate:
             cause = (f"Flagged inaccurate: within tolerance, but measurably less accurate than the float32 "
