@@ -26,6 +26,7 @@ import torch
 from torch.utils import flop_counter
 from torch.utils._pytree import tree_flatten
 
+from sandbox.numerics import Numerics
 from sandbox.tasks import LoadedTask, TaskSpec, load_task, with_device_sizes
 
 DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -147,13 +148,13 @@ def _fake_context():
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def _count_loaded(task: LoadedTask, method: str) -> RooflineCounts:
+def _count_loaded(task: LoadedTask, method: str, numerics: Numerics) -> RooflineCounts:
     # No seeding: values do not exist on meta/fake tensors, and the caller's RNG stays as it was.
     ctx = _meta_context() if method == "meta" else _fake_context()
     with ctx, torch.no_grad():
-        init = task.get_init_inputs()
-        model = task.Model(*init)
-        inputs = task.get_inputs()
+        init = numerics.cast(task.get_init_inputs())
+        model = numerics.cast_model(task.Model(*init))
+        inputs = numerics.cast(task.get_inputs())
         if method == "meta":
             inputs = [_to_meta(x) for x in inputs]
             model = model.to("meta")
@@ -193,13 +194,15 @@ def _task_dtype(flops_by_dtype: dict[str, int], *groups: list[torch.Tensor]) -> 
     return max(weights.items(), key=lambda kv: kv[1])[0] if weights else "fp32"
 
 
-def count_loaded(task: LoadedTask) -> RooflineCounts:
-    """Counts for an already loaded task (its overrides applied), without allocating."""
+def count_loaded(task: LoadedTask, numerics: Optional[Numerics] = None) -> RooflineCounts:
+    """Counts for an already loaded task (its overrides applied), without allocating, with
+    model and inputs in the precision of ``numerics`` (default fp32)."""
+    numerics = numerics or Numerics()
     try:
-        return _count_loaded(task, "meta")
+        return _count_loaded(task, "meta", numerics)
     except Exception as meta_exc:  # noqa: BLE001 - some models do not run on meta; try fake tensors
         try:
-            return _count_loaded(task, "fake")
+            return _count_loaded(task, "fake", numerics)
         except Exception as fake_exc:  # noqa: BLE001
             raise RuntimeError(
                 f"cannot count FLOPs and bytes of {task.spec.name}: on meta tensors "
@@ -207,9 +210,9 @@ def count_loaded(task: LoadedTask) -> RooflineCounts:
                 f"{type(fake_exc).__name__}: {fake_exc}") from fake_exc
 
 
-def count_task(spec: TaskSpec, device: str) -> RooflineCounts:
+def count_task(spec: TaskSpec, device: str, numerics: Optional[Numerics] = None) -> RooflineCounts:
     """Counts for ``spec`` at the sizes used on ``device`` (CPU_SIZES apply on cpu)."""
-    return count_loaded(load_task(with_device_sizes(spec, device)))
+    return count_loaded(load_task(with_device_sizes(spec, device)), numerics)
 
 
 # --------------------------------------------------------------------------- floors
@@ -223,31 +226,18 @@ def _rate_tflops(probe: Any, dtype: str) -> float:
     return rates.get(dtype) or max(rates.values())
 
 
-def tf32_classes(device: str) -> set[str]:
-    """Which fp32 op classes PyTorch runs on TF32 tensor cores under this process's settings
-    (cuDNN convolutions by default; cuBLAS matmuls only when enabled)."""
-    if device != "cuda":
-        return set()
-    classes = set()
-    if torch.backends.cudnn.allow_tf32:
-        classes.add("conv")
-    if torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest":
-        classes.add("matmul")
-    return classes
-
-
 def floor_breakdown(counts: RooflineCounts, probe: Any, tf32: Optional[set[str]] = None) -> dict[str, float]:
     """Memory time, compute time and their maximum (the floor), all in milliseconds.
 
-    fp32 FLOPs of the op classes in ``tf32`` (default: ``tf32_classes(probe.device)``, what the
-    reference itself gets from PyTorch's settings) are charged at the probe's ``tf32`` rate, the
-    rest of each dtype's FLOPs at that dtype's rate.
+    fp32 FLOPs of the op classes in ``tf32`` (default: those PyTorch's default math mode runs in
+    TF32 on the probe's device, ``Numerics.tf32_classes``) are charged at the probe's ``tf32``
+    rate, the rest of each dtype's FLOPs at that dtype's rate.
     """
     if not probe.bandwidth_gbps or probe.bandwidth_gbps <= 0:
         raise ValueError(f"probe for {probe.device_name} has no bandwidth")
     memory_ms = counts.min_bytes / (probe.bandwidth_gbps * 1e9) * 1e3
     by_dtype = dict(counts.flops_by_dtype or ({counts.dtype: counts.flops} if counts.flops else {}))
-    classes = tf32_classes(getattr(probe, "device", "cuda")) if tf32 is None else set(tf32)
+    classes = Numerics().tf32_classes(getattr(probe, "device", "cuda")) if tf32 is None else set(tf32)
     tf32_flops = sum(n for c, n in counts.tf32_eligible.items() if c in classes)
     if tf32_flops and "fp32" in by_dtype:
         tf32_flops = min(tf32_flops, by_dtype["fp32"])
@@ -262,7 +252,9 @@ def floor_ms(counts: RooflineCounts, probe: Any, tf32: Optional[set[str]] = None
     return floor_breakdown(counts, probe, tf32)["floor_ms"]
 
 
-def roofline_for(spec: TaskSpec, device: str, probe: Optional[Any]) -> tuple[RooflineCounts, Optional[float]]:
-    """Counts for the task at ``device`` sizes and its floor (``None`` without a probe)."""
-    counts = count_task(spec, device)
-    return counts, (floor_ms(counts, probe) if probe is not None else None)
+def roofline_for(spec: TaskSpec, device: str, probe: Optional[Any],
+                 numerics: Optional[Numerics] = None) -> tuple[RooflineCounts, Optional[float]]:
+    """Counts for the task at ``device`` sizes and its floor under ``numerics`` (``None`` without a probe)."""
+    numerics = numerics or Numerics()
+    counts = count_task(spec, device, numerics)
+    return counts, (floor_ms(counts, probe, numerics.tf32_classes(device)) if probe is not None else None)

@@ -3,10 +3,12 @@
 The candidate never runs in that process, so it cannot patch what decides its verdict; the
 comparison runs on the reference's device (a gigabyte-sized output is compared in
 milliseconds on a GPU, in seconds on a CPU).
-Policy: the same number of outputs; identical shapes and dtypes; every element within
-``atol + rtol * |ref|`` (float32 and wider: ``EvalConfig.tol_fp32``, half types:
-``tol_half``); NaN or Inf where the reference is finite fails; non-finite reference
-elements must be matched exactly (NaN with NaN, +Inf with +Inf).
+Policy (``sandbox.numerics``): the same number of outputs; identical shapes and dtypes; every
+element within ``atol + rtol * |ref|`` of the reference (the precision's tolerance), or, by the
+float64 rule, within ``elem_factor * E + atol + rtol * |ref64|`` of the reference run in
+float64, where ``E`` is the reference's own largest distance from that run; NaN or Inf where
+the reference is finite fails; non-finite reference elements must be matched exactly (NaN
+with NaN, +Inf with +Inf).
 """
 from __future__ import annotations
 
@@ -14,15 +16,11 @@ from typing import Optional
 
 import torch
 
-from sandbox.result import EvalConfig, OutputCheck, Tolerance
+from sandbox.numerics import Numerics, Tolerance
+from sandbox.result import EvalConfig, OutputCheck
 
-HALF_TYPES = (torch.float16, torch.bfloat16)
 _BLOCKS = (16, 32, 64, 128, 256, 512, 1024)
 CHUNK = 1 << 22                                  # elements compared at a time
-
-
-def tolerance_for(dtype: torch.dtype, config: EvalConfig) -> Tolerance:
-    return config.tol_half if dtype in HALF_TYPES else config.tol_fp32
 
 
 def _pattern(bad: torch.Tensor) -> tuple[str, Optional[list[int]]]:
@@ -49,8 +47,25 @@ def _chunk_len(device: torch.device) -> int:
     return CHUNK if device.type == "cpu" else CHUNK * 16      # a GPU wants bigger pieces
 
 
-def compare_tensor(index: int, ref: torch.Tensor, out: torch.Tensor, config: EvalConfig) -> OutputCheck:
-    tol = tolerance_for(ref.dtype, config)
+class Fp64Bound:
+    """The float64 rule for one output: the reference run in float64 and the slack it allows,
+    ``elem_factor`` times the reference's largest distance from it (``E``)."""
+
+    def __init__(self, ref64: torch.Tensor, ref_max_abs: float, numerics: Numerics):
+        self.ref64, self.ref_max_abs = ref64.reshape(-1), ref_max_abs
+        self.slack = numerics.elem_factor * ref_max_abs
+
+    def still_bad(self, lo: int, hi: int, o: torch.Tensor, bad: torch.Tensor, tol: Tolerance) -> torch.Tensor:
+        """Of the elements ``bad`` marks in chunk ``[lo, hi)``, those also outside the float64 bound
+        (NaN anywhere stays bad)."""
+        x = self.ref64[lo:hi].to(o.device)
+        within = (o - x).abs() <= self.slack + tol.atol + tol.rtol * x.abs()
+        return bad & ~within
+
+
+def compare_tensor(index: int, ref: torch.Tensor, out: torch.Tensor, config: EvalConfig,
+                   fp64: Optional[Fp64Bound] = None) -> OutputCheck:
+    tol = config.numerics.tolerance
     check = OutputCheck(index=index, shape=list(out.shape), dtype=str(out.dtype).replace("torch.", ""),
                         ref_shape=list(ref.shape), ref_dtype=str(ref.dtype).replace("torch.", ""),
                         numel=ref.numel(), tolerance=tol)
@@ -74,7 +89,7 @@ def compare_tensor(index: int, ref: torch.Tensor, out: torch.Tensor, config: Eva
     bad_all: Optional[torch.Tensor] = None
     max_abs = max_rel = 0.0
     any_inf_diff = False
-    mismatched = 0
+    mismatched = outside = 0
     counts = {"nan": 0, "inf": 0, "ref_nonfinite": 0}
     for lo in range(0, numel, chunk):
         hi = min(numel, lo + chunk)
@@ -91,6 +106,10 @@ def compare_tensor(index: int, ref: torch.Tensor, out: torch.Tensor, config: Eva
             max_abs, max_rel = max(max_abs, chunk_abs), max(max_rel, chunk_rel)
             any_inf_diff = any_inf_diff or inf_diff
         n_bad = int(bad.sum())
+        outside += n_bad
+        if n_bad and fp64 is not None:
+            bad = fp64.still_bad(lo, hi, o, bad, tol)
+            n_bad = int(bad.sum())
         if n_bad:
             mismatched += n_bad
             if bad_all is None:
@@ -100,6 +119,9 @@ def compare_tensor(index: int, ref: torch.Tensor, out: torch.Tensor, config: Eva
     check.max_abs_err = max_abs
     check.max_rel_err = float("inf") if any_inf_diff else max_rel
     check.mismatched = mismatched
+    check.outside_tolerance = outside
+    if fp64 is not None:
+        check.ref_fp64_max_abs = fp64.ref_max_abs
     if bad_all is not None:
         check.mismatch_pattern, check.bad_rows = _pattern(bad_all.reshape(ref.shape))
     return check
@@ -124,15 +146,16 @@ def _slow_chunk(r: torch.Tensor, o: torch.Tensor, tol: Tolerance,
     return bad, float(diff.max()), float(rel.max()), bool(torch.isinf(diff).any())
 
 
-def compare_outputs(ref: list[torch.Tensor], out: list[torch.Tensor],
-                    config: EvalConfig) -> tuple[bool, Optional[str], list[OutputCheck]]:
-    """Return (passed, reason for failure in words, per-output checks)."""
+def compare_outputs(ref: list[torch.Tensor], out: list[torch.Tensor], config: EvalConfig,
+                    bounds: Optional[list[Optional[Fp64Bound]]] = None) -> tuple[bool, Optional[str], list[OutputCheck]]:
+    """Return (passed, reason for failure in words, per-output checks). ``bounds`` (one per
+    output, from ``fp64_bounds``) applies the float64 rule to elements outside the tolerance."""
     if len(ref) != len(out):
         return False, f"the candidate returned {len(out)} output(s), the reference {len(ref)}", []
     checks: list[OutputCheck] = []
     reason: Optional[str] = None
     for i, (r, o) in enumerate(zip(ref, out)):
-        c = compare_tensor(i, r, o, config)
+        c = compare_tensor(i, r, o, config, bounds[i] if bounds else None)
         checks.append(c)
         if reason:
             continue
@@ -143,17 +166,49 @@ def compare_outputs(ref: list[torch.Tensor], out: list[torch.Tensor],
         elif c.nan_count or c.inf_count:
             reason = (f"output {i} has {c.nan_count} NaN and {c.inf_count} Inf where the reference is finite")
         elif c.mismatched:
+            rule = (f" and farther from float64 than {config.numerics.elem_factor:g}x the reference's "
+                    f"{c.ref_fp64_max_abs:.3g}" if c.ref_fp64_max_abs is not None else "")
             reason = (f"output {i}: {c.mismatched} of {c.numel} elements outside atol={c.tolerance.atol:g}, "
-                      f"rtol={c.tolerance.rtol:g} (max abs error {c.max_abs_err:.3g}, "
+                      f"rtol={c.tolerance.rtol:g}{rule} (max abs error {c.max_abs_err:.3g}, "
                       f"max rel error {c.max_rel_err:.3g}, {c.mismatch_pattern})")
     return reason is None, reason, checks
 
 
-FP32_EPS = float(torch.finfo(torch.float32).eps)
-# The float32 reference itself further than this from its float64 run (relative RMS) means the
-# two runs did not compute the same thing (random numbers drawn in forward, a model that casts
-# to float32 itself): the float64 check does not apply.
-FP64_APPLIES_BELOW = 1e-3
+def only_value_mismatches(checks: list[OutputCheck]) -> bool:
+    """Whether every failing output failed by values alone (same shape and dtype, no NaN or Inf
+    where the reference is finite): the only failures the float64 rule can change."""
+    failing = [c for c in checks if c.mismatched or c.nan_count or c.inf_count
+               or c.shape != c.ref_shape or c.dtype != c.ref_dtype]
+    return bool(failing) and all(c.shape == c.ref_shape and c.dtype == c.ref_dtype and not c.nan_count
+                                 and not c.inf_count and c.mismatched for c in failing)
+
+
+def fp64_bounds(ref: list[torch.Tensor], ref64: list[object], numerics: Numerics) -> list[Optional[Fp64Bound]]:
+    """One ``Fp64Bound`` per output where the float64 rule applies (a float output whose float64
+    run has its shape, with the reference close to it: ``Numerics.fp64_applies_below``)."""
+    bounds: list[Optional[Fp64Bound]] = []
+    for r, x in zip(ref, ref64):
+        bound = None
+        if (isinstance(x, torch.Tensor) and r.dtype.is_floating_point and x.dtype == torch.float64
+                and x.shape == r.shape and r.numel()):
+            errs = fp64_errors(r, r, x)
+            if errs is not None and errs[0] <= numerics.fp64_applies_below:
+                bound = Fp64Bound(x, _max_abs_finite(r, x), numerics)
+        bounds.append(bound)
+    return bounds
+
+
+def _max_abs_finite(ref: torch.Tensor, ref64: torch.Tensor) -> float:
+    """The largest ``|ref - ref64|`` over elements finite in both."""
+    fr, fx = ref.reshape(-1), ref64.reshape(-1)
+    chunk = _chunk_len(ref.device)
+    best = 0.0
+    for lo in range(0, fr.numel(), chunk):
+        r, x = fr[lo:lo + chunk].double(), fx[lo:lo + chunk].to(ref.device)
+        d = (r - x).abs()
+        d = torch.where(torch.isfinite(d), d, torch.zeros_like(d))
+        best = max(best, float(d.max()))
+    return best
 
 
 def fp64_errors(ref: torch.Tensor, out: torch.Tensor, ref64: torch.Tensor) -> Optional[tuple[float, float]]:
@@ -182,14 +237,14 @@ def fp64_errors(ref: torch.Tensor, out: torch.Tensor, ref64: torch.Tensor) -> Op
     return (sq_ref / sq_64) ** 0.5, (sq_out / sq_64) ** 0.5
 
 
-def fp64_verdict(check: OutputCheck, config: EvalConfig) -> Optional[str]:
-    """Why the candidate's output is less accurate than the float32 reference's, or None."""
+def fp64_verdict(check: OutputCheck, numerics: Numerics) -> Optional[str]:
+    """Why the candidate's output is less accurate than the reference's, or None."""
     ref_rel, cand_rel = check.ref_fp64_rel_rms, check.fp64_rel_rms
-    if ref_rel is None or cand_rel is None or ref_rel > FP64_APPLIES_BELOW:
+    if ref_rel is None or cand_rel is None or ref_rel > numerics.fp64_applies_below:
         return None
-    allowed = config.fp64_factor * ref_rel + config.fp64_slack_eps * FP32_EPS
+    allowed = numerics.rms_factor * ref_rel + numerics.rms_slack_eps * numerics.eps
     if cand_rel <= allowed:
         return None
     return (f"output {check.index}: relative RMS error {cand_rel:.3g} against the reference run in float64, "
-            f"the float32 reference's is {ref_rel:.3g} (allowed: {config.fp64_factor:g}x that "
-            f"+ {config.fp64_slack_eps:g} float32 epsilons = {allowed:.3g})")
+            f"the {numerics.precision} reference's is {ref_rel:.3g} (allowed: {numerics.rms_factor:g}x that "
+            f"+ {numerics.rms_slack_eps:g} {numerics.precision} epsilons = {allowed:.3g})")

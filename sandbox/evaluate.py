@@ -7,8 +7,10 @@
    reference's by the separate, trusted reference worker, on its device; the candidate
    runs first in trial 0; in trial 1 the same input tensors are refilled with new values
    between two calls (caches keyed by id or data_ptr fail); the cascade stops at the first
-   failing trial; in trial 0 the reference also runs in float64, and an output further from
-   that than the float32 reference's (``EvalConfig.fp64_factor``) is flagged ``inaccurate``;
+   failing trial; every check follows the run's numerics (``sandbox.numerics``: precision,
+   math mode, tolerance, the float64 rules); in trial 0 the reference also runs in float64, and
+   an output further from that than the reference's (``Numerics.rms_factor``) is flagged
+   ``inaccurate``;
 5. timing of reference eager, reference torch.compile and candidate by the same code,
    with the device held exclusively, and a parent-side clock cross-check;
 6. profiler evidence and the roofline floor.
@@ -31,6 +33,7 @@ from sandbox import anticheat
 from sandbox.build import cuda_arch_list, first_compiler_error
 from sandbox.compare import fp64_verdict
 from sandbox.harness import cpu_model
+from sandbox.numerics import Numerics
 from sandbox.process import WorkerDied, WorkerProcess, WorkerTimeout, kill_all_workers
 from sandbox.result import (BuildCheck, BuildInfo, EvalConfig, EvalResult, FlagKind, KernelStat, OutputCheck,
                              Status, Timing, Trial)
@@ -81,8 +84,9 @@ class ReferenceWorker:
     """The trusted side of an evaluation: one persistent worker per task (and sizes)."""
 
     def __init__(self, spec: TaskSpec, device: str, init_seed: int, warm_compile: bool = False,
-                 env: Optional[dict[str, str]] = None):
+                 env: Optional[dict[str, str]] = None, numerics: Optional[Numerics] = None):
         self.spec, self.device, self.init_seed = spec, device, init_seed
+        self.numerics = numerics or Numerics()
         self.warm_compile = warm_compile
         self.env = env or {}
         self.lock = threading.Lock()
@@ -97,7 +101,8 @@ class ReferenceWorker:
         self.proc = WorkerProcess("reference", env=self.env)
         reply = self.proc.ask({"role": "reference", "device": self.device, "out_dir": str(self.proc.out_dir),
                                "task": self.spec.__dict__, "init_seed": self.init_seed,
-                               "warm_compile": self.warm_compile}, REFERENCE_TIMEOUT_S)
+                               "warm_compile": self.warm_compile,
+                               "numerics": self.numerics.model_dump(mode="json")}, REFERENCE_TIMEOUT_S)
         if not reply.get("ok"):
             msg = reply.get("error_message", "unknown error")
             self.proc.kill()
@@ -184,7 +189,7 @@ class Sandbox:
             if ref is None:
                 ref = self._refs[(spec.key, slot)] = ReferenceWorker(
                     spec, self.device, self.init_seed, warm_compile=self.config.time_compile,
-                    env=self._slot_env(slot))
+                    env=self._slot_env(slot), numerics=self.config.numerics)
             return ref
 
     def _pick_slot(self, spec: Optional[TaskSpec] = None) -> int:
@@ -371,7 +376,8 @@ class Sandbox:
             fraction = min(1.0, (cfg.memory_limit_mb << 20) / total)
         reply = cand.ask({"role": "candidate", "device": self.device, "out_dir": str(cand.out_dir),
                           "task": spec.__dict__, "source": source, "init_seed": self.init_seed,
-                          "memory_fraction": fraction, "profile": cfg.profile},
+                          "memory_fraction": fraction, "profile": cfg.profile,
+                          "numerics": cfg.numerics.model_dump(mode="json")},
                          cfg.build_timeout_s + cfg.run_timeout_s)
         if not reply.get("ok"):
             stage = reply.get("stage")
@@ -395,7 +401,7 @@ class Sandbox:
             seed = secrets.randbits(31)
             candidate_first = index == 0
             ask = {"op": "trial", "seed": seed, "index": index, "output_bytes": output_bytes}
-            ref_ask = {**ask, "fp64": True} if index == 0 and cfg.fp64_check else ask
+            ref_ask = {**ask, "fp64": True} if index == 0 and cfg.numerics.fp64_check else ask
             if index == 1:
                 # The candidate's inputs are refilled in place with the values of `refill_seed`
                 # before the checked run (see the worker); the reference computes those values.
@@ -443,7 +449,7 @@ class Sandbox:
             if r.get("fp64_note"):
                 result.stderr += f"\n[kernelloop] float64 check skipped: {r['fp64_note']}"
             for check in checks:
-                why = fp64_verdict(check, cfg)
+                why = fp64_verdict(check, cfg.numerics)
                 if why:
                     result.add_flag(FlagKind.inaccurate, why)
         result.custom_calls_per_forward = (sum(calls) / len(calls)) if calls else 0.0
@@ -567,20 +573,24 @@ class Sandbox:
             return
         counts = RooflineCounts(**ref.counts["counts"])
         result.floor_flops, result.floor_bytes = float(counts.flops), float(counts.min_bytes)
-        # FP32 GEMM and convolution FLOPs are charged at the TF32 rate (7x the fp32 rate on Hopper),
-        # though every run here starts at full fp32: cuDNN's FFT and Winograd algorithms do a
-        # fraction of a direct convolution's FLOPs (level2/conv_hardswish_mean's eager run beat its
-        # direct-FLOP fp32 floor by 1.3x on an H200), and split-TF32 GEMMs on tensor cores are about as
-        # accurate as fp32 SGEMM (the float64 check measures that) and faster. One TF32 pass over
-        # the direct FLOPs is a bound no legitimate algorithm crosses.
-        floor = floor_ms(counts, probe, tf32={"conv", "matmul"})
+        # The floor shown is the run's convention's (fp32 FLOPs at the TF32 rate only for the op
+        # classes its math mode runs in TF32). The `impossible` flag uses a lower bound: every
+        # fp32 GEMM and convolution FLOP at the TF32 rate (7x the fp32 rate on Hopper). cuDNN's
+        # FFT and Winograd algorithms do a fraction of a direct convolution's FLOPs
+        # (level2/conv_hardswish_mean's strict eager run beat its direct-FLOP fp32 floor by 1.3x on
+        # an H200), and split-TF32 GEMMs on tensor cores are about as accurate as fp32 SGEMM (the
+        # float64 check measures that) and faster: one TF32 pass over the direct FLOPs is a bound
+        # no legitimate algorithm crosses.
+        floor = floor_ms(counts, probe, self.config.numerics.tf32_classes(self.device))
+        hard = floor_ms(counts, probe, {"conv", "matmul"})
         if not floor:
             return
         result.floor_ms = floor
         result.floor_fraction = floor / result.candidate_time.median_ms
-        if result.candidate_time.median_ms < 0.9 * floor:
+        if hard and result.candidate_time.median_ms < 0.9 * hard:
             result.add_flag(FlagKind.impossible,
-                            f"median {result.candidate_time.median_ms:.4f} ms is below the roofline floor {floor:.4f} ms")
+                            f"median {result.candidate_time.median_ms:.4f} ms is below the roofline floor {hard:.4f} ms "
+                            f"(every fp32 GEMM and convolution FLOP at the TF32 rate)")
 
 
 def evaluate(spec: TaskSpec, source: str, device: str = "cpu", config: Optional[EvalConfig] = None,

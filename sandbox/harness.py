@@ -2,14 +2,16 @@
 
 Conventions (KernelBench's): the same seed before each constructor gives ``Model`` and
 ``ModelNew`` identical weights; inputs come from ``get_inputs()`` under a seed, made on
-the target device. Models stay in training mode, as KernelBench leaves them.
+the target device; under a ``Numerics`` of fp16 or bf16 both are cast to that dtype.
+Models stay in training mode, as KernelBench leaves them.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
+from sandbox.numerics import Numerics
 from sandbox.tasks import LoadedTask
 
 
@@ -39,22 +41,29 @@ def to_device(value: Any, device: str) -> Any:
     return value
 
 
-def make_inputs(task: LoadedTask, seed: int, device: str) -> list[Any]:
+def make_inputs(task: LoadedTask, seed: int, device: str, numerics: Optional[Numerics] = None) -> list[Any]:
+    """``get_inputs()`` under ``seed`` on ``device``, floating-point tensors in the precision of ``numerics``."""
     seed_all(seed)
     with torch.device(device):
         inputs = task.get_inputs()
-    return [to_device(x, device) for x in inputs]
+    inputs = [to_device(x, device) for x in inputs]
+    return numerics.cast(inputs) if numerics is not None else inputs
 
 
-def make_model(cls: type, task: LoadedTask, seed: int, device: str) -> torch.nn.Module:
+def make_model(cls: type, task: LoadedTask, seed: int, device: str,
+               numerics: Optional[Numerics] = None) -> torch.nn.Module:
+    """``cls(*get_init_inputs())`` with the seed set before each; tensors among the init inputs
+    and the model's parameters and buffers in the precision of ``numerics`` (KernelBench's casts)."""
     seed_all(seed)
     init = task.get_init_inputs()
+    if numerics is not None:
+        init = numerics.cast(init)
     seed_all(seed)
     with torch.device(device):
         model = cls(*init)
     if isinstance(model, torch.nn.Module):
         model = model.to(device)
-    return model
+    return numerics.cast_model(model) if numerics is not None else model
 
 
 def flatten_outputs(out: Any) -> list[Any]:

@@ -10,7 +10,9 @@ import json
 from enum import Enum
 from typing import Any, Optional
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
+
+from sandbox.numerics import Numerics, Tolerance
 
 
 class Status(str, Enum):
@@ -37,31 +39,31 @@ class Flag(BaseModel):
     reason: str
 
 
-class Tolerance(BaseModel):
-    atol: float
-    rtol: float
-
-
 class EvalConfig(BaseModel):
     """Everything that changes a verdict or a timing; its hash keys the evaluation cache."""
 
     trials: int = Field(5, ge=1)
     warmup_runs: int = Field(3, ge=0)
     timed_runs: int = Field(20, ge=1)
-    tol_fp32: Tolerance = Tolerance(atol=1e-4, rtol=1e-4)
-    tol_half: Tolerance = Tolerance(atol=1e-2, rtol=1e-2)
+    # precision, math mode, tolerance and the float64 rules: sandbox.numerics
+    numerics: Numerics = Numerics()
     build_timeout_s: float = 600.0
     run_timeout_s: float = 300.0
     memory_limit_mb: Optional[int] = None      # address-space limit of the candidate worker (cpu)
     time_compile: bool = True                  # also time the reference under torch.compile
     profile: bool = True
     flush_l2: bool = True
-    # The float64 check (first trial): each float output's relative RMS error against the
-    # reference run in float64 may be at most fp64_factor x the float32 reference's own error
-    # plus fp64_slack_eps float32 epsilons; else the candidate is flagged `inaccurate`.
-    fp64_check: bool = True
-    fp64_factor: float = Field(2.0, ge=1.0)
-    fp64_slack_eps: float = Field(4.0, ge=0.0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_numerics(cls, data: Any) -> Any:
+        # Configs stored before numerics existed ran IEEE fp32 (TF32 off) at tolerance 1e-4.
+        if isinstance(data, dict) and "trials" in data and "numerics" not in data:
+            data = {**data, "numerics": {"precision": "fp32", "math": "strict",
+                                         "fp64_check": data.get("fp64_check", True),
+                                         "rms_factor": data.get("fp64_factor", 2.0),
+                                         "rms_slack_eps": data.get("fp64_slack_eps", 4.0)}}
+        return data
 
     def hash(self) -> str:
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
@@ -86,7 +88,9 @@ class OutputCheck(BaseModel):
     ref_dtype: str
     max_abs_err: Optional[float] = None
     max_rel_err: Optional[float] = None
-    mismatched: int = 0                      # elements outside tolerance
+    mismatched: int = 0                      # elements that fail (outside tolerance, and not rescued by float64)
+    outside_tolerance: int = 0               # elements outside atol/rtol of the reference (KernelBench's count)
+    ref_fp64_max_abs: Optional[float] = None # the reference's largest distance from its float64 run, where it was needed
     numel: int = 0
     nan_count: int = 0                       # NaN in the candidate where the reference is finite
     inf_count: int = 0

@@ -32,6 +32,7 @@ import torch
 
 from sandbox import timing
 from sandbox.harness import flatten_outputs, is_plain_tensor, make_inputs, make_model
+from sandbox.numerics import Numerics
 from sandbox.tasks import TaskSpec, exec_source, load_task
 
 _time_runs = timing.time_runs
@@ -68,6 +69,7 @@ class Worker:
         self.kernel_names: list[str] = []
         self.warm_compile = bool(init.get("warm_compile"))
         self.profile_wanted = bool(init.get("profile"))
+        self.numerics = Numerics.model_validate(init.get("numerics") or {})
         if self.device == "cuda" and init.get("memory_fraction"):
             torch.cuda.set_per_process_memory_fraction(float(init["memory_fraction"]))
 
@@ -121,7 +123,7 @@ class Worker:
             try:
                 self.compiled = torch.compile(self.model)
                 with torch.no_grad():
-                    self.compiled(*make_inputs(self.task, 12345, self.device))
+                    self.compiled(*make_inputs(self.task, 12345, self.device, self.numerics))
                 timing.device_sync(self.device)
             except Exception as exc:  # noqa: BLE001 - timed again (and reported) when asked for
                 reply["compile_error"] = f"{type(exc).__name__}: {exc}"[:2000]
@@ -133,7 +135,7 @@ class Worker:
             self.task = load_task(self.spec, validate=False)
         threads_before = threading.active_count()
         try:
-            self.model = make_model(cls, self.task, self.init_seed, self.device)
+            self.model = make_model(cls, self.task, self.init_seed, self.device, self.numerics)
         except SystemExit as exc:
             return {"stage": "construct", **_exc_payload(exc), "error_message": f"sys.exit({exc.code}) in __init__"}
         except BaseException as exc:  # noqa: BLE001
@@ -154,7 +156,7 @@ class Worker:
 
     def trial(self, req: dict[str, Any]) -> dict[str, Any]:
         seed, index = int(req["seed"]), int(req["index"])
-        inputs = make_inputs(self.task, seed, self.device)
+        inputs = make_inputs(self.task, seed, self.device, self.numerics)
         tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
         in_bytes = sum(x.numel() * x.element_size() for x in tensors)
         self._poison(2 * in_bytes + int(req.get("output_bytes", 0)) * 2)
@@ -163,10 +165,7 @@ class Worker:
         inputs64 = None
         if self.role == "reference" and req.get("fp64"):
             # the float64 check: the same inputs in float64, taken before the forward runs
-            inputs64 = [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-                        for x in inputs]
-            if getattr(self, "model64", None) is None:
-                self.model64 = self._double_model()
+            inputs64 = self._inputs64(inputs)
         if self.builder is not None:
             self.builder.counter.reset()
         threads_before = threading.active_count()
@@ -179,7 +178,8 @@ class Worker:
                 with torch.no_grad():
                     self.model(*inputs)
                 timing.device_sync(self.device)
-                fresh = [x for x in make_inputs(self.task, int(refill), self.device) if isinstance(x, torch.Tensor)]
+                fresh = [x for x in make_inputs(self.task, int(refill), self.device, self.numerics)
+                         if isinstance(x, torch.Tensor)]
                 for old, new in zip(tensors, fresh):
                     old.copy_(new)
                 originals = [x.clone() for x in tensors]
@@ -207,9 +207,10 @@ class Worker:
         reply["inputs_mutated"] = mutated
         reply["output_bytes"] = sum(x.numel() * x.element_size() for x in flat)
         if self.role == "reference":
-            # Kept on the device for the `compare` request that follows (one trial at a time).
+            # Kept on the device for the `compare` request that follows (one trial at a time),
+            # with the seed that remakes these inputs should the float64 rule need them.
             flat64, note = (self._run_fp64(inputs64) if inputs64 is not None else (None, None))
-            self.kept_reference = (index, [x.detach() for x in flat], flat64)
+            self.kept_reference = (index, [x.detach() for x in flat], flat64, seed)
             if note:
                 reply["fp64_note"] = note
             return reply
@@ -217,6 +218,11 @@ class Worker:
         _save([x.detach().to("cpu").contiguous() for x in flat], str(path))
         reply["path"] = str(path)
         return reply
+
+    def _inputs64(self, inputs: list[Any]) -> list[Any]:
+        if getattr(self, "model64", None) is None:
+            self.model64 = self._double_model()
+        return [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
 
     def _double_model(self) -> Any:
         """A float64 copy of the reference model (same weights, same state), or the reason why not."""
@@ -244,7 +250,7 @@ class Worker:
         this (trusted) worker's device: no reference outputs cross a process boundary and no
         gigabyte-sized comparison runs on the parent's CPU. The candidate's file is read with
         ``weights_only=True`` and must hold a list of plain tensors."""
-        from sandbox.compare import compare_outputs, fp64_errors
+        from sandbox.compare import compare_outputs, fp64_bounds, fp64_errors, only_value_mismatches
         from sandbox.result import EvalConfig
 
         index, path = int(req["index"]), str(req["path"])
@@ -265,8 +271,19 @@ class Worker:
                 os.unlink(path)
             except OSError:
                 pass
-        passed, reason, checks = compare_outputs(kept[1], data, EvalConfig.model_validate(req["config"]))
+        config = EvalConfig.model_validate(req["config"])
+        passed, reason, checks = compare_outputs(kept[1], data, config)
         flat64 = kept[2]
+        if not passed and config.numerics.fp64_check and only_value_mismatches(checks):
+            # The float64 rule: elements outside the tolerance pass if no farther from the
+            # reference's float64 run than the reference itself is (times elem_factor).
+            if flat64 is None:
+                flat64, _ = self._run_fp64(self._inputs64(make_inputs(self.task, kept[3], self.device,
+                                                                      self.numerics)))
+            if flat64 is not None and len(flat64) == len(checks):
+                bounds = fp64_bounds(kept[1], flat64, config.numerics)
+                if any(bounds):
+                    passed, reason, checks = compare_outputs(kept[1], data, config, bounds)
         if passed and flat64 is not None and len(flat64) == len(checks):
             for check, r, o, r64 in zip(checks, kept[1], data, flat64):
                 if isinstance(r64, torch.Tensor):
@@ -277,7 +294,7 @@ class Worker:
         return {"ok": True, "passed": passed, "reason": reason, "checks": [c.model_dump(mode="json") for c in checks]}
 
     def _make_args(self, seed: int):
-        return lambda i: make_inputs(self.task, seed + i, self.device)
+        return lambda i: make_inputs(self.task, seed + i, self.device, self.numerics)
 
     def time(self, req: dict[str, Any]) -> dict[str, Any]:
         fn = self.model
@@ -333,28 +350,10 @@ class Worker:
         except ImportError as exc:
             return {"ok": False, **_exc_payload(exc)}
         try:
-            counts = count_task(self.spec, self.device)
+            counts = count_task(self.spec, self.device, self.numerics)
         except BaseException as exc:  # noqa: BLE001
             return {"ok": False, **_exc_payload(exc)}
         return {"ok": True, "counts": counts.to_dict()}
-
-
-class _full_fp32:
-    """Every request a loaded worker serves (and the load, with the reference's warm-up
-    torch.compile) runs at full float32 precision: TF32 off in cuDNN and cuBLAS for the
-    reference (eager and compiled) and the candidate alike, set afresh for each request (a
-    candidate that switched TF32 on gets it switched off again). Otherwise a
-    convolution fed by a kernel's output turns 1e-7 input differences into 1e-3 ones, the
-    spot checks of timed runs could not use the trials' tolerance, and a candidate could tell
-    a trial from a timed run by reading the TF32 switches."""
-
-    def __enter__(self):
-        self.saved = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
-        torch.backends.cudnn.allow_tf32 = False
-        torch.backends.cuda.matmul.allow_tf32 = False
-
-    def __exit__(self, *exc):
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = self.saved
 
 
 def _equal_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -370,7 +369,10 @@ def serve(conn: Connection) -> None:
     if worker.role == "build":
         _send(conn, worker.build())
         return
-    with _full_fp32():
+    # The run's math mode (sandbox.numerics) is set afresh around the load (the reference's
+    # warm-up torch.compile included) and every request: a candidate that flipped a TF32 switch
+    # gets it flipped back, and cannot tell a trial from a timed run by them.
+    with worker.numerics.enforced():
         reply = worker.load_candidate() if worker.role == "candidate" else worker.load_reference()
     _send(conn, reply)
     if not reply.get("ok"):
@@ -391,7 +393,7 @@ def serve(conn: Connection) -> None:
         if handler is None:
             _send(conn, {"ok": False, "error_message": f"unknown op {op!r}"})
             continue
-        with _full_fp32():
+        with worker.numerics.enforced():
             reply = handler(req)
         _send(conn, reply)
 

@@ -10,7 +10,8 @@ import torch
 
 from sandbox import anticheat
 from sandbox.build import HookedBuilder, extension_key, first_compiler_error
-from sandbox.compare import FP32_EPS, compare_outputs, fp64_errors, fp64_verdict
+from sandbox.numerics import Numerics
+from sandbox.compare import compare_outputs, fp64_errors, fp64_verdict
 from sandbox.evaluate import Sandbox
 from sandbox.result import EvalConfig, FlagKind, Status
 from sandbox.tasks import read_spec
@@ -57,10 +58,16 @@ def test_chunked_comparison_agrees_with_one_chunk_and_leaves_the_reference_alone
     assert (c.nan_count, c.inf_count, c.ref_nonfinite) == (1, 1, 1) and c.mismatched > 7
 
 
-def test_half_outputs_use_the_half_tolerance():
+def test_tolerance_follows_the_precision_as_kernelbench_sets_it():
     x = torch.randn(32, 32).half()
-    ok, _, checks = compare_outputs([x], [(x.float() + 5e-3).half()], CFG)
+    near = (x.float() + 5e-3).half()
+    ok, _, checks = compare_outputs([x], [near], EvalConfig(numerics=Numerics(precision="fp16")))
     assert ok and checks[0].tolerance.atol == pytest.approx(1e-2)
+    ok, _, checks = compare_outputs([x.bfloat16()], [near.bfloat16()], EvalConfig(numerics=Numerics(precision="bf16")))
+    assert ok and checks[0].tolerance.rtol == pytest.approx(1e-2)
+    # an fp32 run holds every output to 1e-4, whatever its dtype (KernelBench: one tolerance per precision)
+    ok, _, checks = compare_outputs([x], [near], CFG)
+    assert not ok and checks[0].tolerance.atol == pytest.approx(1e-4)
 
 
 def test_tail_mismatch_is_called_tile_edges():
@@ -133,15 +140,15 @@ def test_fp64_verdict_allows_reordered_sums_and_flags_lost_bits():
     checks = compare_outputs([ref, ref, ref], [reordered, truncated, tf32ish], CFG)[2]
     for c, cand in zip(checks, (reordered, truncated, tf32ish)):
         c.ref_fp64_rel_rms, c.fp64_rel_rms = fp64_errors(ref, cand, ref64)
-    assert fp64_verdict(checks[0], CFG) is None
-    assert "relative RMS error" in fp64_verdict(checks[1], CFG)
-    assert fp64_verdict(checks[2], CFG) is not None
+    assert fp64_verdict(checks[0], CFG.numerics) is None
+    assert "relative RMS error" in fp64_verdict(checks[1], CFG.numerics)
+    assert fp64_verdict(checks[2], CFG.numerics) is not None
     # an all-elementwise output: a reference error of ~0 still leaves a few epsilons of room
-    checks[0].ref_fp64_rel_rms, checks[0].fp64_rel_rms = 0.0, 3 * FP32_EPS
-    assert fp64_verdict(checks[0], CFG) is None
+    checks[0].ref_fp64_rel_rms, checks[0].fp64_rel_rms = 0.0, 3 * CFG.numerics.eps
+    assert fp64_verdict(checks[0], CFG.numerics) is None
     # a reference that is itself far from its float64 run (random numbers in forward): no verdict
     checks[1].ref_fp64_rel_rms = 0.5
-    assert fp64_verdict(checks[1], CFG) is None
+    assert fp64_verdict(checks[1], CFG.numerics) is None
 
 
 # ------------------------------------------------------------------ static scan
