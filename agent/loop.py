@@ -278,7 +278,7 @@ class OptimizeLoop:
         parents = choose_parents(history)
         request = ProposalRequest(task=eval_spec, device=self.device, round=rnd, samples=self.config.samples,
                                   messages=messages, template=template, prompt_sha256=sha, history=history,
-                                  analysis=analysis, run_id=run_id)
+                                  analysis=analysis, run_id=run_id, numerics=self.config.eval.numerics)
 
         def ask(sample: int) -> None:
             if self._stop.is_set():

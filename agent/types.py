@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from sandbox.numerics import Numerics
 from sandbox.result import EvalResult
 from sandbox.tasks import TaskSpec
 
@@ -59,6 +60,7 @@ class ProposalRequest:
     history: list[AttemptView] = field(default_factory=list)   # every earlier attempt of this task
     analysis: Optional[str] = None       # the critic's latest analysis (markdown)
     run_id: Optional[int] = None
+    numerics: Numerics = field(default_factory=Numerics)   # the run's precision and math mode
 
 
 @dataclass

@@ -8,7 +8,9 @@ computes the roofline floor from a device probe (``evals.probe``), and stores on
 
 Conventions (``sandbox.harness``): ``torch.manual_seed(seed)`` before ``Model(*get_init_inputs())``;
 run ``i`` gets inputs from ``get_inputs()`` under seed ``seed + 1 + i``, made on the device;
-the model stays in training mode.
+the model stays in training mode. Every figure is taken under the run's numerics
+(``sandbox.numerics``: precision and math mode, the same switches the sandbox sets) and
+stored with its label.
 """
 from __future__ import annotations
 
@@ -17,16 +19,19 @@ from typing import Any, Callable, Optional
 
 import typer
 
-from kernelloop.cli_common import DbOption, DeviceOption, SetOption, console, err_console, fail, open_store, resolve_device
+from kernelloop.cli_common import (DbOption, DeviceOption, MathOption, PrecisionOption, SetOption, console, err_console,
+                                   fail, open_store, resolve_device, resolve_numerics)
+from sandbox.numerics import Numerics
 from sandbox.tasks import LoadedTask, TaskError, TaskSpec, discover, load_task, parse_overrides, read_spec, with_device_sizes
 
 
-def input_factory(task: LoadedTask, device: str, seed: int = 0) -> Callable[[int], list[Any]]:
+def input_factory(task: LoadedTask, device: str, seed: int = 0,
+                  numerics: Optional[Numerics] = None) -> Callable[[int], list[Any]]:
     """``make_args(i)`` for ``time_runs``: fresh inputs for run ``i`` (seed ``seed + 1 + i``)."""
     from sandbox.harness import make_inputs
 
     def make_args(i: int) -> list[Any]:
-        return make_inputs(task, seed + 1 + i, device)
+        return make_inputs(task, seed + 1 + i, device, numerics)
 
     return make_args
 
@@ -36,48 +41,59 @@ def _timing_dict(t: Any) -> dict[str, Any]:
 
 
 def measure_baseline(spec: TaskSpec, device: str, runs: int = 20, warmup: int = 3, compile: bool = True,
-                     seed: int = 0, probe: Any = None, flush_l2: bool = True) -> dict[str, Any]:
+                     seed: int = 0, probe: Any = None, flush_l2: bool = True,
+                     numerics: Optional[Numerics] = None) -> dict[str, Any]:
     """Eager (and torch.compile) timings, roofline counts and floor of one task.
 
     ``spec`` is taken at ``device`` sizes (CPU_SIZES apply on cpu). Returns a JSON-able dict:
     ``eager_ms``/``compile_ms`` (medians), ``eager``/``compile`` (full ``Timing`` dumps),
     ``compile_error`` (when torch.compile failed), ``floor_ms`` (``None`` without ``probe``),
-    ``flops``, ``min_bytes``, ``dtype``, ``tf32`` (op classes the reference runs in TF32 here, which
-    the floor charges at the TF32 rate), ``runs`` and identity fields.
+    ``flops``, ``min_bytes``, ``dtype``, ``tf32`` (op classes the reference runs in TF32 under
+    ``numerics``, which the floor charges at the TF32 rate), ``numerics`` (its label) and
+    ``numerics_config``, ``runs`` and identity fields.
     """
+    numerics = numerics or Numerics()
+    with numerics.enforced():
+        return _measure(spec, device, runs, warmup, compile, seed, probe, flush_l2, numerics)
+
+
+def _measure(spec: TaskSpec, device: str, runs: int, warmup: int, compile: bool, seed: int, probe: Any,
+             flush_l2: bool, numerics: Numerics) -> dict[str, Any]:
     import torch
 
-    from evals.roofline import count_loaded, floor_breakdown, tf32_classes
+    from evals.roofline import count_loaded, floor_breakdown
     from evals.probe import device_name
     from sandbox.harness import make_model
     from sandbox.timing import time_runs
 
     spec = with_device_sizes(spec, device)
     task = load_task(spec)
-    counts = count_loaded(task)
+    counts = count_loaded(task, numerics)
+    tf32 = numerics.tf32_classes(device)
     result: dict[str, Any] = {
         "task": spec.name, "task_key": spec.key, "overrides": dict(spec.overrides), "device": device,
         "device_name": device_name(device), "torch_version": torch.__version__, "seed": seed,
         "runs": runs, "warmup": warmup,
+        "numerics": numerics.label, "numerics_config": numerics.model_dump(mode="json"),
         "flops": counts.flops, "min_bytes": counts.min_bytes, "dtype": counts.dtype,
         "flops_by_dtype": counts.flops_by_dtype, "bytes_by_kind": counts.bytes_by_kind,
-        "tf32_eligible": counts.tf32_eligible, "tf32": sorted(tf32_classes(device)),
+        "tf32_eligible": counts.tf32_eligible, "tf32": sorted(tf32),
         "eager": None, "eager_ms": None, "compile": None, "compile_ms": None, "compile_error": None,
         "floor_ms": None, "memory_ms": None, "compute_ms": None,
     }
     if probe is not None:
-        fb = floor_breakdown(counts, probe)
+        fb = floor_breakdown(counts, probe, tf32)
         result.update(floor_ms=fb["floor_ms"], memory_ms=fb["memory_ms"], compute_ms=fb["compute_ms"])
 
-    make_args = input_factory(task, device, seed)
-    model = make_model(task.Model, task, seed, device)
+    make_args = input_factory(task, device, seed, numerics)
+    model = make_model(task.Model, task, seed, device, numerics)
     eager = time_runs(model, make_args, device, warmup=warmup, runs=runs, flush_l2=flush_l2)
     result["eager"] = _timing_dict(eager)
     result["eager_ms"] = eager.median_ms
 
     if compile:
         try:
-            compiled = torch.compile(make_model(task.Model, task, seed, device))
+            compiled = torch.compile(make_model(task.Model, task, seed, device, numerics))
             timing = time_runs(compiled, make_args, device, warmup=max(warmup, 1), runs=runs,
                                flush_l2=flush_l2)
             result["compile"] = _timing_dict(timing)
@@ -103,7 +119,8 @@ def store_baseline(store: Any, spec: TaskSpec, result: dict[str, Any]) -> int:
                        device=result["device"], device_name=result["device_name"],
                        torch_version=result["torch_version"], eager_ms=result["eager_ms"],
                        compile_ms=result["compile_ms"], floor_ms=result["floor_ms"],
-                       flops=float(result["flops"]), min_bytes=float(result["min_bytes"]), details=result)
+                       flops=float(result["flops"]), min_bytes=float(result["min_bytes"]), details=result,
+                       numerics=result["numerics"])
         session.add(row)
         session.flush()
         return row.id
@@ -119,6 +136,8 @@ def baseline_command(
     set_: Optional[list[str]] = SetOption,
     no_compile: bool = typer.Option(False, "--no-compile", help="skip torch.compile (slow on cpu)"),
     runs: int = typer.Option(20, "--runs", min=1, help="timed runs per measurement"),
+    precision: Optional[str] = PrecisionOption,
+    math: Optional[str] = MathOption,
     db: Optional[str] = DbOption,
 ) -> None:
     """Time tasks' eager and torch.compile references; show roofline floors; store Baseline rows."""
@@ -127,6 +146,7 @@ def baseline_command(
     from evals.probe import get_probe
 
     dev = resolve_device(device)
+    numerics = resolve_numerics(precision, math)
     try:
         overrides = parse_overrides(set_)
         paths = discover(tasks)
@@ -135,7 +155,7 @@ def baseline_command(
     store = open_store(db)
     failures = 0
     probe = None
-    table = Table(title=f"baselines on {dev}")
+    table = Table(title=f"baselines on {dev} · {numerics.describe()}")
     for col in ("task", "eager ms", "compile ms", "floor ms", "eager/floor"):
         table.add_column(col, justify="left" if col == "task" else "right")
     try:
@@ -144,7 +164,8 @@ def baseline_command(
             try:
                 spec = with_device_sizes(read_spec(path, overrides), dev)
                 console.print(f"[dim]timing {spec.name} ...[/]", highlight=False)
-                result = measure_baseline(spec, dev, runs=runs, compile=not no_compile, probe=probe)
+                result = measure_baseline(spec, dev, runs=runs, compile=not no_compile, probe=probe,
+                                          numerics=numerics)
                 store_baseline(store, spec, result)
             except Exception as exc:  # noqa: BLE001 - one broken task must not stop the others
                 failures += 1

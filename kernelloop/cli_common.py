@@ -17,6 +17,22 @@ DbOption = typer.Option(None, "--db", envvar="KERNELLOOP_DB",
 DeviceOption = typer.Option(None, "--device", "-d",
                             help="cuda or cpu [default: cuda if a GPU is visible, else cpu]")
 SetOption = typer.Option(None, "--set", help="size override name=value (repeatable), e.g. --set batch_size=16")
+PrecisionOption = typer.Option(None, "--precision",
+                               help="fp32 | fp16 | bf16: model and inputs cast as KernelBench casts them "
+                                    "(tolerance 1e-4, 1e-2, 1e-2) [default: fp32]")
+MathOption = typer.Option(None, "--math",
+                          help="default (PyTorch's defaults: cuDNN convolutions in TF32, cuBLAS matmuls in fp32) | "
+                               "strict (IEEE fp32 everywhere) [default: default]")
+
+
+def resolve_numerics(precision: Optional[str], math: Optional[str], base=None):
+    """``--precision`` and ``--math`` as a ``sandbox.numerics.Numerics`` (unset ones from ``base``)."""
+    from sandbox.numerics import parse_numerics
+
+    try:
+        return parse_numerics(precision, math, base)
+    except ValueError as exc:
+        fail(str(exc))
 
 
 def resolve_device(device: Optional[str], gpu_needed: bool = True) -> str:

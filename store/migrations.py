@@ -130,8 +130,18 @@ def m002_runs_calls_attempts_evaluations_analyses(conn: sa.Connection) -> None:
     md.create_all(conn, tables=[t for name, t in md.tables.items() if name != "tasks"])
 
 
+def m003_numerics(conn: sa.Connection) -> None:
+    """Every baseline and evaluation says under which numerics convention (precision/math mode)
+    it was measured. Rows from before: baselines ran PyTorch's defaults (fp32/default), the
+    sandbox's evaluations ran IEEE fp32 with TF32 off (fp32/strict)."""
+    for table, legacy in (("baselines", "fp32/default"), ("evaluations", "fp32/strict")):
+        conn.execute(sa.text(f"ALTER TABLE {table} ADD COLUMN numerics VARCHAR(32)"))
+        conn.execute(sa.text(f"UPDATE {table} SET numerics = :label"), {"label": legacy})
+
+
 MIGRATIONS: list[Callable[[sa.Connection], None]] = [
     m001_tasks_and_baselines,
     m002_runs_calls_attempts_evaluations_analyses,
+    m003_numerics,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -63,6 +63,7 @@ class Baseline(Base):
     flops: Mapped[Optional[float]] = mapped_column(Float)
     min_bytes: Mapped[Optional[float]] = mapped_column(Float)
     details: Mapped[dict[str, Any]] = mapped_column(JSON)
+    numerics: Mapped[Optional[str]] = mapped_column(String(32))  # precision/math mode, e.g. fp32/default
     created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)
     task: Mapped[Task] = relationship()
 
@@ -144,6 +145,7 @@ class Evaluation(Base):
     speedup_compile: Mapped[Optional[float]] = mapped_column(Float)
     reused_from: Mapped[Optional[int]] = mapped_column(ForeignKey("evaluations.id"))
     result: Mapped[dict[str, Any]] = mapped_column(JSON)      # EvalResult.model_dump(mode="json")
+    numerics: Mapped[Optional[str]] = mapped_column(String(32))  # precision/math mode, e.g. fp32/default
     created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)
     attempt: Mapped[Optional[Attempt]] = relationship(back_populates="evaluations")
 

@@ -42,7 +42,7 @@ def evaluation_row(result: EvalResult, task_key: str, attempt_id: Optional[int],
         eager_ms=result.eager_time.median_ms if result.eager_time else None,
         compile_ms=result.compile_time.median_ms if result.compile_time else None,
         speedup_eager=result.speedup_eager, speedup_compile=result.speedup_compile,
-        reused_from=reused_from, result=result.model_dump(mode="json"))
+        reused_from=reused_from, result=result.model_dump(mode="json"), numerics=result.config.numerics.label)
 
 
 def eval_result(evaluation: Evaluation) -> EvalResult:

@@ -404,7 +404,7 @@ def test_store_baseline_upserts_the_task(tmp_store):
     spec = with_device_sizes(read_spec(TASKS / "level1" / "tanh.py"), "cpu")
     result = {"task_key": spec.key, "overrides": spec.overrides, "device": "cpu", "device_name": "n",
               "torch_version": "t", "eager_ms": 1.0, "compile_ms": None, "floor_ms": 0.5,
-              "flops": 0, "min_bytes": 8}
+              "flops": 0, "min_bytes": 8, "numerics": "bf16/strict"}
     first = store_baseline(tmp_store, spec, result)
     second = store_baseline(tmp_store, spec, result)
     assert second != first
@@ -412,43 +412,57 @@ def test_store_baseline_upserts_the_task(tmp_store):
         rows = list(s.scalars(sa.select(Baseline)))
         assert {r.task_id for r in rows} == {rows[0].task.id}
         assert rows[0].task.source == spec.source
+        assert {r.numerics for r in rows} == {"bf16/strict"}      # the convention it was measured under
 
 
-def test_the_sandbox_floor_charges_fp32_matmuls_and_convolutions_at_the_tf32_rate(monkeypatch):
-    """Whatever the parent process's TF32 switches say, the sandbox's floor charges fp32 GEMM
-    and convolution FLOPs at the TF32 rate: cuDNN's FFT and Winograd algorithms do a fraction of
-    a direct convolution's FLOPs (on an H200 level2/conv_hardswish_mean's eager run was 1.3x
-    under its direct-FLOP fp32 floor), and split-TF32 GEMMs (three tensor-core passes over
-    rounded operands, the builtin's `tc3`) are about as accurate as fp32 SGEMM and 1.5x faster
-    on an H200, so an fp32-rate floor flagged honest candidates `impossible`. Accuracy is the
-    float64 check's business; one TF32 pass over the direct FLOPs is a bound none crosses."""
+@pytest.mark.parametrize("math", ["default", "strict"])
+def test_the_sandbox_floor_follows_the_math_mode_and_impossible_uses_the_tf32_bound(monkeypatch, math):
+    """The floor shown charges fp32 FLOPs at the TF32 rate only for the op classes the run's math
+    mode runs in TF32 (default: cuDNN convolutions; strict: none), whatever the parent process's
+    switches say. The `impossible` flag uses a lower bound, every fp32 GEMM and convolution FLOP
+    at the TF32 rate: cuDNN's FFT and Winograd algorithms do a fraction of a direct
+    convolution's FLOPs (on an H200 level2/conv_hardswish_mean's eager run was 1.3x under its
+    direct-FLOP fp32 floor), and split-TF32 GEMMs (the builtin's `tc3`) are about as accurate as
+    fp32 SGEMM and faster; accuracy is the float64 check's business."""
     from dataclasses import asdict
     from types import SimpleNamespace
 
     from sandbox.evaluate import Sandbox
-    from sandbox.result import EvalResult, Status, Timing
+    from sandbox.numerics import Numerics
+    from sandbox.result import EvalConfig, EvalResult, Status, Timing
 
     p = _probe(bw=1e9, fp32=50.0, tf32=400.0)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)             # not what decides
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", math == "strict")     # not what decides
     monkeypatch.setattr(probe_mod, "get_probe", lambda device, measure=False: p)
     import threading
 
-    def sandbox_floor(task: str) -> tuple[float, object]:
+    def sandbox_floor(task: str, median_ms: float = 100.0) -> tuple[EvalResult, object]:
         counts = count_task(read_spec(TASKS / f"{task}.py"), "cuda")
         ref = SimpleNamespace(lock=threading.Lock(), counts={"counts": asdict(counts)})
         sb = Sandbox.__new__(Sandbox)
         sb.device = "cuda"
+        sb.config = EvalConfig(numerics=Numerics(math=math))
         result = EvalResult(task=task, device="cuda", status=Status.correct)
-        result.candidate_time = Timing(median_ms=100.0, iqr_ms=0.0, mean_ms=100.0, min_ms=100.0, max_ms=100.0,
-                                       runs=1, clock="cuda_event")
+        result.candidate_time = Timing(median_ms=median_ms, iqr_ms=0.0, mean_ms=median_ms, min_ms=median_ms,
+                                       max_ms=median_ms, runs=1, clock="cuda_event")
         sb._floor(ref, result)
-        return result.floor_ms, counts
+        return result, counts
 
-    conv_floor, conv = sandbox_floor("level1/conv2d")
+    def mem_ms(c) -> float:
+        return c.min_bytes / (p.bandwidth_gbps * 1e9) * 1e3
+
+    conv_result, conv = sandbox_floor("level1/conv2d")
     assert conv.tf32_eligible.get("conv")
-    assert conv_floor == pytest.approx(max(conv.min_bytes / (p.bandwidth_gbps * 1e9) * 1e3, conv.flops / 400e12 * 1e3))
-    gemm_floor, gemm = sandbox_floor("level2/gemm_swish_scale")
+    conv_rate = 400e12 if math == "default" else 50e12
+    assert conv_result.floor_ms == pytest.approx(max(mem_ms(conv), conv.flops / conv_rate * 1e3))
+    gemm_result, gemm = sandbox_floor("level2/gemm_swish_scale")
     assert gemm.tf32_eligible.get("matmul")
     fp32_flops = gemm.flops_by_dtype["fp32"]
-    assert gemm_floor == pytest.approx(max(gemm.min_bytes / (p.bandwidth_gbps * 1e9) * 1e3, fp32_flops / 400e12 * 1e3))
+    assert gemm_result.floor_ms == pytest.approx(max(mem_ms(gemm), fp32_flops / 50e12 * 1e3))
+    # between the shown floor and the TF32 bound: no flag; under 0.9x the bound: impossible
+    hard = max(mem_ms(gemm), fp32_flops / 400e12 * 1e3)
+    assert hard < 0.5 * gemm_result.floor_ms
+    between, _ = sandbox_floor("level2/gemm_swish_scale", median_ms=0.5 * gemm_result.floor_ms)
+    assert not between.has_flag("impossible") and between.floor_fraction > 1
+    below, _ = sandbox_floor("level2/gemm_swish_scale", median_ms=0.8 * hard)
+    assert below.has_flag("impossible")
