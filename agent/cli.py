@@ -10,7 +10,8 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
-from kernelloop.cli_common import DbOption, DeviceOption, SetOption, console, err_console, fail, open_store, resolve_device
+from kernelloop.cli_common import (DbOption, DeviceOption, MathOption, PrecisionOption, SetOption, console, err_console,
+                                   fail, open_store, resolve_device, resolve_numerics)
 
 
 def _fmt(x: Optional[float], unit: str = "", digits: int = 3) -> str:
@@ -85,6 +86,8 @@ def optimize_command(
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens"),
     concurrency: Optional[int] = typer.Option(None, "--concurrency", help="model calls in flight at once"),
     set_: Optional[list[str]] = SetOption,
+    precision: Optional[str] = PrecisionOption,
+    math: Optional[str] = MathOption,
     resume: Optional[int] = typer.Option(None, "--resume", help="continue run RUN where it stopped"),
     db: Optional[str] = DbOption,
 ) -> None:
@@ -111,6 +114,9 @@ def optimize_command(
                                       overrides=run.config["overrides"].get(t["name"], {})))
         run_id = resume
         resolve_device(cfg.device)
+        if (precision or math) and resolve_numerics(precision, math, cfg.eval.numerics) != cfg.eval.numerics:
+            fail(f"run {resume} was started under {cfg.eval.numerics.label}: --resume keeps its numerics "
+                 f"(drop --precision/--math, or start a new run)")
     else:
         dev = resolve_device(device)
         try:
@@ -122,7 +128,8 @@ def optimize_command(
                                      "concurrency": concurrency}.items() if v is not None}
         cfg = LoopConfig(model=model, device=dev, rounds=rounds, samples=samples, critic=critic,
                          target_speedup=target_speedup, patience=patience,
-                         eval=EvalConfig(trials=trials, timed_runs=timed_runs, time_compile=not no_compile),
+                         eval=EvalConfig(trials=trials, timed_runs=timed_runs, time_compile=not no_compile,
+                                         numerics=resolve_numerics(precision, math)),
                          backend_options=options)
     if cfg.critic not in (None, "grounded", "llm"):
         fail(f"--critic must be grounded or llm, not {cfg.critic!r}")
@@ -136,7 +143,8 @@ def optimize_command(
     state: dict[str, Any] = {}
 
     def render() -> Table:
-        return _summary_table(list(state.values()), f"kernelloop optimize · {cfg.model} · {facts.name}")
+        return _summary_table(list(state.values()), f"kernelloop optimize · {cfg.model} · {facts.name} · "
+                                                    f"{cfg.eval.numerics.label}")
 
     loop = OptimizeLoop(store, backend, sandbox, cfg, facts, on_progress=lambda p: state.__setitem__(p.name, p))
     if resume is None:
@@ -146,6 +154,7 @@ def optimize_command(
             s.get(Run, run_id).status = "running"
     console.print(f"run {run_id}: {len(specs)} task(s), {cfg.rounds} round(s) x {cfg.samples} sample(s), "
                   f"model {cfg.model}, device {cfg.device} ({facts.name}), store {store.url}")
+    console.print(f"numerics {cfg.eval.numerics.describe()}", highlight=False)
     status = "finished"
     previous = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -184,13 +193,20 @@ def optimize_command(
         signal.signal(signal.SIGTERM, previous)
         sandbox.close()
     loop.finish_run(run_id, status)   # per-task errors are in the table; the run itself completed
-    console.print(_summary_table(progress, f"run {run_id} · {status}"))
+    console.print(_summary_table(progress, f"run {run_id} · {status} · {cfg.eval.numerics.label}"))
     for p in progress:
         if p.error:
             err_console.print(f"[red]{p.name}[/]: {p.error}", highlight=False)
     store.close()
     if status == "interrupted":
         raise typer.Exit(130)
+
+
+def run_numerics(run: Any) -> Any:
+    """The numerics a stored run was measured under (runs from before numerics existed: fp32/strict)."""
+    from sandbox.result import EvalConfig
+
+    return EvalConfig.model_validate((run.config or {}).get("eval") or {"trials": 5}).numerics
 
 
 def runs_command(db: Optional[str] = DbOption, limit: int = typer.Option(20, "-n", help="newest N runs")) -> None:
@@ -201,14 +217,16 @@ def runs_command(db: Optional[str] = DbOption, limit: int = typer.Option(20, "-n
     with store.reader() as s:
         runs = list(s.scalars(sa.select(Run).order_by(Run.id.desc()).limit(limit)))
         table = Table(title=f"runs in {store.url}")
-        for col in ("id", "kind", "status", "model", "device", "tasks", "attempts", "correct", "started", "parent"):
+        for col in ("id", "kind", "status", "model", "device", "numerics", "tasks", "attempts", "correct", "started",
+                    "parent"):
             table.add_column(col)
         for r in runs:
             n_att = s.scalar(sa.select(sa.func.count(Attempt.id)).where(Attempt.run_id == r.id))
             n_tasks = s.scalar(sa.select(sa.func.count(sa.distinct(Attempt.task_id))).where(Attempt.run_id == r.id))
             n_ok = s.scalar(sa.select(sa.func.count(sa.distinct(Evaluation.attempt_id)))
                             .where(Evaluation.run_id == r.id, Evaluation.status == "correct"))
-            table.add_row(str(r.id), r.kind, r.status, r.model, f"{r.device} {r.device_name}", str(n_tasks),
+            table.add_row(str(r.id), r.kind, r.status, r.model, f"{r.device} {r.device_name}", run_numerics(r).label,
+                          str(n_tasks),
                           str(n_att), str(n_ok), r.started_at.strftime("%Y-%m-%d %H:%M"), str(r.parent_run_id or ""))
     console.print(table)
 
@@ -254,7 +272,8 @@ def show_command(run: int = typer.Argument(..., help="run id"),
         except LookupError as exc:
             fail(str(exc))
         console.print(f"run {r.id} · {r.kind} · {r.status} · model {r.model} · critic {r.critic} · "
-                      f"{r.device} {r.device_name} · torch {r.torch_version} · code {r.code_version}")
+                      f"{r.device} {r.device_name} · torch {r.torch_version} · code {r.code_version} · "
+                      f"{run_numerics(r).describe()}")
         tasks = _match_tasks(s, run, task) if task else [None]
         if task and not tasks:
             fail(f"run {run} has no task matching {task!r}")
@@ -271,9 +290,12 @@ def replay_command(run: int = typer.Argument(..., help="the stored run whose can
                    tasks: Optional[list[str]] = typer.Option(None, "--tasks", "-t", help="only these task names"),
                    force: bool = typer.Option(False, "--force", help="re-evaluate even where this device, torch and config already have a result"),
                    no_compile: bool = typer.Option(False, "--no-compile"),
+                   precision: Optional[str] = typer.Option(None, "--precision",
+                                                           help="fp32 | fp16 | bf16 [default: the stored run's]"),
+                   math: Optional[str] = typer.Option(None, "--math", help="default | strict [default: the stored run's]"),
                    db: Optional[str] = DbOption) -> None:
     """Re-evaluate a run's stored candidates on this machine as a new run linked to the old one,
-    and show verdict and speed changes side by side."""
+    and show verdict and speed changes side by side (under the old run's numerics unless told)."""
     from agent.critic.cli import critique_run
     from agent.loop import LoopConfig, evaluate_attempt
     from kernelloop.paths import code_version
@@ -302,7 +324,12 @@ def replay_command(run: int = typer.Argument(..., help="the stored run whose can
             rows.append((a, t, EvalResult.model_validate(ev.result) if ev else None))
     if not rows:
         fail(f"run {run} has no attempts" + (f" for {', '.join(tasks)}" if tasks else ""))
-    eval_cfg = cfg.eval.model_copy(update={"time_compile": cfg.eval.time_compile and not no_compile})
+    numerics = resolve_numerics(precision, math, cfg.eval.numerics)
+    eval_cfg = cfg.eval.model_copy(update={"time_compile": cfg.eval.time_compile and not no_compile,
+                                           "numerics": numerics})
+    if numerics != cfg.eval.numerics:
+        err_console.print(f"[yellow]note:[/] run {run} was measured under {cfg.eval.numerics.label}, this replay under "
+                          f"{numerics.label}: verdicts and speedups are not comparable one for one", highlight=False)
     sandbox = Sandbox(dev, eval_cfg)
     with store.session() as s:
         new = Run(kind="replay", status="running", model=f"replay:{run}", critic="grounded", device=dev,
@@ -311,8 +338,8 @@ def replay_command(run: int = typer.Argument(..., help="the stored run whose can
         s.add(new)
         s.flush()
         new_id = new.id
-    table = Table(title=f"replay of run {run} ({old.device_name}, torch {old.torch_version}) as run {new_id} "
-                        f"({sandbox.device_name}, torch {sandbox.torch_version})")
+    table = Table(title=f"replay of run {run} ({old.device_name}, torch {old.torch_version}, {cfg.eval.numerics.label}) "
+                        f"as run {new_id} ({sandbox.device_name}, torch {sandbox.torch_version}, {numerics.label})")
     for col in ("task", "attempt", "old status", "new status", "old ms", "new ms", "old vs eager", "new vs eager", "change"):
         table.add_column(col)
     try:

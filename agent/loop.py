@@ -274,7 +274,8 @@ class OptimizeLoop:
         if not missing:
             return
         floor = next((v.result.floor_ms for v in reversed(history) if v.result and v.result.floor_ms), None)
-        template, messages, sha = build_proposal_messages(eval_spec, self.device, rnd, history, analysis, floor)
+        template, messages, sha = build_proposal_messages(eval_spec, self.device, rnd, history, analysis, floor,
+                                                          numerics=self.config.eval.numerics)
         parents = choose_parents(history)
         request = ProposalRequest(task=eval_spec, device=self.device, round=rnd, samples=self.config.samples,
                                   messages=messages, template=template, prompt_sha256=sha, history=history,

@@ -19,6 +19,7 @@ from typing import Any, Optional
 import jinja2
 
 from agent.types import AttemptView, DeviceFacts
+from sandbox.numerics import Numerics
 from sandbox.result import EvalResult, FlagKind, Status
 from sandbox.tasks import TaskSpec
 
@@ -399,10 +400,12 @@ def _attempt_view(role: str, a: AttemptView, max_source_chars: int) -> dict[str,
 
 def build_proposal_messages(task: TaskSpec, device: DeviceFacts, round: int, history: list[AttemptView],
                             analysis: Optional[str], floor_ms: Optional[float], max_attempts_shown: int = 4,
-                            max_source_chars: int = MAX_SOURCE_CHARS) -> tuple[str, list[dict[str, str]], str]:
+                            max_source_chars: int = MAX_SOURCE_CHARS,
+                            numerics: Optional[Numerics] = None) -> tuple[str, list[dict[str, str]], str]:
     """(template name, messages, sha256) for one round of one task: ``propose_first`` when
-    ``history`` is empty, else ``propose_refine``."""
-    ctx: dict[str, Any] = {"task": task, "device": device, "round": round, "floor_ms": floor_ms}
+    ``history`` is empty, else ``propose_refine``; ``numerics`` is the run's convention."""
+    ctx: dict[str, Any] = {"task": task, "device": device, "round": round, "floor_ms": floor_ms,
+                           "numerics": numerics or Numerics()}
     if not history:
         messages, sha = render(FIRST, **ctx)
         return FIRST, messages, sha

@@ -23,6 +23,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
+from sandbox.numerics import Numerics
 from sandbox.tasks import TaskError, TaskSpec, load_task, with_device_sizes
 
 FLAGS: dict[str, str] = {
@@ -37,7 +38,7 @@ FLAGS: dict[str, str] = {
     "nondeterministic": "the same model and inputs give different outputs",
 }
 
-# The correctness check's fp32 tolerance (sandbox.result.EvalConfig.tol_fp32).
+# The correctness check's fp32 tolerance (sandbox.numerics: 1e-4 at fp32; check_task uses its numerics').
 ATOL = 1e-4
 RTOL = 1e-4
 NEAR_ZERO = 1e-2
@@ -168,12 +169,21 @@ def _sensitivity_issue(name: str, flag: str, what: str, index: int, y: Any, y2: 
 
 # --------------------------------------------------------------------------- the check
 
-def check_task(spec: TaskSpec, device: str = "cpu", seed: int = 0, atol: float = ATOL,
-               rtol: float = RTOL) -> list[CheckIssue]:
-    """Every degeneracy flag of ``spec`` at the sizes used on ``device``; empty when the task is fine."""
+def check_task(spec: TaskSpec, device: str = "cpu", seed: int = 0,
+               numerics: Optional[Numerics] = None) -> list[CheckIssue]:
+    """Every degeneracy flag of ``spec`` at the sizes used on ``device``, under ``numerics``
+    (model and inputs in its precision, its math mode, its tolerance); empty when the task is fine."""
+    numerics = numerics or Numerics()
+    with numerics.enforced():
+        return _check_task(spec, device, seed, numerics)
+
+
+def _check_task(spec: TaskSpec, device: str, seed: int, numerics: Numerics) -> list[CheckIssue]:
     import torch
 
     from sandbox.harness import make_inputs, make_model
+
+    atol, rtol = numerics.tolerance.atol, numerics.tolerance.rtol
 
     spec = with_device_sizes(spec, device)
     name = spec.name
@@ -185,14 +195,14 @@ def check_task(spec: TaskSpec, device: str = "cpu", seed: int = 0, atol: float =
     stage = "building the model"
     try:
         with torch.no_grad():
-            model = make_model(task.Model, task, seed, device)
+            model = make_model(task.Model, task, seed, device, numerics)
             stage = "building the model with another seed"
-            other = make_model(task.Model, task, seed + 3, device)
+            other = make_model(task.Model, task, seed + 3, device, numerics)
             # Compared before any forward: training-mode norms update their running stats.
             weights_differ = not _same_weights(model, other)
             stage = "making inputs"
-            x1 = make_inputs(task, seed + 1, device)
-            x2 = make_inputs(task, seed + 2, device)
+            x1 = make_inputs(task, seed + 1, device, numerics)
+            x2 = make_inputs(task, seed + 2, device, numerics)
             stage = "running the forward"
             y1 = _outputs(model(*_clone(x1)))
             y1_again = _outputs(model(*_clone(x1)))

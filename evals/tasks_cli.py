@@ -11,7 +11,8 @@ from typing import Any, Optional
 
 import typer
 
-from kernelloop.cli_common import DbOption, DeviceOption, SetOption, console, fail, resolve_device
+from kernelloop.cli_common import (DbOption, DeviceOption, MathOption, PrecisionOption, SetOption, console, fail,
+                                   resolve_device, resolve_numerics)
 from sandbox.tasks import (CPU_PRESET_NAME, TaskError, TaskSpec, discover, load_task, parse_overrides,
                            read_spec, with_device_sizes)
 
@@ -278,25 +279,27 @@ def show_command(task: str = typer.Argument(..., help="a task file or bundled na
 
 @app.command("check")
 def check_command(paths: Optional[list[str]] = PathsArgument, device: Optional[str] = DeviceOption,
-                  set_: Optional[list[str]] = SetOption) -> None:
+                  set_: Optional[list[str]] = SetOption, precision: Optional[str] = PrecisionOption,
+                  math: Optional[str] = MathOption) -> None:
     """Flag degenerate tasks (constant, near-zero, insensitive outputs...); exit code 1 when any is flagged."""
     from rich.table import Table
 
     from evals.taskcheck import FLAGS, check_task
 
     dev = resolve_device(device)
+    numerics = resolve_numerics(precision, math)
     try:
         overrides = parse_overrides(set_)
     except TaskError as exc:
         fail(str(exc))
     specs = _specs(paths, overrides)
-    table = Table(title=f"task check on {dev}")
+    table = Table(title=f"task check on {dev} · {numerics.describe()}")
     for col in ("task", "flag", "detail"):
         table.add_column(col, no_wrap=col != "detail")
     flagged = 0
     seen_flags: set[str] = set()
     for spec in specs:
-        issues = check_task(spec, dev)
+        issues = check_task(spec, dev, numerics=numerics)
         if issues:
             flagged += 1
         for issue in issues:
@@ -308,4 +311,4 @@ def check_command(paths: Optional[list[str]] = PathsArgument, device: Optional[s
             console.print(f"  {flag}: {FLAGS.get(flag, '')}", highlight=False)
         console.print(f"[bold red]{flagged} of {len(specs)} tasks flagged[/]", highlight=False)
         raise typer.Exit(1)
-    console.print(f"[green]{len(specs)} tasks checked on {dev}: none flagged[/]", highlight=False)
+    console.print(f"[green]{len(specs)} tasks checked on {dev} ({numerics.label}): none flagged[/]", highlight=False)

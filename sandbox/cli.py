@@ -8,7 +8,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from kernelloop.cli_common import DeviceOption, SetOption, console, fail, resolve_device
+from kernelloop.cli_common import (DeviceOption, MathOption, PrecisionOption, SetOption, console, fail, resolve_device,
+                                   resolve_numerics)
 
 
 def _ms(t) -> str:
@@ -18,6 +19,7 @@ def _ms(t) -> str:
 def print_result(r) -> None:
     console.print(f"[bold]{r.task}[/] on {r.device} ({r.device_name}), torch {r.torch_version}: "
                   f"[bold]{r.status.value}[/] in {r.seconds:.1f} s", highlight=False)
+    console.print(f"numerics {r.config.numerics.describe()}", highlight=False)
     if r.build:
         b = r.build
         console.print(f"build: {'ok' if b.ok else 'failed'} in {b.seconds:.1f} s{' (cached)' if b.cached else ''}"
@@ -30,8 +32,14 @@ def print_result(r) -> None:
         console.print(f"trial {failed.index}: {failed.reason}", highlight=False)
     elif r.trials:
         console.print(f"{len(r.trials)} trial(s) passed", highlight=False)
+        rescued = max((o.outside_tolerance for t in r.trials for o in t.outputs), default=0)
+        if rescued:
+            console.print(f"float64 rule: up to {rescued} element(s) of an output were outside the tolerance of the "
+                          f"reference but no farther from its float64 run than {r.config.numerics.elem_factor:g}x "
+                          f"the reference's own largest error (KernelBench's check alone would fail them)",
+                          highlight=False)
     if r.candidate_time:
-        console.print(f"candidate {_ms(r.candidate_time)} · eager {_ms(r.eager_time)} · torch.compile "
+        console.print(f"[{r.config.numerics.label}] candidate {_ms(r.candidate_time)} · eager {_ms(r.eager_time)} · torch.compile "
                       f"{_ms(r.compile_time)}", highlight=False)
         console.print(f"speedup vs eager {r.speedup_eager:.3f}x"
                       + (f", vs torch.compile {r.speedup_compile:.3f}x" if r.speedup_compile else "")
@@ -77,6 +85,8 @@ def eval_command(task: str = typer.Argument(..., help="task file or bundled name
                                                       "--device cuda: nvcc and a CUDA build of torch suffice)"),
                  arch: Optional[str] = typer.Option(None, "--arch", help="CUDA architecture to build for (e.g. 9.0a); "
                                                     "default: KERNELLOOP_CUDA_ARCH, else the visible GPU's"),
+                 precision: Optional[str] = PrecisionOption,
+                 math: Optional[str] = MathOption,
                  as_json: bool = typer.Option(False, "--json", help="print the EvalResult (BuildCheck) as JSON")) -> None:
     """Build, check and time one candidate against its task (in isolated worker processes)."""
     from sandbox.evaluate import Sandbox, evaluate
@@ -88,6 +98,7 @@ def eval_command(task: str = typer.Argument(..., help="task file or bundled name
     if arch and device == "cpu":
         fail("--arch names a CUDA architecture; it does not apply to --device cpu")
     dev = resolve_device(device, gpu_needed=not build_only)
+    numerics = resolve_numerics(precision, math)
     try:
         paths = discover([task])
         if len(paths) != 1:
@@ -96,7 +107,7 @@ def eval_command(task: str = typer.Argument(..., help="task file or bundled name
         load_task(spec)
     except TaskError as exc:
         fail(str(exc))
-    config = EvalConfig(trials=trials, timed_runs=timed_runs, time_compile=not no_compile)
+    config = EvalConfig(trials=trials, timed_runs=timed_runs, time_compile=not no_compile, numerics=numerics)
     if build_only:
         try:
             sandbox = Sandbox(dev, config, arch=arch)

@@ -141,6 +141,11 @@ class Numerics(BaseModel):
             classes.add("matmul")
         return classes
 
+    def tf32_words(self, device: str = "cuda") -> str:
+        """What runs in TF32 under this mode, in words ("" for nothing)."""
+        words = {"conv": "cuDNN convolutions", "matmul": "cuBLAS matmuls"}
+        return " and ".join(words[c] for c in sorted(self.tf32_classes(device)))
+
     def describe(self) -> str:
         """One line for table headers and reports."""
         if self.precision != "fp32":
@@ -148,8 +153,8 @@ class Numerics(BaseModel):
         elif self.math == "strict":
             what = "IEEE fp32 everywhere (TF32 off)"
         else:
-            tf32 = sorted(self.tf32_classes("cuda"))
-            what = f"PyTorch defaults (TF32 for {', '.join(tf32)} on cuda)" if tf32 else "PyTorch defaults (no TF32)"
+            tf32 = self.tf32_words("cuda")
+            what = f"PyTorch defaults ({tf32} in TF32 on cuda)" if tf32 else "PyTorch defaults (no TF32)"
         tol = TOLERANCES[self.precision]
         return f"{self.label}: {what}; tolerance {tol:g}"
 

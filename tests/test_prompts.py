@@ -11,6 +11,7 @@ from agent.parse import parse_answer
 from agent.prompts import (FIRST, REFINE, build_proposal_messages, cap_source, choose_attempts, evidence, render,
                            render_text)
 from agent.types import AttemptView, DeviceFacts
+from sandbox.numerics import Numerics
 from sandbox.result import (BuildInfo, EvalResult, Flag, FlagKind, KernelStat, OutputCheck, Status, Timing,
                             Tolerance, Trial)
 from sandbox.tasks import TaskSpec
@@ -110,23 +111,37 @@ def history() -> list[AttemptView]:
 # ------------------------------------------------------------------ render
 
 def test_render_gives_system_and_user_messages_and_their_hash():
-    messages, sha = render(FIRST, task=TASK, device=GPU, round=0, floor_ms=None)
+    messages, sha = render(FIRST, task=TASK, device=GPU, round=0, floor_ms=None, numerics=Numerics())
     assert [m["role"] for m in messages] == ["system", "user"]
     assert sha == hashlib.sha256(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
-    again, sha2 = render(FIRST + ".j2", task=TASK, device=GPU, round=0, floor_ms=None)
+    again, sha2 = render(FIRST + ".j2", task=TASK, device=GPU, round=0, floor_ms=None, numerics=Numerics())
     assert again == messages and sha2 == sha
-    other, sha3 = render(FIRST, task=TASK, device=CPU, round=0, floor_ms=None)
+    other, sha3 = render(FIRST, task=TASK, device=CPU, round=0, floor_ms=None, numerics=Numerics())
     assert sha3 != sha
 
 
+@pytest.mark.parametrize("numerics, says", [
+    (Numerics(), ["fp32/default", "cuDNN convolutions in TF32", "atol = rtol = 0.0001", "float64"]),
+    (Numerics(math="strict"), ["fp32/strict", "IEEE float32 throughout"]),
+    (Numerics(precision="bf16"), ["bf16/default", "cast to bfloat16", "accumulate in float32", "atol = rtol = 0.01"]),
+])
+def test_the_prompt_states_the_runs_numerics(numerics, says):
+    _, messages, sha = build_proposal_messages(TASK, GPU, 0, [], None, None, numerics=numerics)
+    text = messages[-1]["content"]
+    for phrase in says:
+        assert phrase in text
+    assert sha != build_proposal_messages(TASK, GPU, 0, [], None, None,
+                                          numerics=Numerics(precision="fp16", math="strict"))[2]
+
+
 def test_render_without_system_message():
-    messages, _ = render(FIRST, system_template=None, task=TASK, device=GPU, round=0, floor_ms=None)
+    messages, _ = render(FIRST, system_template=None, task=TASK, device=GPU, round=0, floor_ms=None, numerics=Numerics())
     assert [m["role"] for m in messages] == ["user"]
 
 
 def test_missing_variable_is_an_error_not_an_empty_string():
     with pytest.raises(jinja2.UndefinedError):
-        render_text(FIRST, task=TASK, round=0, floor_ms=None)
+        render_text(FIRST, task=TASK, round=0, floor_ms=None, numerics=Numerics())
 
 
 # ------------------------------------------------------------------ first round
