@@ -315,10 +315,11 @@ def result_evidence(result: Any, label: str) -> Evidence:
         ev.add(cfg.run_timeout_s * 1e3, "time", f"{w}: config.run_timeout_s")
         for name in ("trials", "warmup_runs", "timed_runs"):
             ev.add(getattr(cfg, name), "plain", f"{w}: config.{name}")
-        for tname in ("tol_fp32", "tol_half"):
-            tol = getattr(cfg, tname)
-            ev.add(tol.atol, "plain", f"{w}: config.{tname}.atol")
-            ev.add(tol.rtol, "plain", f"{w}: config.{tname}.rtol")
+        tol = cfg.numerics.tolerance
+        ev.add(tol.atol, "plain", f"{w}: config.numerics.tolerance.atol")
+        ev.add(tol.rtol, "plain", f"{w}: config.numerics.tolerance.rtol")
+        for name in ("elem_factor", "rms_factor", "rms_slack_eps"):
+            ev.add(getattr(cfg.numerics, name), "plain", f"{w}: config.numerics.{name}")
         if cfg.memory_limit_mb:
             ev.add(cfg.memory_limit_mb * 1e6, "bytes", f"{w}: config.memory_limit_mb")
     if result.build is not None:
