@@ -26,7 +26,8 @@ class BuiltinBackend:
         t0 = time.perf_counter()
         device = request.device.device
         try:
-            cand = propose(request.task, device, request.round, sample, list(request.history or []))
+            cand = propose(request.task, device, request.round, sample, list(request.history or []),
+                           numerics=request.numerics)
         except Exception as exc:  # noqa: BLE001 - reported as a failed completion
             return Completion(text="", model="builtin", finish_reason="error",
                               latency_s=time.perf_counter() - t0,

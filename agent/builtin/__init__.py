@@ -9,6 +9,11 @@ variants (where groups end, vectorised loads, block size, one- or two-pass stati
 and it learns from the history of its own attempts (see ``feedback``). On ``cuda`` a large
 float32 GEMM runs by default as split-TF32 tensor-core GEMMs with K-chunked accumulation
 (the ``matmul`` knob, see ``gemm``), still through cuBLAS.
+
+Everything follows the run's ``Numerics`` (``ProposalRequest.numerics``; None: fp32): the
+reference is traced in its precision, and under ``fp16``/``bf16`` the kernels load and store
+the half type while computing and accumulating in float32 (see ``dtypes``); the split-TF32
+GEMM is for ``fp32`` only.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from agent.builtin.codegen import HEADER_PREFIX, Knobs, Rendered, body_hash, render_candidate
+from agent.builtin.dtypes import precision_of
 from agent.builtin.feedback import Feedback, _knobs_of, parse_header, read_history, variant_order
 from agent.builtin.kernels import KernelGroup
 from agent.builtin.plan import Plan, classify_graph, make_plan
@@ -24,6 +30,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # agent.types pulls in pydantic; the generator itself needs only torch and jinja2
     from agent.types import AttemptView
+    from sandbox.numerics import Numerics
 from sandbox.tasks import TaskSpec
 
 __all__ = ["GeneratedCandidate", "Knobs", "generate", "propose", "parse_header", "HEADER_PREFIX"]
@@ -42,10 +49,12 @@ class GeneratedCandidate:
 
 
 class _Generator:
-    def __init__(self, traced: Traced, device: str, fb: Feedback):
+    def __init__(self, traced: Traced, device: str, fb: Feedback, math: Optional[str] = None):
         self.traced = traced
         self.device = device
         self.fb = fb
+        self.precision = traced.precision
+        self.math = math                    # the run's math mode, recorded in the header
         self.infos = classify_graph(traced)
         self._plans: dict[str, tuple[Plan, list[KernelGroup], set[str]]] = {}
 
@@ -77,7 +86,7 @@ class _Generator:
                     vec=knobs.vec if "vec" in used else DEFAULT_KNOBS.vec,
                     block=knobs.block if "block" in used else DEFAULT_KNOBS.block,
                     reduce=knobs.reduce if "reduce" in used else DEFAULT_KNOBS.reduce,
-                    matmul=knobs.matmul if "matmul" in used else DEFAULT_KNOBS.matmul)
+                    matmul=knobs.matmul if "matmul" in used else default_matmul(self.precision))
         # (where the knob is used it is kept as asked, so the probe ran the same GEMMs)
         header = self.header(plan, kgroups, eff, excluded, [g.node.name for g in probe.tc])
         return render_candidate(self.traced, plan, kgroups, self.device, eff, header)
@@ -89,6 +98,7 @@ class _Generator:
                    "kinds": [infos[n].kind for n in kg.nodes]} for kg in kgroups]
         return {
             "v": HEADER_VERSION, "generator": "builtin", "device": self.device, "task": self.traced.spec.name,
+            "precision": self.precision, **({"math": self.math} if self.math else {}),
             "knobs": knobs.as_dict(), "groups": groups,
             "cuts": sorted(self.fb.cuts), "excluded": sorted(excluded),
             "library": [infos[n].op for n in infos if infos[n].kind == "library"],
@@ -97,21 +107,28 @@ class _Generator:
         }
 
 
+def default_matmul(precision: str) -> str:
+    """The ``matmul`` knob of a candidate that runs no split-TF32 GEMM: ``tc3`` (the default)
+    under fp32, ``ieee`` (PyTorch's own GEMM, the only one) under fp16/bf16."""
+    return DEFAULT_KNOBS.matmul if precision == "fp32" else "ieee"
+
+
 def propose(spec: TaskSpec, device: str, round: int, sample: int,
-            history: Optional[list[AttemptView]] = None) -> GeneratedCandidate:
+            history: Optional[list[AttemptView]] = None, numerics: Optional[Numerics] = None) -> GeneratedCandidate:
     """One candidate for one sample of one round (distinct from the round's other samples and
-    from every source already in ``history``)."""
+    from every source already in ``history``), in the run's ``numerics`` (None: fp32)."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', not {device!r}")
     history = list(history or [])
-    fb = read_history(history, device)
-    traced = trace_task(spec, device)
+    precision = precision_of(numerics)
+    fb = read_history(history, device, precision, getattr(numerics, "math", None))
+    traced = trace_task(spec, device, numerics)
     if not traced.ok:
         return _untraceable(traced, device, fb)
-    gen = _Generator(traced, device, fb)
+    gen = _Generator(traced, device, fb, getattr(numerics, "math", None))
     picked: list[str] = []
     chosen: Optional[Rendered] = None
-    for knobs in variant_order(fb):
+    for knobs in variant_order(fb, precision):
         r = gen.render(knobs)
         h = body_hash(r.source)
         if h in fb.seen or h in picked or not r.has_kernel:
@@ -139,13 +156,13 @@ def propose(spec: TaskSpec, device: str, round: int, sample: int,
 
 
 def generate(spec: TaskSpec, device: str, knobs: Knobs = DEFAULT_KNOBS, cuts: tuple[str, ...] = (),
-             excluded: tuple[str, ...] = ()) -> GeneratedCandidate:
-    """The candidate for explicit knobs (no history): for tests and tools."""
-    traced = trace_task(spec, device)
+             excluded: tuple[str, ...] = (), numerics: Optional[Numerics] = None) -> GeneratedCandidate:
+    """The candidate for explicit knobs (no history), in ``numerics`` (None: fp32): for tests and tools."""
+    traced = trace_task(spec, device, numerics)
     if not traced.ok:
-        return _untraceable(traced, device, Feedback())
-    fb = Feedback(cuts=set(cuts), excluded=set(excluded))
-    gen = _Generator(traced, device, fb)
+        return _untraceable(traced, device, Feedback(precision=traced.precision))
+    fb = Feedback(cuts=set(cuts), excluded=set(excluded), precision=traced.precision)
+    gen = _Generator(traced, device, fb, getattr(numerics, "math", None))
     r = gen.render(knobs)
     covered = sorted({op for kg in r.groups for op in kg.kg.ops})
     return GeneratedCandidate(source=r.source, choices=r.header, covered_ops=covered,
@@ -167,7 +184,7 @@ def _untraceable(traced: Traced, device: str, fb: Feedback) -> GeneratedCandidat
 
     spec = traced.spec
     header = {"v": HEADER_VERSION, "generator": "builtin", "device": device, "task": spec.name,
-              "fallback": "untraceable", "groups": [], "knobs": {}}
+              "precision": traced.precision, "fallback": "untraceable", "groups": [], "knobs": {}}
     error = (traced.error or "").replace('"""', "'''")
     fwd = pysource.reference_forward(spec)
     fwd = "\n".join("    " + line for line in fwd.splitlines())

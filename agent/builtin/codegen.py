@@ -11,6 +11,7 @@ import jinja2
 from torch.fx import Node
 
 from agent.builtin import pysource
+from agent.builtin.dtypes import at_type, c_type
 from agent.builtin.gemm import TcGemm, tc3_gemms
 from agent.builtin.kernels import LANES, KernelGroup
 from agent.builtin.ops import c_float
@@ -26,7 +27,7 @@ BLOCK_SIZES = (256, 128, 512)
 @dataclass(frozen=True)
 class Knobs:
     fusion: str = "max"        # max | no_prologue | split | elementwise
-    vec: bool = True           # float4 loads (cuda) / omp simd (cpu)
+    vec: bool = True           # 4-element vector loads (cuda: float4, 8 bytes for half types) / omp simd (cpu)
     block: int = 256           # threads per block (cuda); chunk/tile scale (cpu)
     reduce: str = "onepass"    # onepass | twopass (logsumexp/softmax, norm statistics)
     matmul: str = "tc3"        # tc3 (large GEMMs as split-TF32 tensor-core GEMMs, cuda; see gemm.py) | ieee
@@ -125,7 +126,8 @@ class GroupCode:
         state = {self.roles.get("running_mean"), self.roles.get("running_var")} - {None}
         for inp in kg.inputs:
             fn = "kl_state" if inp.index in state else "kl_prep"
-            lines.append(f'torch::Tensor in{inp.index} = {fn}(t{inp.index}, who, "{_c_str(inp.label)}");')
+            lines.append(f'torch::Tensor in{inp.index} = {fn}(t{inp.index}, {at_type(inp.dtype)}, who, '
+                         f'"{_c_str(inp.label)}");')
         rank = len(kg.p_shape)
         sp_inputs = ", ".join(f"in{k}.sizes()" for k in kg.space_inputs)
         lines.append(f"const std::vector<int64_t> sp = kl_broadcast({{{sp_inputs}}}, {rank}, who);")
@@ -172,13 +174,14 @@ class GroupCode:
             runs = ", ".join(f"{{{a}, {b}}}" for a, b in acc.runs)
             lines.append(f"kl_runs(in{acc.input}, {shape}, {{{runs}}}, meta, who);")
         first = kg.space_inputs[0]
-        lines.append(f"torch::Tensor out = torch::empty({out_shape}, in{first}.options());")
+        out_dtype = at_type(kg.out_dtype)
+        lines.append(f"torch::Tensor out = torch::empty({out_shape}, in{first}.options().dtype({out_dtype}));")
         sig = [f"torch::Tensor t{i.index}" for i in kg.inputs]
         if kg.op == "batch_norm":
             sig += ["bool use_batch", "bool update", "double factor"]
         return {"name": kg.name, "describe": _c_str(kg.describe()), "signature": ", ".join(sig),
-                "body": lines, "in_ptrs": ", ".join(f"in{i.index}.data_ptr<float>()" for i in kg.inputs),
-                "fmeta": fmeta}
+                "body": lines, "in_ptrs": ", ".join(f"in{i.index}.data_ptr<{i.ctype}>()" for i in kg.inputs),
+                "out_ptr": f"out.data_ptr<{c_type(kg.out_dtype)}>()", "fmeta": fmeta}
 
     def _norm_sizes(self, rank: int) -> list[str]:
         kg = self.kg
@@ -273,13 +276,13 @@ def body_hash(source: str) -> str:
 def render_candidate(traced: Traced, plan: Plan, kgroups: list[KernelGroup], device: str,
                      knobs: Knobs, header: dict[str, Any]) -> Rendered:
     codes = [GroupCode(kg, device, knobs) for kg in kgroups]
-    qualifying = tc3_gemms(plan.infos, traced.modules, device)
+    qualifying = tc3_gemms(plan.infos, traced.modules, device, traced.precision)
     tc = qualifying if knobs.matmul == "tc3" else []
     tc_fns = {g.fn for g in tc}
     kernels = "\n".join(c.kernel_source() for c in codes)
     if tc:
         kernels += ("\n" if kernels else "") + render("cuda_tc.cu.j2")
-    common = render("common.h.j2", device=device)
+    common = render("common.h.j2", device=device, half=any(c.kg.has_half for c in codes))
     wrappers = render("wrapper.cpp.j2", device=device, wrappers=[c.wrapper() for c in codes],
                       tc_linear="kl_tc_linear" in tc_fns, tc_matmul="kl_tc_matmul" in tc_fns)
     if device == "cuda":
@@ -297,7 +300,7 @@ def render_candidate(traced: Traced, plan: Plan, kgroups: list[KernelGroup], dev
     if qualifying:
         used.add("matmul")
     spec = traced.spec
-    summary = _summary(plan, codes, tc)
+    summary = _summary(plan, codes, tc, traced.precision)
     functions = [c.kg.name for c in codes] + sorted(tc_fns)
     source = render(
         "candidate.py.j2",
@@ -310,8 +313,14 @@ def render_candidate(traced: Traced, plan: Plan, kgroups: list[KernelGroup], dev
     return Rendered(source=source, header=header, groups=codes, knobs_used=used, tc=tc)
 
 
-def _summary(plan: Plan, codes: list[GroupCode], tc: list[TcGemm]) -> list[str]:
+def _summary(plan: Plan, codes: list[GroupCode], tc: list[TcGemm], precision: str = "fp32") -> list[str]:
     out = []
+    if precision != "fp32":
+        halves = sorted({c_type(d) for c in codes for d in c.kg.dtypes if c_type(d) != "float"})
+        out.append(f"Precision {precision}: the model and its inputs are in the half type. The kernels load and "
+                   f"store {', '.join(halves) or 'it'}, compute every operator and accumulate every reduction "
+                   "in float32, and round each result once, on store. Library operators (GEMMs, "
+                   f"convolutions) stay on PyTorch in {precision} (the split-TF32 GEMM is for fp32 only).")
     for c in codes:
         out.append(f"{c.kg.name}: {c.kg.kind} kernel fusing {c.kg.describe()} "
                    f"(nodes {', '.join(n.name for n in c.kg.nodes)})")

@@ -14,12 +14,18 @@ its groups (node names). From the history the generator derives:
   is never the best, and where it ran split-TF32 GEMMs it blames ``matmul="tc3"``;
 * ``best``: the fastest correct attempt, around which exploration continues;
 * ``seen``: hashes of every earlier source body, so no identical source is proposed twice.
+
+All of it under the run's precision (its ``Numerics``): only attempts generated for that
+precision (the header's ``precision``; none recorded: ``fp32``) are read, since a float16
+kernel's verdict says nothing about a float32 one, and the split-TF32 GEMM (``matmul``) is
+considered, blamed and explored under ``fp32`` only; under ``fp16``/``bf16`` the knob is
+pinned to ``ieee`` (PyTorch's own GEMM).
 """
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from agent.builtin.codegen import BLOCK_SIZES, HEADER_PREFIX, Knobs, body_hash
@@ -59,6 +65,7 @@ class Feedback:
     best: Optional[dict[str, Any]] = None          # header of the fastest correct attempt
     best_ms: Optional[float] = None
     notes: list[str] = field(default_factory=list)
+    precision: str = "fp32"                        # the run's (Numerics.precision)
 
     def knob_ok(self, k: Knobs) -> bool:
         items = frozenset(k.as_dict().items())
@@ -107,23 +114,32 @@ def _knobs_of(header: dict[str, Any]) -> dict[str, Any]:
     return knobs
 
 
-def _flag_kinds(result: Any) -> dict[str, str]:
-    out = {}
+def _flags(result: Any) -> list[tuple[str, str]]:
+    out = []
     for f in getattr(result, "flags", None) or []:
         kind = getattr(f, "kind", None)
-        out[str(getattr(kind, "value", kind))] = str(getattr(f, "reason", ""))
+        out.append((str(getattr(kind, "value", kind)), str(getattr(f, "reason", ""))))
     return out
 
 
-def precision_doubt(result: Any) -> Optional[str]:
+# The static scan's notes that a source uses a half type: under fp16/bf16 that is the run's own
+# format (every candidate loads and stores it), not a narrowing of it.
+_HALF_NOTE = "half type"
+
+
+def precision_doubt(result: Any, precision: str = "fp32") -> Optional[str]:
     """Why a correct result's precision is in doubt, or None: a measured ``inaccurate`` flag, or
     a ``precision`` flag where the sandbox did not measure the error against float64 (where it
-    did, its ``inaccurate`` flag, not the static scan's note, is the verdict)."""
-    kinds = _flag_kinds(result)
-    if "inaccurate" in kinds:
-        return f"inaccurate: {kinds['inaccurate']}"
-    if "precision" in kinds and not result.fp64_measured:
-        return f"precision: {kinds['precision']}"
+    did, its ``inaccurate`` flag, not the static scan's note, is the verdict). Under the run's
+    ``precision`` fp16/bf16 a note that the source uses a half type is no doubt."""
+    flags = _flags(result)
+    for kind, reason in flags:
+        if kind == "inaccurate":
+            return f"inaccurate: {reason}"
+    notes = [reason for kind, reason in flags if kind == "precision"
+             and not (precision != "fp32" and _HALF_NOTE in reason)]
+    if notes and not result.fp64_measured:
+        return f"precision: {notes[-1]}"
     return None
 
 
@@ -140,8 +156,18 @@ def _names_tc(att: AttemptView) -> bool:
     return any(t and _TC_RE.search(t) for t in texts)
 
 
-def read_history(history: list[AttemptView], device: str) -> Feedback:
-    fb = Feedback()
+def header_precision(header: dict[str, Any]) -> str:
+    """The precision a candidate was generated for (headers written before precisions: fp32)."""
+    return str(header.get("precision") or "fp32")
+
+
+def read_history(history: list[AttemptView], device: str, precision: str = "fp32",
+                 math: Optional[str] = None) -> Feedback:
+    """What the history says, from the attempts generated for this device, precision and (when
+    given) math mode: under ``strict`` the reference's convolutions are full fp32 and under
+    ``default`` TF32, so a verdict or a time taken under one says nothing about the other."""
+    fb = Feedback(precision=precision)
+    fp32 = precision == "fp32"
     ours: list[tuple[AttemptView, dict[str, Any]]] = []
     for att in sorted(history, key=lambda a: (a.round, a.attempt_id)):
         if att.source:
@@ -149,17 +175,19 @@ def read_history(history: list[AttemptView], device: str) -> Feedback:
         h = parse_header(att.source)
         if h is None or h.get("device") != device or att.result is None:
             continue
+        if header_precision(h) != precision or (math and h.get("math", math) != math):
+            continue            # generated for another convention: its verdicts are not this run's
         ours.append((att, h))
     correct = [(a, h) for a, h in ours if a.result.correct]
     # the groups of a correct attempt computed the right values, whatever its flags say
     proven = {tuple(g["nodes"]) for _, h in correct for g in h.get("groups", [])}
-    doubted = {id(a): precision_doubt(a.result) for a, _ in correct}
+    doubted = {id(a): precision_doubt(a.result, precision) for a, _ in correct}
     for att, h in correct:
         why = doubted[id(att)]
         if why is None:
             continue
         knobs = _knobs_of(h)
-        if knobs.get("matmul") == "tc3" and h.get("tc3"):
+        if fp32 and knobs.get("matmul") == "tc3" and h.get("tc3"):
             fb.bad_knobs.add(TC3)
             fb.bad_combos.add(frozenset(knobs.items()))
             fb.notes.append(f"attempt {att.attempt_id} (correct, {why}): not counted as the best; "
@@ -183,7 +211,7 @@ def read_history(history: list[AttemptView], device: str) -> Feedback:
         groups = h.get("groups", [])
         tc = h.get("tc3") or []
         knobs = _knobs_of(h)
-        if tc and knobs.get("matmul") == "tc3" and (not groups or _names_tc(att)):
+        if fp32 and tc and knobs.get("matmul") == "tc3" and (not groups or _names_tc(att)):
             # the split-TF32 GEMM failed (or is the only code of its own): blame it, not the groups
             fb.bad_knobs.add(TC3)
             fb.bad_combos.add(frozenset(knobs.items()))
@@ -233,8 +261,11 @@ ALL_KNOBS = [Knobs(f, v, b, r, m) for f in FUSION_MODES for v in (True, False) f
 _PRIORITY = {"matmul": 0, "block": 1, "vec": 2, "reduce": 3, "fusion": 4}
 
 
-def variant_order(fb: Feedback) -> list[Knobs]:
-    """Knob settings to try, best first: around the fastest correct attempt, else the default order."""
+def variant_order(fb: Feedback, precision: Optional[str] = None) -> list[Knobs]:
+    """Knob settings to try, best first: around the fastest correct attempt, else the default
+    order. Under fp16/bf16 (``precision``, else the feedback's) every setting has
+    ``matmul="ieee"``: there is no split-TF32 GEMM to try."""
+    precision = precision or fb.precision
     if fb.best is not None and _knobs_of(fb.best):
         base = _knobs_of(fb.best)
 
@@ -246,5 +277,7 @@ def variant_order(fb: Feedback) -> list[Knobs]:
         order = sorted(ALL_KNOBS, key=key)
     else:
         order = DEFAULT_ORDER + [k for k in ALL_KNOBS if k not in DEFAULT_ORDER]
+    if precision != "fp32":
+        order = list(dict.fromkeys(replace(k, matmul="ieee") for k in order))
     good = [k for k in order if fb.knob_ok(k)]
     return good + [k for k in order if k not in good]

@@ -14,7 +14,8 @@ into ``y`` by cuBLAS's float32 epilogue with round-to-nearest, so the tensor cor
 accumulation never runs over more than 256 products. The generated candidate calls
 ``_ext.kl_tc_linear(x, weight, bias)`` / ``_ext.kl_tc_matmul(a, b)`` (``templates/tc_gemm.cpp.j2``
 and the split kernel in ``templates/cuda_tc.cu.j2``); ``matmul="ieee"`` keeps PyTorch's own
-float32 call. Only ``cuda`` uses it.
+float32 call. Only ``cuda`` uses it, and only under the ``fp32`` precision: under ``fp16`` and
+``bf16`` the model's GEMMs are half-precision GEMMs and stay on PyTorch as they are.
 """
 from __future__ import annotations
 
@@ -154,8 +155,13 @@ def _if_worthwhile(node: Node, fn: str, args: list[str], m: int, n: int, k: int,
     return TcGemm(node, fn, args, m, n, k) if tc3_worthwhile(device, m, n, k) else None
 
 
-def tc3_gemms(infos: dict[Node, OpInfo], modules: dict[str, nn.Module], device: str) -> list[TcGemm]:
-    """Every library node of the graph that qualifies for ``tc3``, in graph order."""
+def tc3_gemms(infos: dict[Node, OpInfo], modules: dict[str, nn.Module], device: str,
+              precision: str = "fp32") -> list[TcGemm]:
+    """Every library node of the graph that qualifies for ``tc3``, in graph order; none unless
+    the run's precision is ``fp32`` (the split is of float32 operands; a half-precision GEMM
+    stays on PyTorch)."""
+    if precision != "fp32":
+        return []
     out = []
     for node, info in infos.items():
         g = tc3_gemm(node, info, modules, device)

@@ -10,7 +10,10 @@ One ``KernelGroup`` describes everything the templates need for one group:
 * ``meta``: the int64 values the C++ wrapper computes at run time (sizes and run
   parameters) in the order the launcher unpacks them;
 * the element bodies (C statements) of the prologue and epilogue, as functions of the
-  flat index variable and of the vector lane (float4 loads), rendered by the templates.
+  flat index variable and of the vector lane (4-element vector loads), rendered by the templates;
+* the storage type of every input and of the output (``float``, ``c10::Half``,
+  ``c10::BFloat16``): loads convert to ``float``, every operator computes in ``float``, and
+  the result is converted to the output's type once, on store (see ``dtypes``).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from typing import Any, Optional, Union
 
 from torch.fx import Node
 
+from agent.builtin.dtypes import c_type, is_half, value_dtype
 from agent.builtin.ops import ModuleAttr, OpInfo, c_float, ew_expr, shape_of
 from agent.builtin.plan import Group, Plan
 
@@ -55,6 +59,14 @@ class Input:
     @property
     def label(self) -> str:
         return self.value.key if isinstance(self.value, ModuleAttr) else self.value.name
+
+    @property
+    def dtype(self):
+        return value_dtype(self.value)
+
+    @property
+    def ctype(self) -> str:
+        return c_type(self.dtype)
 
 
 def _access(inp: Input, space_shape: tuple[int, ...], space: str) -> Access:
@@ -137,6 +149,8 @@ class KernelGroup:
         for n in self.epilogue_nodes:
             self._use_operands(n, self.epi_space)
         self.out_node = group.output
+        self.out_dtype = value_dtype(self.out_node)
+        self.out_ctype = c_type(self.out_dtype)
         self.ops = [infos[n].op for n in group.nodes]
         self.meta: list[str] = []          # C++ expressions pushed by the wrapper, in order
         self.knobs_used: set[str] = set()
@@ -187,10 +201,44 @@ class KernelGroup:
             return f"s{k}"
         if acc.kind == "direct":
             if lane is not None:
-                return f"v{k}.{LANES[lane]}"
-            return f"in{k}[{index}]"
+                return self._to_float(k, f"v{k}.{LANES[lane]}")
+            return self.load(k, index)
         terms = " + ".join(f"kl_off({index}, {acc.name}{j})" for j in range(len(acc.runs)))
-        return f"in{k}[{terms}]"
+        return self.load(k, terms)
+
+    # storage types ----------------------------------------------------------------------
+    def _to_float(self, k: int, expr: str) -> str:
+        return expr if self.inputs[k].ctype == "float" else f"static_cast<float>({expr})"
+
+    def load(self, k: int, index: str) -> str:
+        """Element ``index`` of input ``k`` as a float."""
+        return self._to_float(k, f"in{k}[{index}]")
+
+    @property
+    def dtypes(self) -> set:
+        return {i.dtype for i in self.inputs} | {self.out_dtype}
+
+    @property
+    def has_half(self) -> bool:
+        """Whether the kernel loads or stores a 2-byte type (its code needs the c10 headers)."""
+        return any(is_half(d) for d in self.dtypes)
+
+    def vec_type(self, k: Optional[int] = None) -> str:
+        """The 4-element vector of input ``k`` (None: of the output): ``float4`` for float, an
+        8-byte ``KlVec4`` of the half type (common.h.j2)."""
+        ctype = self.out_ctype if k is None else self.inputs[k].ctype
+        return "float4" if ctype == "float" else f"KlVec4<{ctype}>"
+
+    def vec_bytes(self, k: Optional[int] = None) -> int:
+        """The alignment (bytes) a 4-element vector load of input ``k`` (None: the output) needs."""
+        dtype = self.out_dtype if k is None else self.inputs[k].dtype
+        return 8 if is_half(dtype) else 16
+
+    def out_param(self) -> str:
+        return f"{self.out_ctype}* __restrict__ out"
+
+    def out_arg(self) -> str:
+        return f"static_cast<{self.out_ctype}*>(outs[0])"
 
     def _operand(self, o: Any, loads: dict[int, str]) -> str:
         if isinstance(o, Node):
@@ -267,10 +315,10 @@ class KernelGroup:
         return ", ".join(parts)
 
     def in_params(self) -> str:
-        return ", ".join(f"const float* __restrict__ in{i.index}" for i in self.inputs)
+        return ", ".join(f"const {i.ctype}* __restrict__ in{i.index}" for i in self.inputs)
 
     def in_args(self) -> str:
-        return ", ".join(f"ins[{i.index}]" for i in self.inputs)
+        return ", ".join(f"static_cast<const {i.ctype}*>(ins[{i.index}])" for i in self.inputs)
 
     def describe(self) -> str:
         return " -> ".join(self.ops)

@@ -2,7 +2,7 @@
 
 Every node of a traced reference is classified as one of
 
-* ``ew``      an elementwise float32 operator with a C expression (fusible anywhere);
+* ``ew``      an elementwise operator with a C expression (fusible anywhere), computed in float;
 * ``reduce``  a reduction over one contiguous run of dimensions (sum, mean, amax, amin,
               logsumexp, softmax, log_softmax) - the *core* of a fusion group;
 * ``norm``    GroupNorm, LayerNorm, InstanceNorm, BatchNorm - also a core;
@@ -119,6 +119,7 @@ class ModuleAttr:
     path: str            # dotted submodule path
     attr: str
     shape: tuple[int, ...] = ()
+    dtype: torch.dtype = torch.float32      # as the model holds it (in the run's precision)
 
     @property
     def key(self) -> str:
@@ -238,11 +239,9 @@ def shape_of(node: Any) -> Optional[tuple[int, ...]]:
     return tuple(int(s) for s in tm.shape) if tm is not None else None
 
 
-def is_f32(value: Any) -> bool:
-    if isinstance(value, ModuleAttr):
-        return True
-    tm = tensor_meta(value)
-    return tm is not None and tm.dtype == torch.float32
+def _attrs(mod: nn.Module, path: str, names: tuple[str, ...], shape: tuple[int, ...]) -> list[ModuleAttr]:
+    """The module's tensors ``names`` as operands, each with its shape and its dtype."""
+    return [ModuleAttr(path, a, tuple(shape), getattr(mod, a).dtype) for a in names]
 
 
 def _bind(node: Node, spec: dict, skip_self: bool) -> tuple[list[Any], dict[str, Any]]:
@@ -395,7 +394,7 @@ def _classify_module(node: Node, mod: nn.Module) -> OpInfo:
             raise Unsupported("GroupNorm input shape does not match the module")
         ops: list[Any] = [x]
         if mod.affine:
-            ops += [ModuleAttr(path, "weight", (mod.num_channels,)), ModuleAttr(path, "bias", (mod.num_channels,))]
+            ops += _attrs(mod, path, ("weight", "bias"), (mod.num_channels,))
         return OpInfo("norm", "group_norm", ops, {"groups": int(mod.num_groups), "eps": float(mod.eps),
                                                   "affine": bool(mod.affine), "module": path})
     if isinstance(mod, nn.LayerNorm):
@@ -407,9 +406,9 @@ def _classify_module(node: Node, mod: nn.Module) -> OpInfo:
         has_w = mod.weight is not None
         has_b = getattr(mod, "bias", None) is not None
         if has_w:
-            ops.append(ModuleAttr(path, "weight", ns))
+            ops += _attrs(mod, path, ("weight",), ns)
         if has_b:
-            ops.append(ModuleAttr(path, "bias", ns))
+            ops += _attrs(mod, path, ("bias",), ns)
         return OpInfo("norm", "layer_norm", ops, {"nd": len(ns), "eps": float(mod.eps), "weight": has_w,
                                                   "bias": has_b, "module": path})
     if isinstance(mod, (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)):
@@ -421,7 +420,7 @@ def _classify_module(node: Node, mod: nn.Module) -> OpInfo:
             raise Unsupported("InstanceNorm on an unbatched input stays on PyTorch")
         ops = [x]
         if mod.affine:
-            ops += [ModuleAttr(path, "weight", (mod.num_features,)), ModuleAttr(path, "bias", (mod.num_features,))]
+            ops += _attrs(mod, path, ("weight", "bias"), (mod.num_features,))
         return OpInfo("norm", "instance_norm", ops, {"eps": float(mod.eps), "affine": bool(mod.affine), "module": path})
     if isinstance(mod, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
         shp = shape_of(x)
@@ -429,11 +428,10 @@ def _classify_module(node: Node, mod: nn.Module) -> OpInfo:
             raise Unsupported("BatchNorm input shape does not match the module")
         ops = [x]
         if mod.affine:
-            ops += [ModuleAttr(path, "weight", (mod.num_features,)), ModuleAttr(path, "bias", (mod.num_features,))]
+            ops += _attrs(mod, path, ("weight", "bias"), (mod.num_features,))
         track = mod.running_mean is not None
         if track:
-            ops += [ModuleAttr(path, "running_mean", (mod.num_features,)),
-                    ModuleAttr(path, "running_var", (mod.num_features,))]
+            ops += _attrs(mod, path, ("running_mean", "running_var"), (mod.num_features,))
         return OpInfo("norm", "batch_norm", ops, {"eps": float(mod.eps), "affine": bool(mod.affine),
                                                   "track": track, "module": path})
     return OpInfo("other", name, note=f"module {name} is not in the builtin catalogue")

@@ -23,7 +23,8 @@ from typing import Iterable, Optional
 
 from torch.fx import Node
 
-from agent.builtin.ops import ModuleAttr, OpInfo, classify, is_f32, shape_of
+from agent.builtin.dtypes import dtype_name, supported, value_dtype
+from agent.builtin.ops import ModuleAttr, OpInfo, classify, shape_of
 from agent.builtin.trace import Traced
 
 FUSION_MODES = ("max", "no_prologue", "split", "elementwise")
@@ -88,12 +89,17 @@ def effective_users(node: Node, infos: dict[Node, OpInfo]) -> list[Node]:
 
 
 def _check_dtypes(infos: dict[Node, OpInfo]) -> None:
+    """The kernels load and store float32, float16 and bfloat16 (computing in float); an operator
+    with a tensor of any other dtype stays on PyTorch."""
     for node, info in infos.items():
         if not info.fusible:
             continue
         tensors = [o for o in info.operands if isinstance(o, (Node, ModuleAttr))]
-        if not is_f32(node) or not all(is_f32(t) for t in tensors):
-            info.kind, info.note = "other", "not float32: the builtin kernels are float32 only, it stays on PyTorch"
+        bad = [value_dtype(t) for t in [node, *tensors] if not supported(value_dtype(t))]
+        if bad:
+            info.kind = "other"
+            info.note = (f"a {dtype_name(bad[0])} tensor: the builtin kernels read float32, float16 and "
+                         "bfloat16 only, it stays on PyTorch")
             continue
         if any(isinstance(o, Node) and shape_of(o) is None for o in info.operands):
             info.kind, info.note = "other", "an operand has no known tensor shape"

@@ -5,6 +5,11 @@ The model is built on the ``meta`` device (sizes on the GPU can be huge), traced
 run the model, the task's CPU sizes and real tensors are used instead (shapes only feed
 the plan: the generated kernels read every size at run time). The caller's RNG state
 is never disturbed.
+
+The trace is taken in the run's precision, as the sandbox builds the models (KernelBench's
+casts, through the ``Numerics`` helpers): tensors among the init inputs, the model's
+parameters and buffers and the floating-point inputs in float16 or bfloat16 under ``fp16`` or
+``bf16``, so the graph's dtypes are those the candidate will see.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import torch.nn.functional as F
 from torch.fx import GraphModule, Node, symbolic_trace
 from torch.fx.passes.shape_prop import ShapeProp
 
+from agent.builtin.dtypes import cast_model, cast_values, precision_of
 from sandbox.tasks import TaskSpec, load_task, with_device_sizes
 
 
@@ -31,55 +37,61 @@ class Traced:
     constants: dict[str, torch.Tensor] = field(default_factory=dict)   # get_attr targets the model lacks
     error: Optional[str] = None              # why tracing failed (then gm is None)
     how: str = "meta"                        # meta | cpu
+    precision: str = "fp32"                  # the run's precision the trace was taken in
 
     @property
     def ok(self) -> bool:
         return self.gm is not None
 
 
-_CACHE: dict[tuple[str, str, str], Traced] = {}
+_CACHE: dict[tuple[str, str, str, str], Traced] = {}
 _LOCK = threading.Lock()
 
 
-def trace_task(spec: TaskSpec, device: str) -> Traced:
-    """The (cached) trace of a task. Serialised: the backend runs samples in threads, and tracing
-    uses process-wide state (the default-device mode, the RNG it saves and restores)."""
-    key = (spec.key, spec.name, device)
+def trace_task(spec: TaskSpec, device: str, numerics: Any = None) -> Traced:
+    """The (cached) trace of a task in the run's precision (``numerics``: a
+    ``sandbox.numerics.Numerics``, None for float32). Serialised: the backend runs samples in
+    threads, and tracing uses process-wide state (the default-device mode, the RNG it saves
+    and restores)."""
+    precision = precision_of(numerics)
+    key = (spec.key, spec.name, device, precision)
     with _LOCK:
         hit = _CACHE.get(key)
         if hit is None:
-            hit = _trace(spec, device)
+            hit = _trace(spec, device, numerics)
             if len(_CACHE) > 64:
                 _CACHE.clear()
             _CACHE[key] = hit
         return hit
 
 
-def _trace(spec: TaskSpec, device: str) -> Traced:
+def _trace(spec: TaskSpec, device: str, numerics: Any = None) -> Traced:
     dev_spec = with_device_sizes(spec, device)
+    precision = precision_of(numerics)
     errors = []
     for how in ("meta", "cpu"):
         use = dev_spec if how == "meta" else with_device_sizes(spec, "cpu")
         try:
             with torch.random.fork_rng(devices=[]):
-                return _trace_with(use, device, how)
+                return _trace_with(use, device, how, numerics)
         except Exception as exc:  # noqa: BLE001 - any failure moves on to the next way
             errors.append(f"{how}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-    return Traced(spec=dev_spec, device=device, error="; ".join(errors))
+    return Traced(spec=dev_spec, device=device, error="; ".join(errors), precision=precision)
 
 
-def _trace_with(spec: TaskSpec, device: str, how: str) -> Traced:
+def _trace_with(spec: TaskSpec, device: str, how: str, numerics: Any = None) -> Traced:
+    """One way of tracing; the casts are the harness's (``make_model``/``make_inputs``)."""
     task = load_task(spec, validate=False)
     if how == "meta":
         with torch.device("meta"):
-            init = task.get_init_inputs()
-            model = task.Model(*init)
-            inputs = task.get_inputs()
+            init = cast_values(numerics, task.get_init_inputs())
+            model = cast_model(numerics, task.Model(*init))
+            inputs = cast_values(numerics, task.get_inputs())
     else:
         torch.manual_seed(0)
-        init = task.get_init_inputs()
-        model = task.Model(*init)
-        inputs = task.get_inputs()
+        init = cast_values(numerics, task.get_init_inputs())
+        model = cast_model(numerics, task.Model(*init))
+        inputs = cast_values(numerics, task.get_inputs())
     gm = symbolic_trace(model)
     ShapeProp(gm).propagate(*inputs)
     if _split_conv_bias(gm):
@@ -97,7 +109,8 @@ def _trace_with(spec: TaskSpec, device: str, how: str) -> Traced:
                 if not isinstance(value, torch.Tensor) or value.numel() > 4096 or value.is_meta:
                     raise ValueError(f"the trace holds a tensor constant {node.target} that the model lacks")
                 constants[node.target] = value.detach().cpu().clone()
-    return Traced(spec=spec, device=device, gm=gm, modules=modules, constants=constants, how=how)
+    return Traced(spec=spec, device=device, gm=gm, modules=modules, constants=constants, how=how,
+                  precision=precision_of(numerics))
 
 
 def _get_path(obj: Any, path: str) -> Any:
@@ -115,8 +128,10 @@ def _split_conv_bias(gm: GraphModule) -> bool:
     """``conv(x)`` -> ``conv(x, weight, None) + bias.view(-1, 1, ...)`` where the convolution's one
     user is an operator the plan fuses. PyTorch adds a convolution's bias in a kernel of its
     own after cuDNN's (a full read and write of the output); as an add node it becomes part of
-    the generated kernel that follows. The sum is the same float32 addition. Returns whether
-    the graph changed (its shapes must then be propagated again)."""
+    the generated kernel that follows. The sum is the same float32 addition (under fp16/bf16:
+    the convolution's output in its half type plus the bias, added in float and rounded once,
+    as PyTorch's own separate bias add does). Returns whether the graph changed (its shapes
+    must then be propagated again)."""
     from agent.builtin.ops import classify
 
     modules = dict(gm.named_modules())
