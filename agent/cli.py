@@ -204,9 +204,9 @@ def optimize_command(
 
 def run_numerics(run: Any) -> Any:
     """The numerics a stored run was measured under (runs from before numerics existed: fp32/strict)."""
-    from sandbox.result import EvalConfig
+    from sandbox.numerics import numerics_of_run_config
 
-    return EvalConfig.model_validate((run.config or {}).get("eval") or {"trials": 5}).numerics
+    return numerics_of_run_config(run.config)[0]
 
 
 def runs_command(db: Optional[str] = DbOption, limit: int = typer.Option(20, "-n", help="newest N runs")) -> None:

@@ -130,6 +130,76 @@ def _fmt_ms(v: Optional[float]) -> str:
     return "—" if v is None else f"{v:.3f}"
 
 
+def published_for(spec: TaskSpec, result: dict[str, Any]) -> dict[str, Any]:
+    """KernelBench's published figures for a measured baseline (``evals.published``), with
+    the comparisons: what ``details["published"]`` stores. Only for the task's own sizes."""
+    from evals.published import lookup_published, published_record
+
+    if spec.overrides:
+        sizes = ", ".join(f"{k}={v!r}" for k, v in sorted(spec.overrides.items()))
+        return {"available": False,
+                "reason": f"sizes overridden ({sizes}): the published figures are for the task's own sizes"}
+    lookup = lookup_published(spec.path, result.get("device_name"))
+    return published_record(lookup, {"eager": result.get("eager_ms"), "compile": result.get("compile_ms")},
+                            result.get("numerics"))
+
+
+def baseline_table(rows: list[tuple[str, Optional[dict[str, Any]]]], title: str,
+                   no_compile: bool = False) -> tuple[Any, list[str]]:
+    """The table ``kernelloop baseline`` prints and the lines to print below it.
+
+    ``rows`` are ``(task, result)``, ``result`` ``None`` for a task that failed. Where any
+    result has published figures (``result["published"]``), columns "published eager",
+    "eager/published", "published compile" and "compile/published" are added; a ratio more
+    than 10% off is marked, and a line below the table names the likely cause."""
+    from rich.table import Table
+
+    from evals.published import (FLAG_MARK, OTHER_CONVENTION_MARK, PUBLISHED_NUMERICS, published_ms_cell,
+                                 ratio_cell, record_notes)
+
+    def pub(result: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        rec = (result or {}).get("published")
+        return rec if isinstance(rec, dict) and rec.get("available") else None
+
+    show_published = any(pub(r) for _, r in rows)
+    cols = ["task", "eager ms", "compile ms", "floor ms", "eager/floor"]
+    if show_published:
+        cols += ["published eager", "eager/published", "published compile", "compile/published"]
+    table = Table(title=title)
+    for col in cols:
+        table.add_column(col, justify="left" if col == "task" else "right")
+    notes: list[str] = []
+    other_convention: set[str] = set()
+    sources: set[str] = set()
+    for task, result in rows:
+        if result is None:
+            table.add_row(task, "error", *[""] * (len(cols) - 2))
+            continue
+        compile_cell = _fmt_ms(result["compile_ms"]) if result.get("compile_error") is None else "failed"
+        ratio = f"{result['eager_ms'] / result['floor_ms']:.2f}" if result.get("floor_ms") else "—"
+        cells = [task, _fmt_ms(result["eager_ms"]), "skipped" if no_compile else compile_cell,
+                 _fmt_ms(result.get("floor_ms")), ratio]
+        if show_published:
+            rec = pub(result)
+            comp = (rec or {}).get("comparison") or {}
+            cells += [published_ms_cell(rec, "eager"), ratio_cell(comp.get("eager")),
+                      published_ms_cell(rec, "compile"), ratio_cell(comp.get("compile"))]
+            if rec:
+                notes += record_notes(task, rec)
+                sources.add(f"{rec['timing_dir']} ({rec['hardware']}; {rec['match_note']})")
+                if not rec.get("same_convention"):
+                    other_convention.add(str(rec.get("measured_numerics")))
+        table.add_row(*cells)
+    if show_published:
+        notes.insert(0, f"published: KernelBench results/timing/{', '.join(sorted(sources))}, "
+                        f"measured under {PUBLISHED_NUMERICS}; ratio = measured / published, "
+                        f"{FLAG_MARK} more than 10% off")
+        if other_convention:
+            notes.append(f"{OTHER_CONVENTION_MARK} measured under {', '.join(sorted(other_convention))}, published "
+                         f"under {PUBLISHED_NUMERICS}: a different convention, shown but not compared")
+    return table, notes
+
+
 def baseline_command(
     tasks: list[str] = typer.Argument(..., help="task files, directories or bundled names (seeds, level1/relu)"),
     device: Optional[str] = DeviceOption,
@@ -141,8 +211,6 @@ def baseline_command(
     db: Optional[str] = DbOption,
 ) -> None:
     """Time tasks' eager and torch.compile references; show roofline floors; store Baseline rows."""
-    from rich.table import Table
-
     from evals.probe import get_probe
 
     dev = resolve_device(device)
@@ -155,9 +223,7 @@ def baseline_command(
     store = open_store(db)
     failures = 0
     probe = None
-    table = Table(title=f"baselines on {dev} · {numerics.describe()}")
-    for col in ("task", "eager ms", "compile ms", "floor ms", "eager/floor"):
-        table.add_column(col, justify="left" if col == "task" else "right")
+    rows: list[tuple[str, Optional[dict[str, Any]]]] = []
     try:
         probe = get_probe(dev, store, measure=True)
         for path in paths:
@@ -166,25 +232,28 @@ def baseline_command(
                 console.print(f"[dim]timing {spec.name} ...[/]", highlight=False)
                 result = measure_baseline(spec, dev, runs=runs, compile=not no_compile, probe=probe,
                                           numerics=numerics)
+                published = published_for(spec, result)
+                if published.get("available"):
+                    result["published"] = published
+                else:
+                    result["published_missing"] = published.get("reason")
                 store_baseline(store, spec, result)
             except Exception as exc:  # noqa: BLE001 - one broken task must not stop the others
                 failures += 1
                 detail = str(exc) if isinstance(exc, TaskError) else traceback.format_exc(limit=3)
                 err_console.print(f"[red]{path}: {type(exc).__name__}: {detail}[/]", highlight=False)
-                table.add_row(str(path), "error", "", "", "")
+                rows.append((str(path), None))
                 continue
-            compile_cell = _fmt_ms(result["compile_ms"]) if result["compile_error"] is None else "failed"
-            ratio = (f"{result['eager_ms'] / result['floor_ms']:.2f}"
-                     if result["floor_ms"] else "—")
-            table.add_row(spec.name, _fmt_ms(result["eager_ms"]),
-                          "skipped" if no_compile else compile_cell,
-                          _fmt_ms(result["floor_ms"]), ratio)
+            rows.append((spec.name, result))
             if result["compile_error"]:
                 err_console.print(f"[yellow]{spec.name}: torch.compile failed: {result['compile_error']}[/]",
                                   highlight=False)
     finally:
         store.close()
+    table, notes = baseline_table(rows, f"baselines on {dev} · {numerics.describe()}", no_compile=no_compile)
     console.print(table)
+    for line in notes:
+        console.print(line, style="yellow" if "(!)" in line else "dim", highlight=False, markup=False)
     if probe is not None:
         rates = ", ".join(f"{k} {v:.2f}" for k, v in sorted(probe.tflops.items()))
         console.print(f"[dim]floor from probe of {probe.device_name}: {probe.bandwidth_gbps:.1f} GB/s; "

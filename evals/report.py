@@ -7,6 +7,12 @@
 HTML is a single file with no external resource: inline CSS, plots as ``data:`` URIs, the
 critic's markdown rendered by markdown-it-py with raw HTML off (so it is escaped) and
 images off, and every other value escaped by Jinja's autoescape.
+
+The header states the run's numerics convention (``run.config["eval"]["numerics"]``; runs
+from before it was recorded ran fp32/strict). Where a task file sits in a KernelBench
+checkout with published timings for the run's GPU (``evals.published``), the task shows the
+reference's measured eager and torch.compile times (median over its evaluations in the run)
+beside the published ones, with the ratio, flagged when more than 10% off.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import difflib
 import io
 import json
 import re
+import statistics
 from pathlib import Path
 from typing import Any, Optional
 
@@ -67,9 +74,86 @@ def unified_diff(parent: Optional[str], child: Optional[str], parent_label: str,
                                         fromfile=parent_label, tofile=child_label))
 
 
-def build_report(data: RunData) -> dict[str, Any]:
-    """All the numbers and per-task data of a run's report, JSON-ready."""
+def run_numerics(run: dict[str, Any]) -> dict[str, Any]:
+    """The run's numerics convention, from ``run["config"]["eval"]["numerics"]``: label, the
+    one-line description, whether it was recorded, and a note when it was not (runs from before
+    numerics were recorded ran IEEE fp32, ``fp32/strict``) or could not be read."""
+    from pydantic import ValidationError
+
+    from sandbox.numerics import numerics_of_run_config
+
+    try:
+        n, recorded = numerics_of_run_config(run.get("config"))
+    except ValidationError as exc:
+        return {"label": "unknown", "describe": "unknown convention", "recorded": False,
+                "note": f"the run's numerics config could not be read: {str(exc).splitlines()[0]}"}
+    note = None if recorded else ("not recorded in the run's config: runs from before numerics were "
+                                  "recorded ran fp32/strict")
+    return {"label": n.label, "describe": n.describe(), "recorded": recorded, "note": note}
+
+
+def task_paths_of(session, data: RunData) -> dict[str, str]:
+    """Task name -> the task file's path as stored with the task row."""
+    import sqlalchemy as sa
+
+    from store.models import Task
+
+    ids = {tid: name for name, tid in data.task_ids.items() if tid is not None}
+    if not ids:
+        return {}
+    return {ids[t.id]: t.path for t in session.scalars(sa.select(Task).where(Task.id.in_(list(ids))))}
+
+
+def _published_path(path: Optional[str], source: Optional[str]) -> Optional[str]:
+    """The stored path if it leads into a KernelBench checkout; for a relative path stored by a
+    run started elsewhere, the same path from the repository, or the file of that name in the
+    KernelBench checkout (``evals.kernelbench``) when its source is the task's."""
+    from evals.kernelbench import REPO, kernelbench_root
+    from evals.published import find_checkout
+
+    if not path:
+        return None
+    p = Path(path)
+    tries = [p] + ([REPO / p] if not p.is_absolute() else [])
+    for cand in tries:
+        if find_checkout(cand)[0] is not None:
+            return str(cand)
+    fallback = kernelbench_root() / p.parent.name / p.name
+    try:
+        if (source is not None and re.match(r"^level\d+$", p.parent.name) and fallback.is_file()
+                and fallback.read_text() == source):
+            return str(fallback)
+    except (OSError, UnicodeDecodeError):
+        pass
+    return path
+
+
+def _median(values: list[Optional[float]]) -> Optional[float]:
+    vals = [v for v in values if v is not None and v > 0]
+    return statistics.median(vals) if vals else None
+
+
+def task_published(data: RunData, task: str, path: Optional[str], numerics: str) -> dict[str, Any]:
+    """A task's published KernelBench figures beside the reference times measured in the run
+    (``evals.published.published_record`` plus ``measured_*``), or why there are none."""
+    from evals.published import lookup_published, published_record
+
+    recs = data.records_for(task)
+    measured = {"eager": _median([r.eager_ms for r in recs]), "compile": _median([r.compile_ms for r in recs])}
+    extra = {"measured_eager_ms": measured["eager"], "measured_compile_ms": measured["compile"],
+             "measured_evaluations": sum(1 for r in recs if r.eager_ms is not None)}
+    if not path:
+        return {"available": False, "reason": "the task's path is not known", **extra}
+    lookup = lookup_published(_published_path(path, data.task_sources.get(task)), data.run.get("device_name"))
+    return {**published_record(lookup, measured, numerics), **extra}
+
+
+def build_report(data: RunData, task_paths: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    """All the numbers and per-task data of a run's report, JSON-ready. ``task_paths`` (task
+    name -> file, ``task_paths_of``) lets tasks show KernelBench's published timings."""
     m = data.metrics
+    numerics = run_numerics(data.run)
+    task_paths = task_paths or {}
     tasks = []
     for tm in m.per_task:
         analysis = data.analyses.get(tm.task)
@@ -108,6 +192,7 @@ def build_report(data: RunData) -> dict[str, Any]:
             "floor_fraction": tm.best_eager.floor_fraction if tm.best_eager else None,
             "best_by_round": {str(r): v for r, v in sorted(tm.best_by_round.items())},
             "best": best_block, "attempts": attempts,
+            "published": task_published(data, tm.task, task_paths.get(tm.task), numerics["label"]),
             "analysis": ({"id": analysis["id"], "round": analysis["round"], "critic": analysis["critic"],
                           "markdown": analysis["markdown"], "findings": analysis["findings"]}
                          if analysis else None),
@@ -118,8 +203,21 @@ def build_report(data: RunData) -> dict[str, Any]:
     flagged = [{"task": t["task"], "attempt_id": a["attempt_id"], "round": a["round"], "flags": a["flags"],
                 "cause": a["cause"]}
                for t in tasks for a in t["attempts"] if a["status"] == "correct" and not a["evaluation"]]
-    return json_safe({"run": data.run, "summary": summary, "fast_p": fast_p_rows,
-                          "flagged": flagged, "tasks": tasks})
+    return json_safe({"run": data.run, "numerics": numerics, "summary": summary, "fast_p": fast_p_rows,
+                      "flagged": flagged, "tasks": tasks, "published": published_summary(tasks, numerics)})
+
+
+def published_summary(tasks: list[dict[str, Any]], numerics: dict[str, Any]) -> dict[str, Any]:
+    """What the report says once about the published figures: how many tasks have them, where
+    they come from, and the line of each flagged comparison."""
+    from evals.published import FLAG_THRESHOLD, PUBLISHED_NUMERICS, record_notes
+
+    have = [t for t in tasks if t["published"].get("available")]
+    sources = sorted({f"{t['published']['timing_dir']} ({t['published']['hardware']}; "
+                      f"{t['published']['match_note']})" for t in have})
+    return {"tasks": len(have), "numerics": PUBLISHED_NUMERICS, "threshold": FLAG_THRESHOLD,
+            "same_convention": numerics["label"] == PUBLISHED_NUMERICS, "sources": sources,
+            "flagged": [line for t in have for line in record_notes(t["task"], t["published"])]}
 
 
 def anchor(name: str) -> str:
@@ -327,8 +425,11 @@ def _env(html: bool):
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)),
                              autoescape=html, trim_blocks=True, lstrip_blocks=True,
                              keep_trailing_newline=True, undefined=jinja2.StrictUndefined)
+    from evals.published import published_ms_cell, ratio_cell
+
     env.filters.update(x=fmt_x, pct=fmt_pct, ms=fmt_ms, num=fmt_num, cost=fmt_cost, cell=md_cell,
-                       fence=fence, demote=demote_headings)
+                       fence=fence, demote=demote_headings, ratio=ratio_cell, pub_ms=published_ms_cell,
+                       ms_na=lambda v: "n/a" if v is None else f"{v:.3f}")
     if html:
         from markupsafe import Markup
         env.filters["markdown"] = lambda text, demote=0: Markup(render_markdown_html(text, demote))
@@ -351,14 +452,16 @@ def render_html(report: dict[str, Any], plots: dict[str, bytes]) -> str:
         r=report, plots=[(k, title, data_uri(plots[k])) for k, title in PLOTS if k in plots])
 
 
-def write_report(data: RunData, fmt: str = "md", output: Optional[Path] = None, embed: bool = False) -> str:
+def write_report(data: RunData, fmt: str = "md", output: Optional[Path] = None, embed: bool = False,
+                 task_paths: Optional[dict[str, str]] = None) -> str:
     """Render a run's report; write it to ``output`` when given. Returns the text.
 
     Markdown written to a file keeps its plots as PNG files in ``<stem>_plots/`` beside it
-    (``embed=True`` puts them inline as data URIs, as when printing to stdout)."""
+    (``embed=True`` puts them inline as data URIs, as when printing to stdout).
+    ``task_paths``: see ``build_report``."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown report format {fmt!r}; use one of {', '.join(FORMATS)}")
-    report = build_report(data)
+    report = build_report(data, task_paths)
     if fmt == "json":
         text = render_json(report)
     elif fmt == "html":

@@ -29,16 +29,19 @@ def report_command(
     embed: bool = typer.Option(False, "--embed-images", help="md: put plots inline as data URIs even with -o"),
     db: Optional[str] = DbOption,
 ) -> None:
-    """Write a run's analysis report: summary, fast_p, plots, and per task the analysis,
-    attempts, best kernel and its diff against its parent."""
-    from evals.report import FORMATS, write_report
+    """Write a run's analysis report: numerics, summary, fast_p, plots, and per task the analysis,
+    attempts, best kernel and its diff against its parent, and KernelBench's published timings
+    beside the measured reference where the task has them."""
+    from evals.report import FORMATS, task_paths_of, write_report
 
     if fmt not in FORMATS:
         fail(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
     store = open_store(db)
     try:
         data = _load(store, run)
-        text = write_report(data, fmt, output, embed=embed)
+        with store.reader() as session:
+            task_paths = task_paths_of(session, data)
+        text = write_report(data, fmt, output, embed=embed, task_paths=task_paths)
     finally:
         store.close()
     if output is None:
@@ -102,7 +105,11 @@ _CHANGE_STYLE = {"newly_correct": "bold green", "newly_incorrect": "bold red", "
 def print_comparison(result: dict[str, Any], run_a: int, run_b: int) -> None:
     from rich.table import Table
 
-    table = Table(title=f"run {run_a} (A) vs run {run_b} (B)", show_lines=False)
+    conv = result.get("numerics") or {}
+    if conv.get("note"):
+        console.print(f"[bold yellow]warning:[/] {conv['note']}", highlight=False)
+    table = Table(title=f"run {run_a} (A, {conv.get('a', '?')}) vs run {run_b} (B, {conv.get('b', '?')})",
+                  show_lines=False)
     for col, justify in (("task", "left"), ("A status", "left"), ("A speedup", "right"), ("A ms", "right"),
                          ("B status", "left"), ("B speedup", "right"), ("B ms", "right"),
                          ("delta", "right"), ("change", "left")):
@@ -154,8 +161,16 @@ def compare_command(
         b = _load(store, run_b)
     finally:
         store.close()
+    from evals.report import run_numerics
+
     result = compare_metrics(a.metrics, b.metrics)
-    result = {"run_a": run_a, "run_b": run_b, **result}
+    na, nb = run_numerics(a.run), run_numerics(b.run)
+    conventions = {"a": na["label"], "b": nb["label"], "same": na["label"] == nb["label"],
+                   "note": None if na["label"] == nb["label"] else
+                   (f"the runs were measured under different numerics (A {na['label']}, B {nb['label']}): "
+                    "their speedups are over different eager baselines and their verdicts under different "
+                    "tolerances, so the changes below are not like for like")}
+    result = {"run_a": run_a, "run_b": run_b, "numerics": conventions, **result}
     if as_json:
         sys.stdout.write(json.dumps(json_safe(result), indent=2, allow_nan=False) + "\n")
     else:

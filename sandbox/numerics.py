@@ -203,3 +203,14 @@ def parse_numerics(precision: Optional[str], math: Optional[str], base: Optional
     if math is not None and math not in MATH_MODES:
         raise ValueError(f"--math must be one of {', '.join(MATH_MODES)}, not {math!r}")
     return base.model_copy(update={k: v for k, v in (("precision", precision), ("math", math)) if v is not None})
+
+
+def numerics_of_run_config(config: Any) -> tuple[Numerics, bool]:
+    """(numerics, recorded) of a stored run's config (``config["eval"]["numerics"]``). Runs from
+    before numerics were recorded ran IEEE fp32: ``(STRICT_FP32, False)``. An unreadable entry
+    raises pydantic's ``ValidationError``."""
+    ev = config.get("eval") if isinstance(config, dict) else None
+    raw = ev.get("numerics") if isinstance(ev, dict) else None
+    if raw is None:
+        return STRICT_FP32, False
+    return Numerics.model_validate(raw), True

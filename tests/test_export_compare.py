@@ -219,3 +219,30 @@ def test_export_cli(info, tmp_path):
     assert len(list((tmp_path / "docs").glob("*.txt"))) == 4
     res = runner.invoke(app, ["export", str(info.run_a), "--db", str(info.db_path)])
     assert res.exit_code == 2 and "--jsonl" in res.output
+
+
+def test_compare_says_when_the_runs_numerics_differ(tmp_path):
+    """Two runs under different conventions are compared with a warning naming both labels;
+    runs from before numerics were recorded read as fp32/strict."""
+    from store.models import Run
+
+    info = build_fixture_store(tmp_path)
+    try:
+        with info.store.session() as s:
+            run = s.get(Run, info.run_b)
+            run.config = {**run.config, "eval": {"trials": 5, "numerics": {"precision": "fp32", "math": "default"}}}
+        runner = CliRunner()
+        res = runner.invoke(cli_app(), ["compare", str(info.run_a), str(info.run_b), "--db", str(info.db_path),
+                                        "--json"])
+        assert res.exit_code == 0, res.output
+        conv = json.loads(res.stdout)["numerics"]
+        assert conv["a"] == "fp32/strict" and conv["b"] == "fp32/default" and conv["same"] is False
+        res = runner.invoke(cli_app(), ["compare", str(info.run_a), str(info.run_b), "--db", str(info.db_path)],
+                            env={"COLUMNS": "200"})
+        assert "different numerics (A fp32/strict, B fp32/default)" in " ".join(res.stdout.split())
+        res = runner.invoke(cli_app(), ["compare", str(info.run_a), str(info.run_a), "--db", str(info.db_path),
+                                        "--json"])
+        assert json.loads(res.stdout)["numerics"] == {"a": "fp32/strict", "b": "fp32/strict", "same": True,
+                                                      "note": None}
+    finally:
+        info.store.close()

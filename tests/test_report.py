@@ -51,7 +51,10 @@ def built(tmp_path_factory):
 def test_json_has_all_numbers(built):
     info, _, out, _ = built
     r = json.loads(out["json"])
-    assert set(r) == {"run", "summary", "fast_p", "flagged", "tasks"}
+    assert set(r) == {"run", "numerics", "summary", "fast_p", "flagged", "tasks", "published"}
+    # the fixture run's config records no numerics: it ran before they were recorded (fp32/strict)
+    assert r["numerics"]["label"] == "fp32/strict" and r["numerics"]["recorded"] is False
+    assert r["published"]["tasks"] == 0 and all(t["published"]["available"] is False for t in r["tasks"])
     assert r["run"]["id"] == info.run_a and r["run"]["model"] == "test-model"
     for key, want in EXPECTED_A.items():
         got = r["summary"][key]
@@ -300,3 +303,146 @@ def test_many_tasks_from_plain_records():
     plots = make_plots(r)
     assert set(plots) == {"fast_p", "speedup_distribution", "best_by_round"}
     assert all(p.startswith(PNG_MAGIC) for p in plots.values())
+
+
+# ------------------------------------------------------------------------ numerics and published timings
+
+KB_CONV = Path(__file__).resolve().parents[1].parent / "shared" / "KernelBench" / "level2" / "1_Conv2D_ReLU_BiasAdd.py"
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def _published_run(tmp_path, numerics, eager_factor, conv_path=None, device_name=H100):
+    """A run on ``device_name`` with a KernelBench task (its evaluations' eager at ``eager_factor``
+    times the published mean, compile at the published one) and a bundled task."""
+    from sandbox.tasks import TaskSpec
+    from store import Store
+    from store.models import Attempt, Run
+    from store.repo import evaluation_row, upsert_task
+
+    from fixture_store import make_result
+
+    assert KB_CONV.is_file(), f"KernelBench is expected beside the checkout: {KB_CONV}"
+    pub = json.loads((KB_CONV.parents[1] / "results" / "timing" / "H100_Modal" / "baseline_time_torch.json")
+                     .read_text())["level2"][KB_CONV.name]["mean"]
+    pub_c = json.loads((KB_CONV.parents[1] / "results" / "timing" / "H100_Modal"
+                        / "baseline_time_torch_compile_inductor_default.json").read_text())["level2"][KB_CONV.name]["mean"]
+    config = {"rounds": 1} if numerics is None else {"eval": {"trials": 5, "numerics": numerics}}
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    store = Store(tmp_path / "pub.db")
+    with store.session() as s:
+        kb = upsert_task(s, TaskSpec(name="level2/1_Conv2D_ReLU_BiasAdd", path=str(conv_path or KB_CONV),
+                                     source=KB_CONV.read_text()))
+        mine = upsert_task(s, TaskSpec(name="mine/relu", path=str(tmp_path / "level1" / "relu.py"), source="y = 2\n"))
+        run = Run(model="m", critic="grounded", device="cuda", device_name=device_name, torch_version="t",
+                  code_version="c", config=config)
+        s.add(run)
+        s.flush()
+        for task, rnd, eager in ((kb, 0, pub * eager_factor * 0.99), (kb, 1, pub * eager_factor * 1.01),
+                                 (mine, 0, 0.5)):
+            att = Attempt(run_id=run.id, task_id=task.id, round=rnd, sample=0, parse_status="ok",
+                          source=f"# {rnd}\n", parent_ids=[])
+            s.add(att)
+            s.flush()
+            cand = eager / 2.0
+            s.add(evaluation_row(make_result(task.name, "correct", cand=cand, speedup_eager=2.0,
+                                             speedup_compile=pub_c / cand), "k", att.id, run.id))
+        run_id = run.id
+    return store, run_id, pub, pub_c
+
+
+def _render_all(store, run_id):
+    from evals.report import task_paths_of
+
+    with store.reader() as s:
+        data = load_run(s, run_id)
+        paths = task_paths_of(s, data)
+    return {fmt: write_report(data, fmt, task_paths=paths) for fmt in ("json", "md", "html")}
+
+
+def test_report_shows_published_timings_and_flags_them(tmp_path):
+    store, run_id, pub, pub_c = _published_run(tmp_path, {"precision": "fp32", "math": "default"}, 1.5)
+    out = _render_all(store, run_id)
+    store.close()
+    r = json.loads(out["json"])
+    assert r["numerics"]["label"] == "fp32/default" and r["numerics"]["recorded"] is True
+    tasks = {t["task"]: t["published"] for t in r["tasks"]}
+    kb, mine = tasks["level2/1_Conv2D_ReLU_BiasAdd"], tasks["mine/relu"]
+    assert kb["available"] and kb["eager"]["mean_ms"] == pub and kb["compile"]["mean_ms"] == pub_c
+    assert kb["measured_eager_ms"] == pytest.approx(pub * 1.5) and kb["measured_evaluations"] == 2
+    assert kb["comparison"]["eager"]["ratio"] == pytest.approx(1.5) and kb["comparison"]["eager"]["flagged"]
+    assert kb["comparison"]["compile"]["ratio"] == pytest.approx(1.0) and not kb["comparison"]["compile"]["flagged"]
+    assert mine["available"] is False and "KernelBench" in mine["reason"]
+    assert r["published"]["tasks"] == 1 and len(r["published"]["flagged"]) == 1
+    md, html = out["md"], out["html"]
+    assert "Numerics: fp32/default: PyTorch defaults" in md
+    assert "### Published KernelBench timings" in md
+    section = md.split("### Published KernelBench timings", 1)[1].split("### Task ", 1)[0]
+    row = next(line for line in section.splitlines() if line.startswith("| [level2/1_Conv2D_ReLU_BiasAdd]"
+                                                                        "(#task-level2-1_conv2d_relu_biasadd) | "))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1:] == [f"{pub * 1.5:.3f}", f"{pub:.3f}", "1.50 (!)", f"{pub_c:.3f}", f"{pub_c:.3f}", "1.00"]
+    assert "- (!) level2/1_Conv2D_ReLU_BiasAdd: measured eager" in md and "50% above" in md
+    assert "the machine or the numerics convention differs" in md
+    assert "Published by KernelBench (fp32/default, NVIDIA H100 80GB HBM3, exact match of the device name)" in md
+    assert "| [mine/relu]" in md and md.count("1.50 (!)") == 2           # the table and the task's section
+    assert "<strong>fp32/default</strong>" in html and '<h3 id="published">Published KernelBench timings</h3>' in html
+    assert '<td class="num flagged">1.50 (!)</td>' in html and html.count("<li class=\"flagged\">") == 1
+
+
+def test_report_marks_another_convention_and_old_runs(tmp_path, monkeypatch):
+    # an fp32/strict run: the published figures are shown, marked, never flagged
+    store, run_id, pub, _ = _published_run(tmp_path / "strict", {"precision": "fp32", "math": "strict"}, 1.5)
+    out = _render_all(store, run_id)
+    store.close()
+    r = json.loads(out["json"])
+    kb = next(t["published"] for t in r["tasks"] if t["task"].startswith("level2/"))
+    assert kb["available"] and kb["same_convention"] is False and not kb["flagged"]
+    assert r["numerics"]["label"] == "fp32/strict" and r["published"]["flagged"] == []
+    assert "1.50 (≠)" in out["md"] and "(!)" not in out["md"] and "different convention" in out["md"]
+    assert "Numerics: fp32/strict: IEEE fp32 everywhere (TF32 off)" in out["md"]
+    # a run from before numerics were recorded ran fp32/strict; a relative stored path is found
+    # from the repository when the report is written elsewhere
+    rel = Path("..") / "shared" / "KernelBench" / "level2" / KB_CONV.name
+    store, run_id, _, _ = _published_run(tmp_path / "old", None, 1.0, conv_path=rel)
+    monkeypatch.chdir(tmp_path)
+    out = _render_all(store, run_id)
+    store.close()
+    r = json.loads(out["json"])
+    assert r["numerics"] == {"label": "fp32/strict", "describe": r["numerics"]["describe"], "recorded": False,
+                             "note": r["numerics"]["note"]} and "before numerics" in r["numerics"]["note"]
+    kb = next(t["published"] for t in r["tasks"] if t["task"].startswith("level2/"))
+    assert kb["available"] and kb["comparison"]["eager"]["ratio"] == pytest.approx(1.0)
+    assert "runs from before numerics were recorded ran fp32/strict" in out["md"]
+
+
+def test_report_on_another_gpu_or_without_paths_has_no_published_section(tmp_path):
+    store, run_id, _, _ = _published_run(tmp_path, {"precision": "fp32", "math": "default"}, 1.5,
+                                         device_name="NVIDIA A100-SXM4-80GB")
+    out = _render_all(store, run_id)
+    with store.reader() as s:
+        data = load_run(s, run_id)
+    store.close()
+    r = json.loads(out["json"])
+    assert r["published"]["tasks"] == 0
+    assert all("A100" in t["published"]["reason"] for t in r["tasks"] if t["task"].startswith("level2/"))
+    assert "Published KernelBench timings" not in out["md"] and "Published KernelBench" not in out["html"]
+    plain = build_report(data)                         # no task paths given
+    assert all(t["published"]["reason"] == "the task's path is not known" for t in plain["tasks"])
+
+
+def test_cli_report_reads_task_paths(tmp_path):
+    store, run_id, pub, _ = _published_run(tmp_path, {"precision": "fp32", "math": "default"}, 1.02)
+    store.close()
+    res = CliRunner().invoke(cli_app(), ["report", str(run_id), "--db", str(tmp_path / "pub.db"), "-f", "md"])
+    assert res.exit_code == 0, res.output
+    assert "### Published KernelBench timings" in res.stdout and "| 1.02 |" in res.stdout
+    assert "(!) level2" not in res.stdout and "1.02 (!)" not in res.stdout
+
+
+def test_unreadable_numerics_config_is_said():
+    from evals.report import run_numerics
+
+    r = run_numerics({"config": {"eval": {"numerics": {"precision": "fp8"}}}})
+    assert r["label"] == "unknown" and r["recorded"] is False and "could not be read" in r["note"]
+    assert run_numerics({"config": {"eval": {"numerics": {"precision": "bf16"}}}})["label"] == "bf16/default"
+    assert run_numerics({"config": None})["label"] == "fp32/strict"
