@@ -164,19 +164,16 @@ def optimize_command(
                 loop.on_progress = lambda p: (state.__setitem__(p.name, p), live.update(render()))
                 progress = loop.run(run_id, specs)
         else:
-            # Logs and pipes: one line whenever a task's round, attempt count or best changes.
+            # Logs and pipes: one line whenever something about a task changes, saying only that.
             printed: dict[str, tuple] = {}
             print_lock = threading.Lock()
 
             def log_line(p: Any) -> None:
                 state[p.name] = p
-                key = (p.round, p.attempts, p.correct, p.best_speedup, p.stopped)
                 with print_lock:
-                    if printed.get(p.name) != key:
-                        printed[p.name] = key
-                        console.print(f"{p.name}: round {p.round}, {p.correct}/{p.attempts} correct, best "
-                                      f"{_fmt(p.best_speedup, 'x')} vs eager" + (f" ({p.stopped})" if p.stopped else ""),
-                                      highlight=False)
+                    line, printed[p.name] = progress_line(p, printed.get(p.name))
+                    if line:
+                        console.print(line, highlight=False)
 
             loop.on_progress = log_line
             progress = loop.run(run_id, specs)
@@ -200,6 +197,25 @@ def optimize_command(
     store.close()
     if status == "interrupted":
         raise typer.Exit(130)
+
+
+def progress_line(p: Any, last: Optional[tuple]) -> tuple[Optional[str], tuple]:
+    """(the log line for a task's progress ``p``, or None when nothing changed since ``last``;
+    the new ``last``). A round's start, its results and the task's end are each said once."""
+    key = (p.round, p.attempts, p.correct, p.best_speedup, p.stopped)
+    if key == last:
+        return None, key
+    tally = (f"{p.correct} of {p.attempts} attempt(s) correct so far, best "
+             + (f"{_fmt(p.best_speedup, 'x')} vs eager" if p.best_speedup is not None else "none yet"))
+    if p.stopped:
+        if p.error:
+            return f"{p.name}: stopped: {p.error}", key
+        if last is not None and last[:4] == key[:4]:
+            return f"{p.name}: finished ({p.stopped})", key
+        return f"{p.name}: finished ({p.stopped}); {tally}", key
+    if last is None or last[0] != p.round:
+        return f"{p.name}: round {p.round} started" + (f" ({tally})" if p.attempts else ""), key
+    return f"{p.name}: round {p.round} evaluated: {tally}", key
 
 
 def run_numerics(run: Any) -> Any:

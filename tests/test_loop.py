@@ -182,6 +182,18 @@ def test_run_row_records_model_device_config_and_finishes(first_run: LoopRun) ->
     assert f"run {first_run.run_id}" in first_run.output and "finished" in first_run.output
 
 
+def test_progress_lines_say_each_change_once(first_run: LoopRun) -> None:
+    """Logs (not a terminal): a round's start, its results and the task's end, each once; never a
+    tally of nothing ("0/0") and never the same line twice."""
+    lines = [line for line in first_run.output.splitlines() if line.startswith(f"{TASK_NAME}: ")]
+    said = [line[len(TASK_NAME) + 2:] for line in lines]
+    assert said[0] == "round 0 started", lines
+    assert said[1].startswith("round 0 evaluated: ") and " of 2 attempt(s) correct so far" in said[1], lines
+    assert said[2].startswith("round 1 started (") and said[3].startswith("round 1 evaluated: "), lines
+    assert said[4:] == ["finished (2 round(s) done)"], lines
+    assert len(set(lines)) == len(lines) and not any("0 of 0" in line or "0/0" in line for line in lines)
+
+
 def test_model_calls_one_per_sample_with_templates_hash_tokens_latency(first_run: LoopRun) -> None:
     from agent.prompts import messages_sha256
 
@@ -437,3 +449,18 @@ def test_key_rejected_mid_run_fails_the_run(loop_env: pytest.MonkeyPatch, tmp_pa
     assert 1 <= asked <= 2                                  # no retries of a 401
     assert query(db, "SELECT status FROM runs") == [("failed",)]
     assert count(db, "SELECT count(*) FROM evaluations") == 0
+
+
+def test_progress_line_for_an_error_and_for_an_end_with_new_results() -> None:
+    from agent.cli import progress_line
+    from agent.loop import TaskProgress
+
+    p = TaskProgress(name="t", round=2, attempts=6, correct=3, best_speedup=1.5)
+    line, last = progress_line(p, None)
+    assert line == "t: round 2 started (3 of 6 attempt(s) correct so far, best 1.5x vs eager)"
+    assert progress_line(p, last) == (None, last)
+    p.attempts, p.stopped = 8, "target 1.5x reached"
+    assert progress_line(p, last)[0] == ("t: finished (target 1.5x reached); 3 of 8 attempt(s) correct so far, "
+                                         "best 1.5x vs eager")
+    p.stopped, p.error = "error", "RuntimeError: the store is gone"
+    assert progress_line(p, last)[0] == "t: stopped: RuntimeError: the store is gone"
