@@ -17,7 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sandbox.evaluate import Sandbox, usable_cores  # noqa: E402
+from sandbox.evaluate import Sandbox  # noqa: E402
+from sandbox.slots import usable_cores  # noqa: E402
 from sandbox.result import EvalConfig  # noqa: E402
 from sandbox.tasks import read_spec  # noqa: E402
 

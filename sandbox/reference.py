@@ -1,0 +1,55 @@
+"""The trusted side of an evaluation: the reference worker of a task on one slot."""
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional
+
+from sandbox.numerics import Numerics
+from sandbox.process import WorkerProcess
+from sandbox.tasks import TaskSpec
+
+REFERENCE_TIMEOUT_S = 900.0
+
+
+class ReferenceWorker:
+    """The trusted side of an evaluation: one persistent worker per task (and sizes)."""
+
+    def __init__(self, spec: TaskSpec, device: str, init_seed: int, warm_compile: bool = False,
+                 env: Optional[dict[str, str]] = None, numerics: Optional[Numerics] = None):
+        self.spec, self.device, self.init_seed = spec, device, init_seed
+        self.numerics = numerics or Numerics()
+        self.warm_compile = warm_compile
+        self.env = env or {}
+        self.lock = threading.Lock()
+        self.proc: Optional[WorkerProcess] = None
+        self.profile: Optional[list[dict]] = None
+        self.counts: Optional[dict] = None
+        self.device_name = ""
+
+    def ensure(self) -> WorkerProcess:
+        if self.proc is not None and self.proc.proc.poll() is None:
+            return self.proc
+        self.proc = WorkerProcess("reference", env=self.env)
+        reply = self.proc.ask({"role": "reference", "device": self.device, "out_dir": str(self.proc.out_dir),
+                               "task": self.spec.__dict__, "init_seed": self.init_seed,
+                               "warm_compile": self.warm_compile,
+                               "numerics": self.numerics.model_dump(mode="json")}, REFERENCE_TIMEOUT_S)
+        if not reply.get("ok"):
+            msg = reply.get("error_message", "unknown error")
+            self.proc.kill()
+            self.proc = None
+            raise RuntimeError(f"the reference of {self.spec.name} failed to load: {msg}")
+        self.device_name = reply.get("device_name", "")
+        return self.proc
+
+    def ask(self, payload: dict[str, Any], timeout: float = REFERENCE_TIMEOUT_S) -> dict[str, Any]:
+        reply = self.ensure().ask(payload, timeout)
+        if not reply.get("ok"):
+            raise RuntimeError(f"the reference of {self.spec.name} failed: {reply.get('error_message')}")
+        return reply
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.close()
+            self.proc.cleanup()
+            self.proc = None
