@@ -32,7 +32,7 @@ from sandbox.result import EvalConfig, EvalResult
 from sandbox.tasks import TaskSpec, with_device_sizes
 from store import Store
 from store.models import Analysis, Attempt, Evaluation, ModelCall, Run, Task
-from store.repo import cached_evaluation, evaluation_row, upsert_task
+from store.repo import cached_evaluation, evaluation_row, has_verdict, upsert_task
 
 
 @dataclass
@@ -223,8 +223,9 @@ class OptimizeLoop:
             if rnd in done_rounds and self._round_complete(run_id, task_id, rnd):
                 prior = [v for v in views if v.round <= rnd]
             else:
+                # harness failures (infra_error) are no verdicts: not shown to the model
                 self._propose_round(run_id, task_id, spec, eval_spec, rnd,
-                                    [v for v in views if v.round < rnd])
+                                    [v for v in views if v.round < rnd and not (v.result and v.result.infra)])
                 if self._stop.is_set():
                     progress.stopped = "interrupted"
                     return
@@ -257,7 +258,7 @@ class OptimizeLoop:
                                                                Attempt.round == rnd)))
             if len(attempts) < self.config.samples:
                 return False
-            if any(a.parse_status == "ok" and not a.evaluations for a in attempts):
+            if any(a.parse_status == "ok" and not has_verdict(a) for a in attempts):
                 return False
             return s.scalar(sa.select(sa.func.count(Analysis.id)).where(
                 Analysis.run_id == run_id, Analysis.task_id == task_id, Analysis.round >= rnd)) > 0
@@ -328,7 +329,7 @@ class OptimizeLoop:
             pending = [(a.id, a.source, a.sha256) for a in s.scalars(
                 sa.select(Attempt).where(Attempt.run_id == run_id, Attempt.task_id == task_id, Attempt.round == rnd,
                                          Attempt.parse_status == "ok").order_by(Attempt.sample))
-                       if not a.evaluations]
+                       if not has_verdict(a)]
         if not pending:
             return
         # Identical sources in one round: evaluate the first; the others then reuse its

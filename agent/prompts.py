@@ -223,7 +223,8 @@ def headline(a: AttemptView) -> str:
         return text
     return {Status.compile_error.value: "Build failed.", Status.load_error.value: "Built, but failed to load.",
             Status.runtime_error.value: "Crashed while running.", Status.timeout.value: "Timed out.",
-            Status.incorrect.value: "Ran, but the outputs are wrong."}[kind]
+            Status.incorrect.value: "Ran, but the outputs are wrong.",
+            Status.infra_error.value: "Not judged: the harness failed."}[kind]
 
 
 def evidence(a: AttemptView) -> list[str]:

@@ -32,6 +32,8 @@ Definitions (every figure in ``kernelloop report`` and ``compare`` comes from th
   time) of each correct task's best-vs-eager attempt, over correct tasks where it is known.
 * **Attempts**: every attempt of the run, parsed or not; attempt-level correctness rate is
   clean-correct attempts / all attempts.
+* **Harness failures** (``infra_error``) are no verdicts: in no rate, and a task with nothing
+  else (``tasks_infra_only``) in no task count; ``infra_error_attempts`` counts them.
 * **Tokens and cost**: prompt + completion tokens and ``cost_usd`` summed over every model
   call of the run (proposals and critiques, failed calls included; unknown counts as 0);
   per correct kernel = total / number of tasks with a correct kernel (``None`` if none).
@@ -88,6 +90,11 @@ class AttemptRecord:
         return self.clean
 
     @property
+    def infra(self) -> bool:
+        """A harness failure, no verdict (see the module docstring)."""
+        return self.status == "infra_error"
+
+    @property
     def flagged(self) -> bool:
         """The harness said correct, but a flag disqualifies it."""
         return self.status == "correct" and not self.clean
@@ -131,6 +138,7 @@ class TaskMetrics:
     best_compile: Optional[AttemptRecord]  # best clean-correct attempt vs torch.compile
     best: Optional[AttemptRecord]          # what to show: best_eager, else the furthest attempt
     best_by_round: dict[int, Optional[float]]  # round -> best clean speedup vs eager so far
+    infra_only: bool = False               # every attempt a harness failure: no verdict for the task
 
     @property
     def correct(self) -> bool:
@@ -188,6 +196,8 @@ class RunMetrics:
     flag_counts: dict[str, int]
     status_counts: dict[str, int]
     per_task: list[TaskMetrics]
+    infra_error_attempts: int = 0          # harness failures: in no rate
+    tasks_infra_only: int = 0              # tasks with nothing but harness failures: in no rate
 
     def task(self, name: str) -> TaskMetrics:
         for t in self.per_task:
@@ -286,7 +296,8 @@ def task_metrics(task: str, records: list[AttemptRecord]) -> TaskMetrics:
         correct_attempts=sum(r.correct for r in records),
         flagged_attempts=sum(r.flagged for r in records),
         best_eager=best_e, best_compile=best_attempt(records, "compile"),
-        best=best_e or furthest_attempt(records), best_by_round=best_by_round(records))
+        best=best_e or furthest_attempt(records), best_by_round=best_by_round(records),
+        infra_only=bool(records) and all(r.infra for r in records))
 
 
 def fast_p(per_task: list[TaskMetrics], p: float, baseline: str = "eager") -> Optional[float]:
@@ -322,14 +333,15 @@ def compute_metrics(records: list[AttemptRecord], calls: Iterable[CallRecord] = 
         recs.sort(key=lambda r: (r.round, r.sample, r.attempt_id))
 
     per_task = [task_metrics(name, recs) for name, recs in sorted(by_task.items())]
-    n_tasks = len(per_task)
+    scored = [t for t in per_task if not t.infra_only]      # harness failures are no verdicts
+    n_tasks = len(scored)
     n_correct = sum(t.correct for t in per_task)
     correct_tasks = [t for t in per_task if t.correct]
 
     fp: dict[str, dict[str, Optional[float]]] = {}
     for baseline in BASELINES:
         measured = any(r.correct and r.speedup(baseline) is not None for r in records)
-        fp[baseline] = {p_key(p): (fast_p(per_task, p, baseline) if (measured or baseline == "eager") and n_tasks
+        fp[baseline] = {p_key(p): (fast_p(scored, p, baseline) if (measured or baseline == "eager") and n_tasks
                                    else None) for p in FAST_P_THRESHOLDS}
 
     flag_counts: dict[str, int] = {}
@@ -345,14 +357,15 @@ def compute_metrics(records: list[AttemptRecord], calls: Iterable[CallRecord] = 
     tokens = prompt_tokens + completion_tokens
     costs = [c.cost_usd for c in calls if c.cost_usd is not None]
     cost = sum(costs) if costs else None
-    n_attempts = len(records)
+    n_infra = sum(r.infra for r in records)
+    n_attempts = len(records) - n_infra
     n_correct_attempts = sum(r.correct for r in records)
 
     return RunMetrics(
         tasks=n_tasks, tasks_correct=n_correct,
         tasks_flagged_only=sum(t.flagged_only for t in per_task),
         correctness_rate=n_correct / n_tasks if n_tasks else 0.0,
-        attempts=n_attempts, evaluated_attempts=sum(r.status is not None for r in records),
+        attempts=n_attempts, evaluated_attempts=sum(r.status is not None and not r.infra for r in records),
         correct_attempts=n_correct_attempts, flagged_attempts=sum(r.flagged for r in records),
         attempt_correctness_rate=n_correct_attempts / n_attempts if n_attempts else 0.0,
         fast_p_eager=fp["eager"], fast_p_compile=fp["compile"],
@@ -363,7 +376,8 @@ def compute_metrics(records: list[AttemptRecord], calls: Iterable[CallRecord] = 
         tokens_per_correct_kernel=tokens / n_correct if n_correct else None,
         cost_per_correct_kernel=(cost / n_correct) if (n_correct and cost is not None) else None,
         flag_counts=dict(sorted(flag_counts.items())), status_counts=dict(sorted(status_counts.items())),
-        per_task=per_task)
+        per_task=per_task, infra_error_attempts=n_infra,
+        tasks_infra_only=len(per_task) - len(scored))
 
 
 def fast_p_curve(per_task: list[TaskMetrics], baseline: str, ps: Iterable[float]) -> list[Optional[float]]:

@@ -7,9 +7,10 @@ import secrets
 import time
 from typing import Optional
 
+from sandbox import failures
 from sandbox.compare import fp64_verdict
 from sandbox.phases import Stages
-from sandbox.process import WorkerDied, WorkerProcess
+from sandbox.process import WorkerProcess
 from sandbox.reference import ReferenceWorker
 from sandbox.result import EvalConfig, EvalResult, FlagKind, KernelStat, OutputCheck, Status, Timing, Trial
 
@@ -50,6 +51,8 @@ class CandidateChecks:
                 r = ref.ask(ref_ask)
                 c = cand.ask(ask, cfg.run_timeout_s)
             output_bytes = r.get("output_bytes", 0)
+            if not c.get("ok"):
+                _raise_if_infra(c)      # the harness's failure: no trial of the candidate's to record
             trial = Trial(index=index, candidate_first=candidate_first, passed=False)
             result.trials.append(trial)
             if not c.get("ok"):
@@ -115,6 +118,7 @@ class CandidateChecks:
         ct = cand.ask({**timed, "check_runs": check_runs}, cfg.run_timeout_s)
         cand_wall = time.monotonic() - w0
         if not ct.get("ok"):
+            _raise_if_infra(ct)
             result.status = Status.runtime_error
             result.error_type = ct.get("error_type")
             result.error_message = f"while timing: {ct.get('error_message')}"
@@ -122,7 +126,10 @@ class CandidateChecks:
             return
         result.candidate_time = Timing(**ct["timing"])
         stages.enter("spot_checks")
-        saved = cand.ask({"op": "timed_outputs"}, cfg.run_timeout_s).get("saved") or {}
+        outs = cand.ask({"op": "timed_outputs"}, cfg.run_timeout_s)
+        if not outs.get("ok"):
+            _raise_if_infra(outs)
+        saved = outs.get("saved") or {}
         if not self._spot_check(ref, saved, check_runs, timing_seed, result):
             return
         if ct.get("tampered"):
@@ -157,7 +164,7 @@ class CandidateChecks:
         trusted reference worker on its device (``sandbox.compare``'s policy, this config)."""
         reply = ref.ask({"op": "compare", "index": index, "path": cand_path, "config": self.config.model_dump(mode="json")})
         if not reply.get("ok"):
-            raise WorkerDied(f"the reference worker could not compare outputs: {reply.get('error_message')}", None)
+            raise failures.InfraFailure(f"the reference worker could not compare outputs: {reply.get('error_message')}")
         return bool(reply["passed"]), reply.get("reason"), [OutputCheck(**c) for c in reply.get("checks", [])]
 
     def _spot_check(self, ref: ReferenceWorker, saved: dict[str, str], check_runs: list[int],
@@ -226,3 +233,10 @@ class CandidateChecks:
             result.add_flag(FlagKind.impossible,
                             f"median {result.candidate_time.median_ms:.4f} ms is below the roofline floor {hard:.4f} ms "
                             f"(every fp32 GEMM and convolution FLOP at the TF32 rate)")
+
+
+def _raise_if_infra(reply: dict) -> None:
+    """A failed reply of the candidate worker that is the harness's doing ends the run as infra."""
+    verdict = failures.candidate_reply(reply)
+    if verdict is not None and verdict.infra:
+        raise failures.InfraFailure(verdict.message, verdict.error_type)

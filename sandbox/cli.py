@@ -27,6 +27,11 @@ def print_result(r) -> None:
                       highlight=False)
     if r.error_message:
         console.print(f"error: {r.error_type}: {r.error_message}", highlight=False)
+    if r.infra:
+        console.print("the harness failed, not the candidate: no verdict (left out of every rate; "
+                      "optimize --resume evaluates it again)", highlight=False)
+    for i, cause in enumerate(r.infra_retries, 1):
+        console.print(f"harness failure {i}, retried: {cause}", highlight=False)
     failed = r.first_failed_trial()
     if failed is not None:
         console.print(f"trial {failed.index}: {failed.reason}", highlight=False)

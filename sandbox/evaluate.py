@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import torch
 
-from sandbox import anticheat
+from sandbox import anticheat, failures
 from sandbox.build import cuda_arch_list, first_compiler_error
 from sandbox.checks import CandidateChecks
 from sandbox.harness import cpu_model
@@ -163,9 +163,10 @@ class Sandbox:
             result.build = BuildInfo(ok=False, seconds=time.monotonic() - t0, log=worker.output("stdout")[-4000:])
             return False
         except WorkerDied as exc:
-            result.status = Status.load_error
-            result.error_type = "WorkerDied"
-            result.error_message = f"{exc} while importing the candidate to build it"
+            verdict = failures.classify(exc, worker)
+            result.status = Status.infra_error if verdict.infra else Status.load_error
+            result.error_type = verdict.error_type
+            result.error_message = f"{verdict.message} while importing the candidate to build it"
             result.stderr = worker.output("stderr")
             return False
         finally:
@@ -200,6 +201,20 @@ class Sandbox:
         return result
 
     def evaluate(self, spec: TaskSpec, source: str) -> EvalResult:
+        """The candidate's verdict; a failure of the harness (``sandbox.failures``) is retried up
+        to ``MAX_INFRA_RETRIES`` times with fresh workers, then returned as ``infra_error``."""
+        t0 = time.monotonic()
+        retried: list[str] = []
+        while True:
+            result = self._evaluate_once(spec, source)
+            if not result.infra or self._aborted.is_set() or len(retried) >= failures.MAX_INFRA_RETRIES:
+                break
+            retried.append(f"{result.error_type}: {result.error_message}")
+        result.infra_retries = retried
+        result.seconds = round(time.monotonic() - t0, 3)
+        return result
+
+    def _evaluate_once(self, spec: TaskSpec, source: str) -> EvalResult:
         t0 = time.monotonic()
         result = self._new_result(spec, source)
         try:
@@ -213,10 +228,16 @@ class Sandbox:
             result.phases["build"] = result.build.seconds if result.build else 0.0
             if built:
                 self._run(spec, source, result)
-        except WorkerDied as exc:
-            if not self._aborted.is_set():
+        except (WorkerDied, WorkerTimeout, failures.InfraFailure) as exc:
+            # the reference failed to start (a candidate's own failures end inside _run_on)
+            verdict = failures.classify(exc)
+            if self._aborted.is_set():
+                result.status, result.error_type, result.error_message = Status.runtime_error, "Interrupted", str(exc)
+            elif not verdict.infra:
                 raise
-            result.status, result.error_type, result.error_message = Status.runtime_error, "Interrupted", str(exc)
+            else:
+                result.status, result.error_type, result.error_message = \
+                    Status.infra_error, verdict.error_type, verdict.message
         finally:
             result.seconds = round(time.monotonic() - t0, 3)
         return result
@@ -263,14 +284,13 @@ class Sandbox:
                 finally:
                     stages.enter(None)
                     self._slot_locks[slot].release()
-        except WorkerTimeout as exc:
-            result.status = Status.timeout
-            result.error_type = "Timeout"
-            result.error_message = str(exc)
-        except WorkerDied as exc:
-            result.status = Status.runtime_error
-            result.error_type = "WorkerDied"
-            result.error_message = str(exc)
+        except (WorkerTimeout, WorkerDied, failures.InfraFailure) as exc:
+            verdict = failures.classify(exc, cand)
+            result.status = (Status.infra_error if verdict.infra else
+                             Status.timeout if isinstance(exc, WorkerTimeout) else Status.runtime_error)
+            result.error_type, result.error_message = verdict.error_type, verdict.message
+            if verdict.infra:
+                ref.broken = True       # the next try, or evaluation, starts a fresh reference worker
         finally:
             cand.kill()
             result.stdout = cand.output("stdout")

@@ -20,29 +20,23 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Optional
 
+from sandbox.failures import exit_cause, oom_kills
+
 OUTPUT_CAP = 10_000
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 class WorkerDied(Exception):
-    def __init__(self, message: str, returncode: Optional[int]):
+    def __init__(self, message: str, returncode: Optional[int], role: Optional[str] = None):
         super().__init__(message)
         self.returncode = returncode
+        self.role = role                # whose worker: sandbox.failures tells infra from candidate by it
 
 
 class WorkerTimeout(Exception):
-    pass
-
-
-def _describe_exit(code: Optional[int]) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code}"
+    def __init__(self, message: str, role: Optional[str] = None):
+        super().__init__(message)
+        self.role = role
 
 
 # Outputs cross from a candidate worker to the reference worker as files: on a memory-backed
@@ -124,6 +118,8 @@ class WorkerProcess:
         self.conn = Connection(os.dup(parent_sock.fileno()))
         parent_sock.close()
         self.started = time.monotonic()
+        self.events: list[str] = []     # what the worker said it is doing (sandbox.failures)
+        self.oom_kills_at_start = oom_kills()
         with _LIVE_LOCK:
             _LIVE.add(self)
 
@@ -131,14 +127,15 @@ class WorkerProcess:
         try:
             self.conn.send_bytes(json.dumps(payload).encode())
         except OSError as exc:
-            raise WorkerDied(f"the {self.role} worker is gone ({exc})", self.proc.poll()) from None
+            code = self._wait_exit(1.0)
+            raise WorkerDied(f"{exit_cause(self, code)} (sending to it failed: {exc})", code, self.role) from None
 
     def recv(self, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise WorkerTimeout(f"the {self.role} worker did not answer within {timeout:.0f} s")
+                raise WorkerTimeout(f"the {self.role} worker did not answer within {timeout:.0f} s", self.role)
             try:
                 ready = self.conn.poll(min(remaining, 0.5))
             except (EOFError, OSError):
@@ -148,17 +145,21 @@ class WorkerProcess:
                     raw = self.conn.recv_bytes()
                 except (EOFError, OSError):
                     code = self._wait_exit(5.0)
-                    raise WorkerDied(f"the {self.role} worker {_describe_exit(code)} before answering", code) from None
+                    raise WorkerDied(f"{exit_cause(self, code)} (before answering)", code, self.role) from None
                 try:
                     reply = json.loads(raw.decode())
                 except (UnicodeDecodeError, json.JSONDecodeError):
-                    raise WorkerDied(f"the {self.role} worker sent a reply that is not JSON", self.proc.poll()) from None
+                    raise WorkerDied(f"the {self.role} worker sent a reply that is not JSON", self.proc.poll(),
+                                     self.role) from None
                 if not isinstance(reply, dict):
-                    raise WorkerDied(f"the {self.role} worker sent a malformed reply", self.proc.poll())
+                    raise WorkerDied(f"the {self.role} worker sent a malformed reply", self.proc.poll(), self.role)
+                if set(reply) == {"event"}:
+                    self.events.append(str(reply["event"]))     # a note, not the answer: wait on
+                    continue
                 return reply
             if self.proc.poll() is not None and not self.conn.poll(0):
                 code = self.proc.returncode
-                raise WorkerDied(f"the {self.role} worker {_describe_exit(code)} before answering", code)
+                raise WorkerDied(f"{exit_cause(self, code)} (before answering)", code, self.role)
 
     def ask(self, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
         self.send(payload)

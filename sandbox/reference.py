@@ -4,11 +4,24 @@ from __future__ import annotations
 import threading
 from typing import Any, Optional
 
+from sandbox.failures import InfraFailure
 from sandbox.numerics import Numerics
 from sandbox.process import WorkerProcess
 from sandbox.tasks import TaskSpec
 
 REFERENCE_TIMEOUT_S = 900.0
+
+
+class ReferenceFailed(InfraFailure, RuntimeError):
+    """The trusted reference failed (not the candidate's doing: ``sandbox.failures``)."""
+
+    def __init__(self, cause: str):
+        super().__init__(cause, "ReferenceFailed")
+
+
+def _reply_cause(reply: dict[str, Any]) -> str:
+    where = f" while {reply['harness_step']}" if reply.get("harness_step") else ""
+    return f"{reply.get('error_type') or 'error'}{where}: {reply.get('error_message', 'unknown error')}"
 
 
 class ReferenceWorker:
@@ -25,8 +38,16 @@ class ReferenceWorker:
         self.profile: Optional[list[dict]] = None
         self.counts: Optional[dict] = None
         self.device_name = ""
+        self.broken = False             # set after a harness failure: the next evaluation starts afresh
 
     def ensure(self) -> WorkerProcess:
+        """The running worker (started where there is none, or afresh after a harness failure)."""
+        if self.broken:
+            self.broken = False
+            self.discard()
+        return self._started()
+
+    def _started(self) -> WorkerProcess:
         if self.proc is not None and self.proc.proc.poll() is None:
             return self.proc
         self.proc = WorkerProcess("reference", env=self.env)
@@ -35,18 +56,25 @@ class ReferenceWorker:
                                "warm_compile": self.warm_compile,
                                "numerics": self.numerics.model_dump(mode="json")}, REFERENCE_TIMEOUT_S)
         if not reply.get("ok"):
-            msg = reply.get("error_message", "unknown error")
             self.proc.kill()
             self.proc = None
-            raise RuntimeError(f"the reference of {self.spec.name} failed to load: {msg}")
+            raise ReferenceFailed(f"the reference of {self.spec.name} failed to load: {_reply_cause(reply)}")
         self.device_name = reply.get("device_name", "")
         return self.proc
 
     def ask(self, payload: dict[str, Any], timeout: float = REFERENCE_TIMEOUT_S) -> dict[str, Any]:
-        reply = self.ensure().ask(payload, timeout)
+        reply = self._started().ask(payload, timeout)
         if not reply.get("ok"):
-            raise RuntimeError(f"the reference of {self.spec.name} failed: {reply.get('error_message')}")
+            raise ReferenceFailed(f"the reference of {self.spec.name} failed: {_reply_cause(reply)}")
         return reply
+
+    def discard(self) -> None:
+        """Kill the worker after a failure: the next ``ensure`` starts a fresh one."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.cleanup()
+            self.proc = None
+        self.profile = self.counts = None
 
     def close(self) -> None:
         if self.proc is not None:

@@ -22,6 +22,9 @@ class Status(str, Enum):
     timeout = "timeout"
     incorrect = "incorrect"
     correct = "correct"
+    # The harness failed (sandbox.failures), not the candidate: no verdict. Left out of metrics,
+    # feedback and the critic; `optimize --resume` evaluates the attempt again.
+    infra_error = "infra_error"
 
 
 class FlagKind(str, Enum):
@@ -147,6 +150,7 @@ class EvalResult(BaseModel):
     traceback: Optional[str] = None
     stdout: str = ""
     stderr: str = ""
+    infra_retries: list[str] = []            # causes of harness failures retried before this result
 
     trials: list[Trial] = []
     candidate_time: Optional[Timing] = None
@@ -168,6 +172,11 @@ class EvalResult(BaseModel):
     @property
     def correct(self) -> bool:
         return self.status is Status.correct
+
+    @property
+    def infra(self) -> bool:
+        """No verdict: the harness failed (see ``sandbox.failures``)."""
+        return self.status is Status.infra_error
 
     @property
     def clean(self) -> bool:

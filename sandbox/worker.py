@@ -19,6 +19,7 @@ Harness modules and the functions timing relies on are bound before candidate co
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -54,6 +55,30 @@ def _exc_payload(exc: BaseException) -> dict[str, Any]:
             "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-8000:]}
 
 
+def _memory_held(device: str) -> int:
+    """Bytes this process holds where the harness's buffers live (the device's, else host RSS)."""
+    if device == "cuda":
+        return int(torch.cuda.memory_reserved())
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _save_to(obj: Any, path: Path) -> None:
+    # Through a Python file object: a full file system then raises OSError(ENOSPC), where
+    # torch.save(obj, str) raises an "unexpected pos" RuntimeError that names no cause.
+    # The zip writer's own clean-up then raises a RuntimeError over it: the OSError is its context.
+    try:
+        with open(path, "wb") as f:
+            _save(obj, f)
+    except RuntimeError as exc:
+        cause = exc.__context__ or exc.__cause__
+        if isinstance(cause, OSError):
+            raise cause from None
+        raise
+
+
 class Worker:
     def __init__(self, conn: Connection, init: dict[str, Any]):
         self.conn = conn
@@ -70,6 +95,8 @@ class Worker:
         self.warm_compile = bool(init.get("warm_compile"))
         self.profile_wanted = bool(init.get("profile"))
         self.numerics = Numerics.model_validate(init.get("numerics") or {})
+        self.step = "starting"          # the harness step running now, named in a harness error
+        self.harness_bytes = 0          # what the harness's own buffers of this request take
         if self.device == "cuda" and init.get("memory_fraction"):
             torch.cuda.set_per_process_memory_fraction(float(init["memory_fraction"]))
 
@@ -79,6 +106,9 @@ class Worker:
 
         self.builder = HookedBuilder(max_jobs=int(os.environ.get("KERNELLOOP_BUILD_JOBS", "4")))
         self.builder.install()
+        # From here on the candidate's code runs: a death after this note is the candidate's
+        # (sandbox.failures); it is on the socket before the first line of the candidate runs.
+        _send(self.conn, {"event": "candidate_code"})
         try:
             namespace = exec_source(self.source, "candidate.py", module_name="kernelloop_candidate")
         except SystemExit as exc:
@@ -151,15 +181,27 @@ class Worker:
             return
         if self.device == "cuda":
             torch.cuda.empty_cache()
-        poison = torch.full((max(nbytes, 1 << 20) // 4,), float("nan"), device=self.device)
-        del poison
+        # In chunks, as much as fits: the poison is a harness buffer and must not be what runs
+        # the device out of memory (at KernelBench's published sizes it was 4x the inputs).
+        chunk, left, held = 256 << 20, max(nbytes, 1 << 20), []
+        try:
+            while left > 0:
+                held.append(torch.full((min(chunk, left) // 4,), float("nan"), device=self.device))
+                left -= chunk
+        except (torch.OutOfMemoryError, MemoryError, RuntimeError):
+            pass
+        del held
 
     def trial(self, req: dict[str, Any]) -> dict[str, Any]:
         seed, index = int(req["seed"]), int(req["index"])
+        self.step = "making the inputs"
         inputs = make_inputs(self.task, seed, self.device, self.numerics)
         tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
         in_bytes = sum(x.numel() * x.element_size() for x in tensors)
+        self.harness_bytes = 2 * in_bytes + 2 * int(req.get("output_bytes", 0))
+        self.step = "poisoning free memory"
         self._poison(2 * in_bytes + int(req.get("output_bytes", 0)) * 2)
+        self.step = "copying the inputs"
         originals = [x.clone() for x in tensors]
         ptrs = {x.data_ptr() for x in tensors if x.numel()}
         inputs64 = None
@@ -169,6 +211,7 @@ class Worker:
         if self.builder is not None:
             self.builder.counter.reset()
         threads_before = threading.active_count()
+        self.step = "running the forward"
         try:
             refill = req.get("refill_seed")
             if refill is not None:
@@ -193,6 +236,7 @@ class Worker:
         except BaseException as exc:  # noqa: BLE001
             return {"ok": False, **_exc_payload(exc)}
         threads_after = threading.active_count()
+        self.step = "checking the outputs"
         flat = flatten_outputs(out)
         kinds = [type(x).__module__ + "." + type(x).__qualname__ for x in flat]
         non_plain = [k for x, k in zip(flat, kinds) if not is_plain_tensor(x)]
@@ -214,10 +258,31 @@ class Worker:
             if note:
                 reply["fp64_note"] = note
             return reply
-        path = self.out_dir / f"{self.role}_{index}.pt"
-        _save([x.detach().to("cpu").contiguous() for x in flat], str(path))
-        reply["path"] = str(path)
+        self.step = "saving the outputs"
+        self.harness_bytes = 2 * in_bytes + 2 * reply["output_bytes"]
+        reply["path"] = str(self._save_outputs([x.detach().to("cpu").contiguous() for x in flat],
+                                               f"{self.role}_{index}.pt"))
         return reply
+
+    def _save_outputs(self, tensors: list[torch.Tensor], name: str) -> Path:
+        """Into the outputs folder (memory-backed where it has room), else, where that file
+        system is full, into the worker's own working directory on disk."""
+        path = self.out_dir / name
+        try:
+            _save_to(tensors, path)
+            return path
+        except OSError as exc:
+            try:
+                path.unlink()
+            except OSError:
+                pass
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise
+            print(f"[kernelloop worker] {self.out_dir} is full ({exc}): outputs go to {Path.cwd()}",
+                  file=sys.stderr, flush=True)
+        path = Path.cwd() / name
+        _save_to(tensors, path)
+        return path
 
     def _inputs64(self, inputs: list[Any]) -> list[Any]:
         if getattr(self, "model64", None) is None:
@@ -259,11 +324,25 @@ class Worker:
         if kept is None or kept[0] != index:
             return {"ok": False, "error_type": "ProtocolError",
                     "error_message": f"no reference outputs kept for trial {index}"}
+        from sandbox.failures import resource_exhausted
+
+        ref_bytes = sum(x.numel() * x.element_size() for x in kept[1] if isinstance(x, torch.Tensor))
+        try:
+            size = os.path.getsize(path)
+        except OSError:
+            size = 0
+        if size > 2 * ref_bytes + (16 << 20):
+            os.unlink(path)
+            return {"ok": True, "passed": False, "checks": [],
+                    "reason": f"the candidate's outputs take {size} bytes, the reference's {ref_bytes}"}
+        self.step, self.harness_bytes = "loading the candidate's outputs", size + ref_bytes
         try:
             data = torch.load(path, map_location=self.device, weights_only=True)
             if not isinstance(data, list) or not all(type(t) is torch.Tensor for t in data):
                 raise ValueError("outputs are not a list of plain tensors")
         except Exception as exc:  # noqa: BLE001
+            if resource_exhausted(type(exc).__name__, str(exc), getattr(exc, "errno", None)):
+                raise                   # the trusted side found no memory: the harness's failure
             return {"ok": True, "passed": False, "checks": [],
                     "reason": f"the candidate's outputs could not be read as plain tensors ({type(exc).__name__})"}
         finally:
@@ -327,10 +406,12 @@ class Worker:
 
     def timed_outputs(self, req: dict[str, Any]) -> dict[str, Any]:
         saved: dict[str, str] = {}
-        for i, flat in getattr(self, "kept", {}).items():
-            path = self.out_dir / f"{self.role}_timed_{i}.pt"
-            _save([x.to("cpu").contiguous() for x in flat], str(path))
-            saved[str(i)] = str(path)
+        self.step = "saving the outputs of timed runs"
+        kept = getattr(self, "kept", {})
+        self.harness_bytes = 2 * sum(x.numel() * x.element_size() for flat in kept.values() for x in flat)
+        for i, flat in kept.items():
+            saved[str(i)] = str(self._save_outputs([x.to("cpu").contiguous() for x in flat],
+                                                   f"{self.role}_timed_{i}.pt"))
         self.kept = {}
         return {"ok": True, "saved": saved}
 
@@ -393,23 +474,41 @@ def serve(conn: Connection) -> None:
         if handler is None:
             _send(conn, {"ok": False, "error_message": f"unknown op {op!r}"})
             continue
-        with worker.numerics.enforced():
-            reply = handler(req)
+        worker.step, worker.harness_bytes = op, 0
+        try:
+            with worker.numerics.enforced():
+                reply = handler(req)
+        except BaseException as exc:  # noqa: BLE001 - the harness's own step failed: say so, and how
+            # (the candidate's own code is caught inside the handlers; sandbox.failures judges this)
+            traceback.print_exc()
+            reply = {"ok": False, "harness_error": True, "harness_step": worker.step,
+                     "errno": getattr(exc, "errno", None), "memory_held": _memory_held(worker.device),
+                     "harness_bytes": worker.harness_bytes, **_exc_payload(exc)}
         _send(conn, reply)
+
+
+# The exit status of a worker whose harness code raised: never 0, which the parent would read
+# as "left without answering, no cause" (os._exit(0) in a `finally` used to swallow the error).
+HARNESS_EXIT = 70
 
 
 def main() -> None:
     fd = int(sys.argv[1])
     conn = Connection(fd)
+    code = 0
     try:
         serve(conn)
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+        code = HARNESS_EXIT
     finally:
         try:
             conn.close()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
+        except OSError:
+            pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 if __name__ == "__main__":

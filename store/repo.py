@@ -27,7 +27,8 @@ def cached_evaluation(session: Session, sha256: str, task_key: str, device_name:
         sa.select(Evaluation)
         .where(Evaluation.candidate_sha256 == sha256, Evaluation.task_key == task_key,
                Evaluation.device_name == device_name, Evaluation.torch_version == torch_version,
-               Evaluation.config_hash == config.hash(), Evaluation.reused_from.is_(None))
+               Evaluation.config_hash == config.hash(), Evaluation.reused_from.is_(None),
+               Evaluation.status != "infra_error")     # a harness failure is no verdict to reuse
         .order_by(Evaluation.id).limit(1))
 
 
@@ -58,6 +59,13 @@ def run_attempts(session: Session, run_id: int, task_id: Optional[int] = None) -
 
 def latest_evaluation(attempt: Attempt) -> Optional[Evaluation]:
     return attempt.evaluations[-1] if attempt.evaluations else None
+
+
+def has_verdict(attempt: Attempt) -> bool:
+    """Evaluated, and the latest evaluation is a verdict (not a harness failure, ``infra_error``,
+    which ``optimize --resume`` evaluates again)."""
+    latest = latest_evaluation(attempt)
+    return latest is not None and latest.status != "infra_error"
 
 
 def get_run(session: Session, run_id: int) -> Run:

@@ -93,7 +93,8 @@ def critique_run(store: Any, run_id: int, task: Optional[str] = None, critic: Op
             raise LookupError(f"run {run_id} has no task matching {task!r}")
         device = device_facts(session, run)
         for t in tasks:
-            views = attempt_views(session, run_id, t.id)
+            # harness failures (infra_error) are no verdicts: nothing to explain to the model
+            views = [v for v in attempt_views(session, run_id, t.id) if not (v.result and v.result.infra)]
             if views:
                 work.append((t.id, t.name, task_spec(session, run, t, views), views))
     name = critic or run_critic or "grounded"

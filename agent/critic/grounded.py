@@ -412,6 +412,7 @@ VERDICTS = {
     Status.load_error: "load error",
     Status.runtime_error: "runtime error",
     Status.timeout: "timeout",
+    Status.infra_error: "harness failure (no verdict)",
 }
 
 PARSE_CAUSES = {

@@ -1,0 +1,141 @@
+"""Harness failures are not verdicts (sandbox.failures): a worker that dies or fails for a reason
+that is not the candidate's is retried, then stored as ``infra_error`` with its cause; every
+worker exit carries a cause; the candidate's own crashes still cost it the attempt."""
+from __future__ import annotations
+
+import resource
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from sandbox.evaluate import Sandbox
+from sandbox.failures import MAX_INFRA_RETRIES
+from sandbox.process import WorkerDied, WorkerProcess
+from sandbox.result import EvalConfig, Status
+from sandbox.tasks import read_spec
+
+CANDIDATE = textwrap.dedent('''
+    import torch
+    import torch.nn as nn
+    from torch.utils.cpp_extension import load_inline
+
+    CPP = r"""
+    torch::Tensor relu(torch::Tensor x) {
+      auto y = torch::empty_like(x);
+      const float* p = x.data_ptr<float>(); float* q = y.data_ptr<float>();
+      for (int64_t i = 0; i < x.numel(); ++i) q[i] = p[i] > 0.f ? p[i] : 0.f;
+      return y;
+    }
+    """
+    ext = load_inline(name="kl_failures_relu", cpp_sources=[CPP], functions=["relu"])
+
+
+    class ModelNew(nn.Module):
+        def forward(self, x):
+            return ext.relu(x.contiguous())
+''')
+
+TASK = '''
+import os
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, x):
+        {body}
+        return torch.relu(x)
+
+
+def get_inputs():
+    return [torch.randn({rows}, {cols})]
+
+
+def get_init_inputs():
+    return []
+'''
+
+CFG = EvalConfig(trials=2, timed_runs=3, warmup_runs=1, time_compile=False, profile=False,
+                 run_timeout_s=60.0, build_timeout_s=600.0)
+
+
+def _spec(tmp_path: Path, rows: int = 64, cols: int = 96, body: str = "pass"):
+    path = tmp_path / "relu_task.py"
+    path.write_text(TASK.format(rows=rows, cols=cols, body=body))
+    return read_spec(path, name="test/relu_task")
+
+
+def test_a_worker_whose_harness_code_raises_exits_non_zero_with_the_traceback():
+    """The 'exited with code 0 before answering' bug: an exception in the worker's own code left
+    through `finally: os._exit(0)`: status 0, the traceback never printed, no cause."""
+    worker = WorkerProcess("candidate")
+    try:
+        with pytest.raises(WorkerDied) as info:
+            worker.ask({"role": "candidate"}, 120.0)        # no device, task, seeds: a KeyError in the worker
+    finally:
+        worker.kill()
+        worker.cleanup()
+    assert info.value.returncode not in (0, None)
+    assert info.value.role == "candidate"
+    msg = str(info.value)
+    assert "exited with code 0" not in msg
+    assert "KeyError" in msg and "last stderr lines" in msg
+
+
+@pytest.mark.slow
+def test_saving_outputs_that_do_not_fit_is_a_harness_failure_with_its_cause(tmp_path):
+    """Outputs larger than the file system takes (here: RLIMIT_FSIZE, inherited by the workers, where
+    a full /dev/shm on the H100 gave ENOSPC): before, torch.save raised outside any handler and the
+    candidate worker exited 0 without a word, stored as the candidate's runtime_error."""
+    spec = _spec(tmp_path, rows=2048, cols=4096)             # 32 MiB of outputs
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 20, hard))
+    try:
+        with Sandbox("cpu", CFG, build_slots=1) as sandbox:
+            result = sandbox.evaluate(spec, CANDIDATE)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert result.status is Status.infra_error, (result.status, result.error_message)
+    assert "ran out of disk while saving the outputs" in result.error_message
+    assert "File too large" in result.error_message
+    assert len(result.infra_retries) == MAX_INFRA_RETRIES
+    assert result.trials == []          # no trial of the candidate's was judged
+
+
+@pytest.mark.slow
+def test_a_dying_reference_is_retried_then_infra_error_never_the_candidates_fault(tmp_path):
+    """The reference worker leaves with status 0 mid-trial (the issue's LayerNorm/Sum runs): the
+    candidate is not blamed; the evaluation is retried with a fresh reference, then infra_error."""
+    spec = _spec(tmp_path, body='if "kl-reference-" in os.getcwd(): os._exit(0)')
+    with Sandbox("cpu", CFG, build_slots=1) as sandbox:
+        result = sandbox.evaluate(spec, CANDIDATE)
+    assert result.status is Status.infra_error, (result.status, result.error_message)
+    assert result.error_type == "ReferenceDied"
+    assert "the reference worker exited with code 0" in result.error_message
+    assert len(result.infra_retries) == MAX_INFRA_RETRIES
+    assert all("reference" in r for r in result.infra_retries)
+
+
+@pytest.mark.slow
+def test_a_candidate_worker_that_dies_before_the_candidates_code_runs_is_a_harness_failure(tmp_path):
+    """A worker that cannot even start (here: a memory limit too small to import torch) never ran
+    the candidate's code: infra_error with the exit's cause, not load_error/runtime_error."""
+    config = CFG.model_copy(update={"memory_limit_mb": 120})
+    with Sandbox("cpu", config, build_slots=1) as sandbox:
+        result = sandbox.evaluate(_spec(tmp_path), CANDIDATE)
+    assert result.status is Status.infra_error, (result.status, result.error_message)
+    assert "before the candidate's code ran" in result.error_message
+    assert "exited with code" in result.error_message or "killed by signal" in result.error_message
+    assert len(result.infra_retries) == MAX_INFRA_RETRIES
+
+
+@pytest.mark.slow
+def test_a_candidate_that_exits_0_itself_still_costs_it_the_attempt(tmp_path):
+    """os._exit(0) in the candidate's forward: after its code ran, so its runtime_error, no retry."""
+    source = CANDIDATE.replace("return ext.relu(x.contiguous())", "import os; os._exit(0)")
+    with Sandbox("cpu", CFG, build_slots=1) as sandbox:
+        result = sandbox.evaluate(_spec(tmp_path), source)
+    assert result.status is Status.runtime_error, (result.status, result.error_message)
+    assert result.infra_retries == []
+    assert "the candidate worker exited with code 0" in result.error_message
