@@ -4,7 +4,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Optional
 
-from sandbox.failures import InfraFailure
+from sandbox.failures import InfraFailure, resource_exhausted
 from sandbox.numerics import Numerics
 from sandbox.process import WorkerProcess
 from sandbox.tasks import TaskSpec
@@ -17,6 +17,12 @@ class ReferenceFailed(InfraFailure, RuntimeError):
 
     def __init__(self, cause: str):
         super().__init__(cause, "ReferenceFailed")
+
+
+class TaskFailed(RuntimeError):
+    """The task itself cannot run: its reference raised while loading for a reason other than
+    running out of memory or disk (bad task file, unsupported op). Neither the candidate's fault
+    nor a passing harness failure: no retry, the task stops with this cause."""
 
 
 def _reply_cause(reply: dict[str, Any]) -> str:
@@ -58,7 +64,10 @@ class ReferenceWorker:
         if not reply.get("ok"):
             self.proc.kill()
             self.proc = None
-            raise ReferenceFailed(f"the reference of {self.spec.name} failed to load: {_reply_cause(reply)}")
+            cause = f"the reference of {self.spec.name} failed to load: {_reply_cause(reply)}"
+            if resource_exhausted(reply.get("error_type"), reply.get("error_message"), reply.get("errno")) is None:
+                raise TaskFailed(cause)
+            raise ReferenceFailed(cause)
         self.device_name = reply.get("device_name", "")
         return self.proc
 

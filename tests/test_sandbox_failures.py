@@ -139,3 +139,18 @@ def test_a_candidate_that_exits_0_itself_still_costs_it_the_attempt(tmp_path):
     assert result.status is Status.runtime_error, (result.status, result.error_message)
     assert result.infra_retries == []
     assert "the candidate worker exited with code 0" in result.error_message
+
+
+@pytest.mark.slow
+def test_a_task_whose_reference_cannot_load_stops_with_its_cause_without_retries(tmp_path):
+    """A broken task (its Model raises while constructed) is neither the candidate's fault nor a
+    passing harness failure: evaluate raises TaskFailed naming the cause, at once."""
+    from sandbox.reference import TaskFailed
+
+    path = tmp_path / "broken_task.py"
+    path.write_text(TASK.format(body="pass", rows=8, cols=8).replace(
+        "class Model(nn.Module):\n", "class Model(nn.Module):\n    def __init__(self):\n"
+        "        super().__init__()\n        raise ValueError('this task is broken')\n\n"))
+    with Sandbox("cpu", CFG) as sandbox:
+        with pytest.raises(TaskFailed, match="this task is broken"):
+            sandbox.evaluate(read_spec(path), CANDIDATE)
