@@ -263,3 +263,20 @@ def test_optimize_stops_a_too_large_task_before_any_model_call_and_stores_no_ver
         for table in ("model_calls", "attempts", "evaluations"):
             assert conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0] == 0, table
         assert conn.execute("SELECT COUNT(*) FROM task_footprints").fetchone()[0] == 1
+
+
+@pytest.mark.gpu
+def test_cuda_footprint_reads_the_allocator_and_counts_the_float64_run():
+    import torch
+
+    from sandbox.footprint import measure_footprint
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    spec = read_spec(discover(["level1/leaky_relu"])[0], {"batch_size": 1024, "dim": 4096})   # 16 MiB
+    fp = measure_footprint(spec, "cuda", Numerics())
+    assert fp.measured_by.startswith("cuda caching allocator") and fp.oom is None
+    assert fp.inputs_bytes == fp.outputs_bytes == 16 * MiB
+    # the trial holds inputs, their clone, outputs, float64 inputs and outputs, and the compare's read
+    assert fp.reference_peak_bytes >= 2 * 16 * MiB + 2 * 32 * MiB + 16 * MiB
+    assert fp.reference_resident_bytes < 16 * MiB          # between requests only the models stay
