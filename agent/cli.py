@@ -95,10 +95,13 @@ def optimize_command(
     from agent.backends.base import BackendError, get_backend
     from agent.loop import LoopConfig, OptimizeLoop
     from kernelloop.paths import code_version
-    from sandbox.evaluate import Sandbox
+    import torch
+
+    from sandbox.evaluate import Sandbox, _device_name
     from sandbox.result import EvalConfig
     from sandbox.tasks import TaskError, TaskSpec, parse_overrides
     from store.models import Run, Task
+    from store.repo import footprint_book
 
     store = open_store(db)
     if resume is not None:
@@ -138,7 +141,8 @@ def optimize_command(
     except BackendError as exc:
         fail(str(exc))
 
-    sandbox = Sandbox(cfg.device, cfg.eval)
+    sandbox = Sandbox(cfg.device, cfg.eval, footprints=footprint_book(store, _device_name(cfg.device),
+                                                                     torch.__version__))
     facts = device_facts(cfg.device, sandbox.device_name, store)
     state: dict[str, Any] = {}
 
@@ -315,11 +319,12 @@ def replay_command(run: int = typer.Argument(..., help="the stored run whose can
     from agent.critic.cli import critique_run
     from agent.loop import LoopConfig, evaluate_attempt
     from kernelloop.paths import code_version
-    from sandbox.evaluate import Sandbox
+    from sandbox.admission import TaskTooLarge
+    from sandbox.evaluate import Sandbox, _device_name
     from sandbox.result import EvalResult
     from sandbox.tasks import TaskSpec, with_device_sizes
     from store.models import Attempt, Run, Task
-    from store.repo import get_run, latest_evaluation
+    from store.repo import footprint_book, get_run, latest_evaluation
 
     store = open_store(db)
     dev = resolve_device(device)
@@ -346,7 +351,9 @@ def replay_command(run: int = typer.Argument(..., help="the stored run whose can
     if numerics != cfg.eval.numerics:
         err_console.print(f"[yellow]note:[/] run {run} was measured under {cfg.eval.numerics.label}, this replay under "
                           f"{numerics.label}: verdicts and speedups are not comparable one for one", highlight=False)
-    sandbox = Sandbox(dev, eval_cfg)
+    import torch
+
+    sandbox = Sandbox(dev, eval_cfg, footprints=footprint_book(store, _device_name(dev), torch.__version__))
     with store.session() as s:
         new = Run(kind="replay", status="running", model=f"replay:{run}", critic="grounded", device=dev,
                   device_name=sandbox.device_name, torch_version=sandbox.torch_version, code_version=code_version(),
@@ -371,7 +378,13 @@ def replay_command(run: int = typer.Argument(..., help="the stored run whose can
                 new_attempt_id = na.id
             result = None
             if a.parse_status == "ok" and a.source:
-                result = evaluate_attempt(store, sandbox, spec, new_attempt_id, new_id, a.source, a.sha256, force=force)
+                try:
+                    result = evaluate_attempt(store, sandbox, spec, new_attempt_id, new_id, a.source, a.sha256,
+                                              force=force)
+                except TaskTooLarge as exc:      # the task's status here, not the candidate's verdict
+                    table.add_row(t.name, str(a.id), old_result.status.value if old_result else a.parse_status,
+                                  "too_large", "", "", "", "", exc.reason)
+                    continue
             change = _change(old_result, result)
             table.add_row(t.name, str(a.id), old_result.status.value if old_result else a.parse_status,
                           result.status.value if result else a.parse_status,

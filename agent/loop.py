@@ -27,11 +27,12 @@ from agent.critic.evidence import attempt_views
 from agent.parse import parse_answer
 from agent.prompts import build_proposal_messages
 from agent.types import AttemptView, Completion, DeviceFacts, ProposalRequest
+from sandbox.admission import TaskTooLarge
 from sandbox.evaluate import Sandbox, sha256_text
 from sandbox.result import EvalConfig, EvalResult
 from sandbox.tasks import TaskSpec, with_device_sizes
 from store import Store
-from store.models import Analysis, Attempt, Evaluation, ModelCall, Run, Task
+from store.models import Analysis, Attempt, Evaluation, ModelCall, Run
 from store.repo import cached_evaluation, evaluation_row, has_verdict, upsert_task
 
 
@@ -195,6 +196,9 @@ class OptimizeLoop:
             self._optimize_task_inner(run_id, spec, progress)
         except BackendError:
             raise                       # a configuration error: the run cannot go on (the CLI says why)
+        except TaskTooLarge as exc:     # the task's status, not a candidate's verdict (none was stored)
+            progress.stopped = exc.reason
+            self.on_progress(progress)
         except Exception as exc:  # noqa: BLE001 - one task's failure never ends the run
             progress.error = f"{type(exc).__name__}: {exc}"
             progress.stopped = "error"
@@ -209,6 +213,11 @@ class OptimizeLoop:
         cfg = self.config
         task_id = self._task_id(spec)
         eval_spec = with_device_sizes(spec, cfg.device)
+        # A task that cannot fit in memory even alone stops before any model call.
+        too_large = getattr(self.sandbox, "too_large", None)
+        big = too_large(eval_spec) if too_large is not None else None
+        if big is not None:
+            raise big
         best_so_far: Optional[float] = None
         rounds_without_gain = 0
         for rnd in range(cfg.rounds):

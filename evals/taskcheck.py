@@ -36,6 +36,7 @@ FLAGS: dict[str, str] = {
     "input_insensitive": "the output does not change when the inputs change",
     "weight_insensitive": "the output does not change when the weights change",
     "nondeterministic": "the same model and inputs give different outputs",
+    "too_large": "the task's measured memory needs exceed the device's budget even with nothing else running",
 }
 
 # The correctness check's fp32 tolerance (sandbox.numerics: 1e-4 at fp32; check_task uses its numerics').

@@ -181,6 +181,42 @@ def _human(n: float, unit: str) -> str:
     return f"{n:.0f} {unit}"
 
 
+def _memory_gate(dev: str, numerics: Any, store: Any) -> Any:
+    """The sandbox's admission figures for ``dev`` (budgets, footprints), reading and writing ``store``."""
+    import torch
+
+    from sandbox.admission import MemoryGate
+    from sandbox.evaluate import _device_name
+    from sandbox.footprint import FootprintBook
+    from sandbox.slots import visible_gpus
+
+    book = FootprintBook()
+    if store is not None:
+        from store.repo import footprint_book
+
+        book = footprint_book(store, _device_name(dev), torch.__version__)
+    slots = max(1, len(visible_gpus())) if dev == "cuda" else 1
+    return MemoryGate(dev, 1 if dev == "cpu" else slots, numerics, book)
+
+
+def footprint_table(rows: list[tuple[str, Any, Optional[str]]], title: str) -> Any:
+    """One row per task: its footprint's figures and whether it fits (``too_large`` and the bytes)."""
+    from rich.table import Table
+
+    from sandbox.footprint import human_bytes
+
+    table = Table(title=title)
+    for col in ("task", "inputs", "outputs", "params", "float64 copy", "forward peak", "reference peak",
+                "candidate (est.)", "host / shm in transit", "fits"):
+        table.add_column(col, justify="left" if col in ("task", "fits") else "right", overflow="fold")
+    for name, fp, verdict in rows:
+        table.add_row(name, human_bytes(fp.inputs_bytes), human_bytes(fp.outputs_bytes), human_bytes(fp.params_bytes),
+                      human_bytes(fp.fp64_bytes), human_bytes(fp.forward_peak_bytes),
+                      human_bytes(fp.reference_peak_bytes), human_bytes(fp.candidate_peak_bytes),
+                      f"{human_bytes(fp.host_transit_bytes)} / {human_bytes(fp.shm_bytes)}", verdict or "yes")
+    return table
+
+
 # --------------------------------------------------------------------------- commands
 
 @app.command("list")
@@ -264,9 +300,29 @@ def show_command(task: str = typer.Argument(..., help="a task file or bundled na
     store = _maybe_store(db)
     try:
         probe = get_probe(dev, store, measure=False)
+        footprint = None
+        if store is not None:
+            from store.repo import latest_footprint
+
+            with store.reader() as s:
+                footprint = latest_footprint(s, spec.key, dev, resolve_numerics(None, None).label)
     finally:
         if store is not None:
             store.close()
+    if footprint is None:
+        console.print(f"memory: not measured on {dev} (kernelloop tasks check --device {dev} {task})", highlight=False)
+    else:
+        from sandbox.footprint import human_bytes
+
+        fp = footprint
+        console.print(
+            f"memory on {fp.device_name or dev} ({fp.numerics}): inputs {human_bytes(fp.inputs_bytes)}, outputs "
+            f"{human_bytes(fp.outputs_bytes)}, params {human_bytes(fp.params_bytes)}, float64 copy "
+            f"{human_bytes(fp.fp64_bytes)}, forward peak {human_bytes(fp.forward_peak_bytes)}, reference peak "
+            f"{human_bytes(fp.reference_peak_bytes)} (resident {human_bytes(fp.reference_resident_bytes)}), "
+            f"candidate est. {human_bytes(fp.candidate_peak_bytes)}, host in transit "
+            f"{human_bytes(fp.host_transit_bytes)}, shm {human_bytes(fp.shm_bytes)}; by {fp.measured_by}"
+            + (f"; ran out of memory: {fp.oom}" if fp.oom else ""), highlight=False)
     if probe is None:
         console.print(f"floor: no probe cached for this device (kernelloop device probe --device {dev})",
                       highlight=False)
@@ -280,11 +336,15 @@ def show_command(task: str = typer.Argument(..., help="a task file or bundled na
 @app.command("check")
 def check_command(paths: Optional[list[str]] = PathsArgument, device: Optional[str] = DeviceOption,
                   set_: Optional[list[str]] = SetOption, precision: Optional[str] = PrecisionOption,
-                  math: Optional[str] = MathOption) -> None:
-    """Flag degenerate tasks (constant, near-zero, insensitive outputs...); exit code 1 when any is flagged."""
+                  math: Optional[str] = MathOption, db: Optional[str] = DbOption,
+                  memory: bool = typer.Option(True, "--memory/--no-memory",
+                                              help="measure each task's memory needs (stored) and say whether it fits")) -> None:
+    """Flag degenerate tasks (constant, near-zero, insensitive outputs...) and tasks too large for
+    the device's memory budget; exit code 1 when any is flagged."""
     from rich.table import Table
 
-    from evals.taskcheck import FLAGS, check_task
+    from evals.taskcheck import FLAGS, CheckIssue, check_task
+    from sandbox.footprint import human_bytes
 
     dev = resolve_device(device)
     numerics = resolve_numerics(precision, math)
@@ -298,13 +358,42 @@ def check_command(paths: Optional[list[str]] = PathsArgument, device: Optional[s
         table.add_column(col, no_wrap=col != "detail")
     flagged = 0
     seen_flags: set[str] = set()
+    store = _maybe_store(db) if memory else None
+    gate = _memory_gate(dev, numerics, store) if memory else None
+    footprints: list[tuple[str, Any, Optional[str]]] = []
     for spec in specs:
-        issues = check_task(spec, dev, numerics=numerics)
+        issues: list[CheckIssue] = []
+        if gate is not None:
+            sized = with_device_sizes(spec, dev)
+            try:
+                fp = gate.book.measure(sized, dev, numerics, env=gate.slot_env(0))
+            except RuntimeError as exc:
+                fp = None
+                issues.append(CheckIssue(spec.name, "runtime_error", str(exc)))
+            if fp is not None:
+                if store is not None:
+                    import torch
+
+                    from store.repo import save_footprint
+
+                    with store.session() as s:
+                        save_footprint(s, sized, fp, torch.__version__)
+                big = gate.too_large(sized, fp)
+                footprints.append((spec.name, fp, big.reason if big else None))
+                if big is not None:
+                    issues.append(CheckIssue(spec.name, "too_large", big.reason))
+        if not issues:
+            issues = check_task(spec, dev, numerics=numerics)
         if issues:
             flagged += 1
         for issue in issues:
             seen_flags.add(issue.flag)
             table.add_row(spec.name, issue.flag, issue.message.splitlines()[0] if issue.message else "")
+    if store is not None:
+        store.close()
+    if footprints:
+        budgets = ", ".join(f"{k} {human_bytes(v)}" for k, v in gate.admission.budgets.items())
+        console.print(footprint_table(footprints, f"memory on {dev} · {numerics.label} · budgets: {budgets}"))
     if flagged:
         console.print(table)
         for flag in sorted(seen_flags):

@@ -28,8 +28,10 @@ from typing import Any, Optional
 import torch
 
 from sandbox import anticheat, failures
+from sandbox.admission import MemoryGate, TaskTooLarge
 from sandbox.build import cuda_arch_list, first_compiler_error
 from sandbox.checks import CandidateChecks
+from sandbox.footprint import FootprintBook
 from sandbox.harness import cpu_model
 from sandbox.phases import Stages, phase
 from sandbox.process import WorkerDied, WorkerProcess, WorkerTimeout, kill_all_workers
@@ -57,7 +59,8 @@ class Sandbox:
 
     def __init__(self, device: str, config: Optional[EvalConfig] = None, build_slots: Optional[int] = None,
                  init_seed: Optional[int] = None, gpus: Optional[list[str]] = None,
-                 arch: Optional[str] = None):
+                 arch: Optional[str] = None, footprints: Optional[FootprintBook] = None,
+                 memory_budgets: Optional[dict[str, int]] = None):
         self.device = device
         # Resolved here, where the GPUs are visible, and handed to every worker (build workers
         # run with the GPU hidden); one list for all slots, so every build is a cache hit for all.
@@ -80,6 +83,9 @@ class Sandbox:
         self.init_seed = init_seed if init_seed is not None else secrets.randbits(31)
         self.device_name = _device_name(device)
         self.torch_version = torch.__version__
+        # Workers are admitted against per-GPU, host and outputs budgets (sandbox.admission).
+        self.memory = MemoryGate(device, len(self.slots), self.config.numerics, footprints,
+                                 memory_budgets, self._slot_env)
 
     # ---------------------------------------------------------------- helpers
     def _slot_env(self, slot: int) -> dict[str, str]:
@@ -115,6 +121,19 @@ class Sandbox:
         with self._slot_pick:
             self._slot_load[slot] -= 1
 
+    def _close_reference(self, key: tuple[str, int]) -> None:
+        """Close one idle reference worker (admission needs its memory for another task)."""
+        with self._refs_lock:
+            ref = self._refs.pop(key, None)
+        if ref is not None:
+            with ref.lock:
+                ref.close()
+
+    def too_large(self, spec: TaskSpec) -> Optional[TaskTooLarge]:
+        """Whether the task cannot fit even alone (its footprint is measured first if not known)."""
+        fp = self.memory.footprint(spec, 0, self._check_aborted, self._close_reference)
+        return self.memory.too_large(spec, fp, 0)
+
     def release(self, spec: TaskSpec) -> None:
         """Stop the task's reference workers (on every slot): a finished task's workers would
         otherwise keep their GPU memory and host memory for the rest of a long run."""
@@ -123,6 +142,8 @@ class Sandbox:
         for ref in refs:
             with ref.lock:
                 ref.close()
+        for slot in range(len(self.slots)):
+            self.memory.forget_reference((spec.key, slot))
 
     def abort(self) -> None:
         """Kill every worker now (an interrupted run): evaluations in flight end at once with
@@ -139,8 +160,9 @@ class Sandbox:
         if self._aborted.is_set():
             kill_all_workers()          # whatever started in the moment before the abort
         with self._refs_lock:
-            for ref in self._refs.values():
+            for key, ref in self._refs.items():
                 ref.close()
+                self.memory.forget_reference(key)
             self._refs.clear()
 
     def __enter__(self) -> "Sandbox":
@@ -258,7 +280,12 @@ class Sandbox:
         other candidates' runs), then hold the device for trials, timing and profiling."""
         slot = self._pick_slot(spec)
         try:
-            self._run_on(slot, spec, source, result)
+            with phase(result, "memory_wait"):      # raises TaskTooLarge: no verdict for this task
+                admitted = self.memory.admit(spec, slot, self._close_reference, self._check_aborted)
+            try:
+                self._run_on(slot, spec, source, result)
+            finally:
+                self.memory.leave(admitted)
         finally:
             self._release_slot(slot)
 

@@ -455,6 +455,8 @@ def serve(conn: Connection) -> None:
     # gets it flipped back, and cannot tell a trial from a timed run by them.
     with worker.numerics.enforced():
         reply = worker.load_candidate() if worker.role == "candidate" else worker.load_reference()
+    if worker.role == "reference" and worker.device == "cuda":
+        torch.cuda.empty_cache()    # the warm-up compile's inputs and workspace
     _send(conn, reply)
     if not reply.get("ok"):
         return
@@ -462,6 +464,10 @@ def serve(conn: Connection) -> None:
                 "timed_outputs": worker.timed_outputs,
                 "profile": worker.profile,
                 "roofline": worker.roofline}
+    if worker.role == "reference":
+        from sandbox.footprint import measure_in_worker
+
+        handlers["footprint"] = lambda req: measure_in_worker(worker, req)
     while True:
         try:
             req = _recv(conn)
@@ -484,6 +490,10 @@ def serve(conn: Connection) -> None:
             reply = {"ok": False, "harness_error": True, "harness_step": worker.step,
                      "errno": getattr(exc, "errno", None), "memory_held": _memory_held(worker.device),
                      "harness_bytes": worker.harness_bytes, **_exc_payload(exc)}
+        if worker.role == "reference" and worker.device == "cuda":
+            # Between requests a reference holds only its models: the memory of a trial, a
+            # compare or a timing goes back to the GPU (sandbox.admission counts it that way).
+            torch.cuda.empty_cache()
         _send(conn, reply)
 
 

@@ -139,9 +139,38 @@ def m003_numerics(conn: sa.Connection) -> None:
         conn.execute(sa.text(f"UPDATE {table} SET numerics = :label"), {"label": legacy})
 
 
+def m004_task_footprints(conn: sa.Connection) -> None:
+    """What a task needs in memory on a device under a numerics convention (sandbox.footprint),
+    measured once and read by the sandbox's admission and by ``kernelloop tasks``."""
+    md = sa.MetaData()
+    sa.Table("tasks", md, sa.Column("id", sa.Integer, primary_key=True))
+    sa.Table("task_footprints", md, _id(),
+             sa.Column("task_id", sa.Integer, sa.ForeignKey("tasks.id"), nullable=False, index=True),
+             sa.Column("task_key", sa.String(32), nullable=False, index=True),
+             sa.Column("device", sa.String(16), nullable=False),
+             sa.Column("device_name", sa.String(200), nullable=False),
+             sa.Column("torch_version", sa.String(64), nullable=False),
+             sa.Column("numerics", sa.String(32), nullable=False),
+             sa.Column("params_bytes", sa.BigInteger, nullable=False),
+             sa.Column("inputs_bytes", sa.BigInteger, nullable=False),
+             sa.Column("outputs_bytes", sa.BigInteger, nullable=False),
+             sa.Column("fp64_bytes", sa.BigInteger, nullable=False),
+             sa.Column("forward_peak_bytes", sa.BigInteger, nullable=False),
+             sa.Column("reference_resident_bytes", sa.BigInteger, nullable=False),
+             sa.Column("reference_peak_bytes", sa.BigInteger, nullable=False),
+             sa.Column("candidate_peak_bytes", sa.BigInteger, nullable=False),
+             sa.Column("host_bytes", sa.BigInteger, nullable=False),
+             sa.Column("shm_bytes", sa.BigInteger, nullable=False),
+             sa.Column("oom", sa.Text),
+             sa.Column("details", sa.JSON, nullable=False),
+             _created())
+    md.create_all(conn, tables=[md.tables["task_footprints"]])
+
+
 MIGRATIONS: list[Callable[[sa.Connection], None]] = [
     m001_tasks_and_baselines,
     m002_runs_calls_attempts_evaluations_analyses,
     m003_numerics,
+    m004_task_footprints,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)

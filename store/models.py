@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any, Optional
 
-from sqlalchemy import JSON, DateTime, Float, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 
@@ -161,3 +161,29 @@ class Analysis(Base):
     findings: Mapped[list[Any]] = mapped_column(JSON)
     model_call_id: Mapped[Optional[int]] = mapped_column(ForeignKey("model_calls.id"))
     created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class TaskFootprint(Base):
+    """A task's memory needs on one device under one numerics (``sandbox.footprint.Footprint``)."""
+    __tablename__ = "task_footprints"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    task_id: Mapped[int] = mapped_column(ForeignKey("tasks.id"), index=True)
+    task_key: Mapped[str] = mapped_column(String(32), index=True)     # source hash + size overrides
+    device: Mapped[str] = mapped_column(String(16))
+    device_name: Mapped[str] = mapped_column(String(200))
+    torch_version: Mapped[str] = mapped_column(String(64))
+    numerics: Mapped[str] = mapped_column(String(32))                 # precision/math mode
+    params_bytes: Mapped[int] = mapped_column(BigInteger)
+    inputs_bytes: Mapped[int] = mapped_column(BigInteger)
+    outputs_bytes: Mapped[int] = mapped_column(BigInteger)
+    fp64_bytes: Mapped[int] = mapped_column(BigInteger)
+    forward_peak_bytes: Mapped[int] = mapped_column(BigInteger)
+    reference_resident_bytes: Mapped[int] = mapped_column(BigInteger)
+    reference_peak_bytes: Mapped[int] = mapped_column(BigInteger)
+    candidate_peak_bytes: Mapped[int] = mapped_column(BigInteger)     # derived, kept for reading
+    host_bytes: Mapped[int] = mapped_column(BigInteger)               # host memory of outputs in transit
+    shm_bytes: Mapped[int] = mapped_column(BigInteger)                # files of outputs in transit
+    oom: Mapped[Optional[str]] = mapped_column(Text)                  # the measurement ran out of memory
+    details: Mapped[dict[str, Any]] = mapped_column(JSON)             # Footprint.to_dict()
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)
+    task: Mapped[Task] = relationship()

@@ -6,9 +6,10 @@ from typing import Optional
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from sandbox.footprint import Footprint, FootprintBook
 from sandbox.result import EvalConfig, EvalResult
 from sandbox.tasks import TaskSpec
-from store.models import Analysis, Attempt, Evaluation, Run, Task
+from store.models import Analysis, Attempt, Evaluation, Run, Task, TaskFootprint
 
 
 def upsert_task(session: Session, spec: TaskSpec) -> Task:
@@ -78,3 +79,43 @@ def get_run(session: Session, run_id: int) -> Run:
 def latest_analysis(session: Session, run_id: int, task_id: int) -> Optional[Analysis]:
     return session.scalar(sa.select(Analysis).where(Analysis.run_id == run_id, Analysis.task_id == task_id)
                           .order_by(Analysis.id.desc()).limit(1))
+
+
+def save_footprint(session: Session, spec: TaskSpec, fp: Footprint, torch_version: str) -> TaskFootprint:
+    row = TaskFootprint(
+        task_id=upsert_task(session, spec).id, task_key=spec.key, device=fp.device, device_name=fp.device_name,
+        torch_version=torch_version, numerics=fp.numerics, params_bytes=fp.params_bytes,
+        inputs_bytes=fp.inputs_bytes, outputs_bytes=fp.outputs_bytes, fp64_bytes=fp.fp64_bytes,
+        forward_peak_bytes=fp.forward_peak_bytes, reference_resident_bytes=fp.reference_resident_bytes,
+        reference_peak_bytes=fp.reference_peak_bytes, candidate_peak_bytes=fp.candidate_peak_bytes,
+        host_bytes=fp.host_transit_bytes, shm_bytes=fp.shm_bytes, oom=fp.oom, details=fp.to_dict())
+    session.add(row)
+    session.flush()
+    return row
+
+
+def latest_footprint(session: Session, task_key: str, device: str, numerics: str,
+                     device_name: Optional[str] = None, torch_version: Optional[str] = None) -> Optional[Footprint]:
+    """The newest footprint of the task (at these sizes) on ``device`` under ``numerics``; on
+    this ``device_name`` and torch when given (another GPU model or torch is measured again)."""
+    q = sa.select(TaskFootprint).where(TaskFootprint.task_key == task_key, TaskFootprint.device == device,
+                                       TaskFootprint.numerics == numerics)
+    if device_name is not None:
+        q = q.where(TaskFootprint.device_name == device_name)
+    if torch_version is not None:
+        q = q.where(TaskFootprint.torch_version == torch_version)
+    row = session.scalar(q.order_by(TaskFootprint.id.desc()).limit(1))
+    return Footprint.from_dict(row.details) if row is not None else None
+
+
+def footprint_book(store, device_name: str, torch_version: str) -> FootprintBook:
+    """A ``FootprintBook`` that reads and writes this store (writes through its one-writer sessions)."""
+    def load(spec: TaskSpec, device: str, numerics: str) -> Optional[Footprint]:
+        with store.reader() as s:
+            return latest_footprint(s, spec.key, device, numerics, device_name, torch_version)
+
+    def save(spec: TaskSpec, fp: Footprint) -> None:
+        with store.session() as s:
+            save_footprint(s, spec, fp, torch_version)
+
+    return FootprintBook(load=load, save=save)

@@ -1,0 +1,273 @@
+"""Admission of workers against memory budgets: per GPU, host memory, and the outputs' file system.
+
+A sandbox's workers are admitted from their task's measured footprint (``sandbox.footprint``):
+
+* a **reference worker** holds its *resident* bytes (its models, the CUDA context) for as long
+  as it lives; it is closed by ``Sandbox.release`` when its task ends, or earlier when another
+  task's run needs the room and it is idle (least recently used first);
+* a **candidate run** holds its candidate worker's resident bytes, the host memory and files
+  of outputs in transit, and a *transient* figure: the trial peaks of its reference and its
+  candidate together. Transients happen only while a run holds its slot's device lock, one run
+  per slot at a time, so a pool counts the largest transient of its runs, not their sum:
+  ``usage = sum(resident) + max(transient)``.
+
+A run waits until its needs fit (closing idle references of other tasks first); one whose
+needs exceed a budget with nothing else admitted raises ``TaskTooLarge``, naming the bytes
+needed and available: its task is ``too_large``, and no candidate of it gets a verdict.
+
+Budgets (sizes as ``70GiB``, ``80GB``, a byte count, or a fraction such as ``0.9``):
+``KERNELLOOP_GPU_MEMORY`` (per GPU, default 0.92 of its total memory),
+``KERNELLOOP_HOST_MEMORY`` (default 0.8 of the host's available memory at start),
+``KERNELLOOP_SHM_MEMORY`` (default 0.9 of the free space where outputs are written),
+``KERNELLOOP_CUDA_CONTEXT`` (a worker's CUDA context, default 768MiB, outside the allocator's figures).
+"""
+from __future__ import annotations
+
+import itertools
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from sandbox.footprint import Footprint, FootprintBook, env_bytes, human_bytes
+
+GPU_ENV, HOST_ENV, SHM_ENV, CONTEXT_ENV = ("KERNELLOOP_GPU_MEMORY", "KERNELLOOP_HOST_MEMORY",
+                                           "KERNELLOOP_SHM_MEMORY", "KERNELLOOP_CUDA_CONTEXT")
+GPU_DEFAULT_FRACTION = 0.92
+HOST_DEFAULT_FRACTION = 0.8
+SHM_DEFAULT_FRACTION = 0.9
+CUDA_CONTEXT_BYTES = 768 << 20
+WORKER_HOST_BYTES_CUDA = 2 << 30     # a worker's torch and CUDA libraries in host memory
+WAIT_POLL_S = 1.0
+
+Needs = dict[str, tuple[int, int]]   # pool -> (resident bytes, transient bytes)
+
+
+class TaskTooLarge(Exception):
+    """A task whose needs exceed a budget even with nothing else admitted."""
+
+    def __init__(self, task: str, pool: str, needed: int, available: int, detail: str = ""):
+        self.task, self.pool, self.needed, self.available, self.detail = task, pool, needed, available, detail
+        super().__init__(self.reason)
+
+    @property
+    def reason(self) -> str:
+        why = f" ({self.detail})" if self.detail else ""
+        return (f"too_large: needs {human_bytes(self.needed)} ({self.needed} B) of {self.pool} memory, "
+                f"{human_bytes(self.available)} ({self.available} B) available{why}")
+
+
+# --------------------------------------------------------------------------- budgets
+
+def _meminfo_bytes(field_name: str) -> Optional[int]:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1]) << 10
+    except OSError:
+        pass
+    return None
+
+
+def gpu_pool(slot: int) -> str:
+    return f"gpu{slot}"
+
+
+def default_budgets(device: str, slots: int) -> dict[str, int]:
+    """Pool name -> bytes: ``gpu<i>`` per slot on cuda, ``host``, ``shm``; the environment's knobs first."""
+    from sandbox.process import outputs_root
+
+    host_total = _meminfo_bytes("MemAvailable") or _meminfo_bytes("MemTotal") or (16 << 30)
+    budgets = {"host": env_bytes(HOST_ENV, int(HOST_DEFAULT_FRACTION * host_total), host_total)}
+    try:
+        shm_free = shutil.disk_usage(outputs_root() or tempfile.gettempdir()).free
+    except OSError:
+        shm_free = 16 << 30
+    budgets["shm"] = env_bytes(SHM_ENV, int(SHM_DEFAULT_FRACTION * shm_free), shm_free)
+    if device == "cuda":
+        import torch
+
+        for i in range(slots):
+            try:
+                total = torch.cuda.get_device_properties(i if i < torch.cuda.device_count() else 0).total_memory
+            except (RuntimeError, AssertionError):
+                total = 80 << 30
+            budgets[gpu_pool(i)] = env_bytes(GPU_ENV, int(GPU_DEFAULT_FRACTION * total), total)
+    return budgets
+
+
+# --------------------------------------------------------------------------- the ledger
+
+@dataclass
+class _Reference:
+    needs: Needs
+    users: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class Admission:
+    """Thread-safe ledger of what is admitted in each pool; runs wait on a condition."""
+
+    def __init__(self, budgets: dict[str, int]):
+        self.budgets = dict(budgets)
+        self._cond = threading.Condition()
+        self._refs: dict[Any, _Reference] = {}
+        self._runs: dict[int, tuple[Any, Needs]] = {}
+        self._tokens = itertools.count(1)
+
+    def usage(self, pool: str, extra: Optional[list[Needs]] = None, without: frozenset = frozenset()) -> int:
+        holdings = [r.needs for k, r in self._refs.items() if k not in without] + [n for _, n in self._runs.values()]
+        holdings += extra or []
+        resident = sum(n.get(pool, (0, 0))[0] for n in holdings)
+        transient = max((n.get(pool, (0, 0))[1] for n in holdings), default=0)
+        return resident + transient
+
+    def _fits(self, extra: list[Needs], without: frozenset = frozenset()) -> bool:
+        return all(self.usage(p, extra, without) <= b for p, b in self.budgets.items())
+
+    def too_large(self, task: str, needs: list[Needs], detail: str = "") -> Optional[TaskTooLarge]:
+        """The first pool these needs exceed with nothing else admitted, if any."""
+        for pool, budget in self.budgets.items():
+            need = sum(n.get(pool, (0, 0))[0] for n in needs) + max((n.get(pool, (0, 0))[1] for n in needs), default=0)
+            if need > budget:
+                return TaskTooLarge(task, pool, need, budget, detail)
+        return None
+
+    def admit(self, task: str, run: Needs, ref_key: Any = None, ref: Optional[Needs] = None,
+              close_reference: Callable[[Any], None] = lambda key: None,
+              check_aborted: Callable[[], None] = lambda: None) -> int:
+        """Wait until ``run`` (and ``ref``, the reference's resident needs, unless that reference is
+        admitted already) fit, closing idle references of other tasks, least recently used first.
+        Returns a token for ``leave``. Raises ``TaskTooLarge`` when they cannot fit even alone."""
+        alone = self.too_large(task, [run] + ([ref] if ref_key is not None and ref else []))
+        if alone is not None:
+            raise alone
+        victims: list[Any] = []
+        with self._cond:
+            while True:
+                check_aborted()
+                extra = [run] + ([ref] if ref_key is not None and ref_key not in self._refs and ref else [])
+                if self._fits(extra):
+                    break
+                idle = sorted((r.last_used, k) for k, r in self._refs.items() if r.users == 0 and k != ref_key)
+                chosen: list[Any] = []
+                for _, key in idle:
+                    chosen.append(key)
+                    if self._fits(extra, frozenset(chosen)):
+                        break
+                if chosen and self._fits(extra, frozenset(chosen)):
+                    for key in chosen:
+                        del self._refs[key]
+                    victims = chosen
+                    break
+                self._cond.wait(WAIT_POLL_S)
+            if ref_key is not None:
+                entry = self._refs.setdefault(ref_key, _Reference(ref or {}))
+                entry.users += 1
+                entry.last_used = time.monotonic()
+            token = next(self._tokens)
+            self._runs[token] = (ref_key, run)
+        for key in victims:           # their memory is counted free already: close before the run starts
+            close_reference(key)
+        return token
+
+    def leave(self, token: int) -> None:
+        with self._cond:
+            ref_key, _ = self._runs.pop(token)
+            entry = self._refs.get(ref_key)
+            if entry is not None:
+                entry.users -= 1
+                entry.last_used = time.monotonic()
+            self._cond.notify_all()
+
+    def drop_reference(self, ref_key: Any) -> None:
+        """A reference worker was closed: its resident bytes are free."""
+        with self._cond:
+            self._refs.pop(ref_key, None)
+            self._cond.notify_all()
+
+    def references(self) -> list[Any]:
+        with self._cond:
+            return list(self._refs)
+
+
+# --------------------------------------------------------------------------- a sandbox's gate
+
+class MemoryGate:
+    """What a ``Sandbox`` asks: a task's footprint (measured once, alone on its slot), whether it
+    fits at all, and admission of its runs and reference workers."""
+
+    def __init__(self, device: str, slots: int, numerics: Any, book: Optional[FootprintBook] = None,
+                 budgets: Optional[dict[str, int]] = None,
+                 slot_env: Callable[[int], dict[str, str]] = lambda slot: {}):
+        self.device, self.numerics = device, numerics
+        self.book = book or FootprintBook()
+        self.admission = Admission(budgets if budgets is not None else default_budgets(device, slots))
+        self.slot_env = slot_env
+        self.context = env_bytes(CONTEXT_ENV, CUDA_CONTEXT_BYTES) if device == "cuda" else 0
+
+    def _device_pool(self, slot: int) -> str:
+        return gpu_pool(slot) if self.device == "cuda" else "host"
+
+    # ---- footprints into needs ---------------------------------------------------------
+    def reference_needs(self, fp: Footprint, slot: int) -> Needs:
+        needs: Needs = {self._device_pool(slot): (self.context + fp.reference_resident_bytes, 0)}
+        if self.device == "cuda":
+            needs["host"] = (WORKER_HOST_BYTES_CUDA, 0)
+        return needs
+
+    def run_needs(self, fp: Footprint, slot: int) -> Needs:
+        transient = (max(0, fp.reference_peak_bytes - fp.reference_resident_bytes)
+                     + max(0, fp.candidate_peak_bytes - fp.candidate_resident_bytes))
+        if self.device == "cuda":
+            return {gpu_pool(slot): (self.context + fp.candidate_resident_bytes, transient),
+                    "host": (WORKER_HOST_BYTES_CUDA + fp.host_transit_bytes, 0), "shm": (fp.shm_bytes, 0)}
+        # on cpu a candidate worker's process costs about what the reference's did before its model
+        base = max(0, fp.reference_resident_bytes - fp.params_bytes - fp.fp64_bytes)
+        return {"host": (base + fp.candidate_resident_bytes, transient), "shm": (fp.shm_bytes, 0)}
+
+    # ---- what the sandbox asks -----------------------------------------------------------
+    def footprint(self, spec: Any, slot: int = 0,
+                  check_aborted: Callable[[], None] = lambda: None,
+                  close_reference: Callable[[Any], None] = lambda key: None) -> Footprint:
+        """The task's footprint, measured (once) with the slot to itself when not known yet."""
+        def measure() -> Footprint:
+            whole = {self._device_pool(slot): (self.admission.budgets[self._device_pool(slot)], 0)}
+            token = self.admission.admit(spec.name, whole, close_reference=close_reference,
+                                         check_aborted=check_aborted)
+            try:
+                return self.book.measure(spec, self.device, self.numerics, env=self.slot_env(slot))
+            finally:
+                self.admission.leave(token)
+
+        return self.book.get(spec, self.device, self.numerics, measure)
+
+    def too_large(self, spec: Any, fp: Footprint, slot: int = 0) -> Optional[TaskTooLarge]:
+        needs = [self.reference_needs(fp, slot), self.run_needs(fp, slot)]
+        found = self.admission.too_large(spec.name, needs)
+        if fp.oom is None:
+            return found
+        pool = self._device_pool(slot)
+        need = found.needed if found is not None else self.admission.budgets[pool] + 1
+        return TaskTooLarge(spec.name, found.pool if found else pool, need,
+                            found.available if found else self.admission.budgets[pool],
+                            f"at least: the measurement ran out of memory: {fp.oom}"[:600])
+
+    def admit(self, spec: Any, slot: int, close_reference: Callable[[Any], None],
+              check_aborted: Callable[[], None] = lambda: None) -> int:
+        """Wait until a run of ``spec`` on ``slot`` (and its reference there) fits; a token for ``leave``."""
+        fp = self.footprint(spec, slot, check_aborted, close_reference)
+        big = self.too_large(spec, fp, slot)
+        if big is not None:
+            raise big
+        return self.admission.admit(spec.name, self.run_needs(fp, slot), (spec.key, slot),
+                                    self.reference_needs(fp, slot), close_reference, check_aborted)
+
+    def leave(self, token: int) -> None:
+        self.admission.leave(token)
+
+    def forget_reference(self, key: Any) -> None:
+        self.admission.drop_reference(key)

@@ -1,0 +1,282 @@
+"""Memory admission: footprints measured once, runs waiting for room, idle references closed
+least recently used first, and tasks too large even alone (sandbox.admission, sandbox.footprint)."""
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from typer.testing import CliRunner
+
+from sandbox.admission import Admission, MemoryGate, TaskTooLarge
+from sandbox.footprint import Footprint, FootprintBook, parse_bytes
+from sandbox.numerics import Numerics
+from sandbox.result import EvalConfig, EvalResult, Status
+from sandbox.tasks import TaskSpec, discover, read_spec, with_device_sizes
+
+MiB = 1 << 20
+
+
+def _spec(name: str) -> TaskSpec:
+    return TaskSpec(name=name, path=f"/{name}.py", source=f"# {name}\n")
+
+
+def _fp(spec: TaskSpec, peak: int, resident: int = 10 * MiB) -> Footprint:
+    return Footprint(task_key=spec.key, device="cpu", device_name="test", numerics="fp32/default",
+                     inputs_bytes=peak // 8, outputs_bytes=peak // 8, forward_peak_bytes=peak // 4,
+                     reference_resident_bytes=resident, reference_peak_bytes=resident + peak // 2)
+
+
+class _PresetBook(FootprintBook):
+    """Footprints given in advance; measuring anything else fails the test."""
+
+    def __init__(self, footprints: dict[str, Footprint]):
+        super().__init__(measure=lambda *a, **k: pytest.fail("measured a task whose footprint was given"))
+        self._preset = footprints
+
+    def known(self, spec, device, numerics):
+        return self._preset.get(spec.key)
+
+
+# ------------------------------------------------------------------ the ledger
+
+def test_two_runs_that_fit_one_at_a_time_run_sequentially_and_both_finish():
+    adm = Admission({"gpu0": 100})
+    inside, most, order = [0], [0], []
+    lock = threading.Lock()
+
+    def run(name: str) -> None:
+        token = adm.admit(name, {"gpu0": (30, 50)})       # 80 of 100: two at once would be 30+30+50
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.2)
+        with lock:
+            inside[0] -= 1
+            order.append(name)
+        adm.leave(token)
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(order) == ["a", "b"] and most[0] == 1
+    assert adm.usage("gpu0") == 0
+
+
+def test_transients_count_once_per_pool_residents_add_up():
+    adm = Admission({"gpu0": 100})
+    adm.admit("a", {"gpu0": (20, 50)})
+    # 20 + 20 resident, max(50, 50) transient = 90: fits although 2 x 70 would not
+    adm.admit("b", {"gpu0": (20, 50)})
+    assert adm.usage("gpu0") == 90
+
+
+def test_idle_references_of_other_tasks_are_closed_least_recently_used_first():
+    adm = Admission({"gpu0": 100})
+    closed: list = []
+    for key in ("old", "newer"):
+        token = adm.admit(key, {"gpu0": (0, 0)}, ref_key=key, ref={"gpu0": (40, 0)})
+        adm.leave(token)
+        time.sleep(0.01)
+    busy = adm.admit("busy", {"gpu0": (0, 0)}, ref_key="busy", ref={"gpu0": (10, 0)})   # in use: never closed
+    # 40 + 40 + 10 held; the new task needs 30 + 20: closing "old" (the least recently used) is enough
+    adm.admit("new", {"gpu0": (20, 0)}, ref_key="new", ref={"gpu0": (30, 0)}, close_reference=closed.append)
+    assert closed == ["old"]
+    assert set(adm.references()) == {"newer", "busy", "new"}
+    adm.leave(busy)
+
+
+def test_a_task_larger_than_the_budget_alone_is_too_large_with_both_numbers():
+    adm = Admission({"gpu0": 1000, "host": 10 ** 9})
+    with pytest.raises(TaskTooLarge) as info:
+        adm.admit("big", {"gpu0": (600, 300)}, ref_key="big", ref={"gpu0": (200, 0)})
+    exc = info.value
+    assert (exc.pool, exc.needed, exc.available) == ("gpu0", 1100, 1000)
+    assert "too_large" in exc.reason and "1100 B" in exc.reason and "1000 B" in exc.reason
+    assert adm.references() == [] and adm.usage("gpu0") == 0     # nothing was admitted
+
+
+def test_sizes_from_the_environment():
+    assert parse_bytes("70GiB") == 70 << 30
+    assert parse_bytes("80GB") == 80 * 10 ** 9
+    assert parse_bytes("0.5", total=1000) == 500
+    with pytest.raises(ValueError):
+        parse_bytes("lots")
+
+
+# ------------------------------------------------------------------ the sandbox's use of it
+
+def test_sandbox_runs_of_two_tasks_that_fit_one_at_a_time_wait_and_close_the_idle_reference(monkeypatch):
+    from sandbox.evaluate import Sandbox
+
+    a, b = _spec("a"), _spec("b")
+    fps = {a.key: _fp(a, 40 * MiB), b.key: _fp(b, 40 * MiB)}
+    # each task: reference 10 + candidate process 10 MiB resident, 55 MiB transient (75 alone);
+    # over an 80 MiB budget two tasks (95) cannot run at once, nor one beside the other's idle reference (85)
+    sandbox = Sandbox("cpu", EvalConfig(), footprints=_PresetBook(fps),
+                      memory_budgets={"host": 80 * MiB, "shm": 1 << 30})
+    inside, most, ran, closed = [0], [0], [], []
+    lock = threading.Lock()
+
+    def fake_run_on(slot, spec, source, result):
+        sandbox._refs[(spec.key, slot)] = type("Ref", (), {"lock": threading.Lock(),
+                                                           "close": lambda self: closed.append(spec.name)})()
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.2)
+        with lock:
+            inside[0] -= 1
+            ran.append(spec.name)
+        result.status = Status.correct
+
+    monkeypatch.setattr(sandbox, "_run_on", fake_run_on)
+    results = {n: EvalResult(status=Status.runtime_error, task=n, task_sha256="", candidate_sha256="", device="cpu",
+                             device_name="", torch_version="", config=sandbox.config) for n in ("a", "b")}
+    threads = [threading.Thread(target=sandbox._run, args=(s, "", results[s.name])) for s in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert sorted(ran) == ["a", "b"] and most[0] == 1
+    assert all(r.status == Status.correct for r in results.values())
+    assert len(closed) == 1 and closed[0] == ran[0]      # the first task's idle reference made room
+    assert results[ran[1]].phases.get("memory_wait", 0) > 0.1
+    sandbox.close()
+
+
+def test_sandbox_evaluate_of_a_too_large_task_raises_and_gives_no_verdict():
+    from sandbox.evaluate import Sandbox
+
+    big = _spec("big")
+    sandbox = Sandbox("cpu", EvalConfig(), footprints=_PresetBook({big.key: _fp(big, 400 * MiB)}),
+                      memory_budgets={"host": 100 * MiB, "shm": 1 << 30})
+    with pytest.raises(TaskTooLarge) as info:
+        sandbox.evaluate(big, "class ModelNew: pass\n")
+    assert info.value.available == 100 * MiB and info.value.needed > 100 * MiB
+    assert sandbox.too_large(big) is not None
+    sandbox.close()
+
+
+# ------------------------------------------------------------------ measuring and storing
+
+def _leaky(device: str = "cpu") -> TaskSpec:
+    return with_device_sizes(read_spec(discover(["level1/leaky_relu"])[0]), device)
+
+
+def test_footprint_of_a_cpu_task_has_exact_tensor_bytes_in_its_precision():
+    from sandbox.footprint import measure_footprint
+
+    spec = _leaky()        # 64 x 4096 inputs and outputs on cpu
+    fp32 = measure_footprint(spec, "cpu", Numerics())
+    assert (fp32.inputs_bytes, fp32.outputs_bytes, fp32.params_bytes) == (1 * MiB, 1 * MiB, 0)
+    assert fp32.fp64_bytes == 4 * MiB                       # inputs and outputs in float64
+    assert fp32.forward_peak_bytes >= 2 * MiB and fp32.reference_peak_bytes > fp32.reference_resident_bytes > 0
+    assert fp32.oom is None and fp32.device_name
+    fp16 = measure_footprint(spec, "cpu", Numerics(precision="fp16"))
+    assert (fp16.inputs_bytes, fp16.outputs_bytes, fp16.fp64_bytes) == (MiB // 2, MiB // 2, 4 * MiB)
+
+
+def test_footprints_are_measured_once_and_read_back_from_the_store(tmp_store):
+    from store.models import TaskFootprint
+    from store.repo import footprint_book
+
+    spec = _leaky()
+    calls = []
+    fp = _fp(spec, 8 * MiB)
+    book = footprint_book(tmp_store, "test", "torch-x")
+    book._measure = lambda *a, **k: pytest.fail("not through measure_with")
+    assert book.get(spec, "cpu", Numerics(), lambda: calls.append(1) or fp) == fp
+    again = footprint_book(tmp_store, "test", "torch-x")          # a later run: from the store
+    assert again.get(spec, "cpu", Numerics(), lambda: pytest.fail("measured twice")) == fp
+    with tmp_store.reader() as s:
+        row = s.scalar(sa.select(TaskFootprint))
+        assert (row.inputs_bytes, row.candidate_peak_bytes, row.shm_bytes) == (
+            fp.inputs_bytes, fp.candidate_peak_bytes, fp.shm_bytes)
+    assert calls == [1]
+    other_gpu = footprint_book(tmp_store, "another device", "torch-x")
+    assert other_gpu.known(spec, "cpu", Numerics()) is None
+
+
+def test_migration_4_applies_on_a_store_of_schema_3(tmp_path: Path):
+    from store import Store
+    from store.migrations import MIGRATIONS
+
+    path = tmp_path / "v3.db"
+    engine = sa.create_engine(f"sqlite:///{path}")
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE kernelloop_meta (key VARCHAR(64) PRIMARY KEY, value TEXT NOT NULL)"))
+        conn.execute(sa.text("INSERT INTO kernelloop_meta VALUES ('app', 'kernelloop'), ('schema_version', '3')"))
+        for m in MIGRATIONS[:3]:
+            m(conn)
+        conn.execute(sa.text("INSERT INTO tasks (name, path, sha256, source, created_at) "
+                             "VALUES ('seeds/x', '/x.py', 'abc', 'src', '2026-01-01 00:00:00')"))
+    engine.dispose()
+    Store(path).close()
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT value FROM kernelloop_meta WHERE key='schema_version'").fetchone()[0] == "4"
+        cols = {r[1] for r in conn.execute("PRAGMA table_info(task_footprints)")}
+        assert {"task_key", "reference_peak_bytes", "fp64_bytes", "shm_bytes", "oom"} <= cols
+        assert conn.execute("SELECT name FROM tasks").fetchall() == [("seeds/x",)]
+
+
+# ------------------------------------------------------------------ the commands
+
+def _invoke(args: list[str], env: dict[str, str] | None = None):
+    from kernelloop.cli import app
+
+    return CliRunner().invoke(app, args, env=env)
+
+
+def test_tasks_check_stores_the_figures_and_show_prints_them(tmp_path: Path):
+    db = str(tmp_path / "k.db")
+    out = _invoke(["tasks", "check", "level1/leaky_relu", "--device", "cpu", "--db", db])
+    assert out.exit_code == 0, out.output
+    assert "memory on cpu" in out.output and "1.00 MiB" in out.output and "4.00 MiB" in out.output
+    shown = _invoke(["tasks", "show", "level1/leaky_relu", "--device", "cpu", "--db", db, "--no-source"])
+    assert shown.exit_code == 0, shown.output
+    text = " ".join(shown.output.split())
+    assert "inputs 1.00 MiB" in text and "outputs 1.00 MiB" in text and "float64 copy 4.00 MiB" in text
+    assert "reference peak" in text and "shm 2.00 MiB" in text
+
+
+def test_tasks_check_flags_a_task_too_large_for_the_budget(tmp_path: Path):
+    out = _invoke(["tasks", "check", "level1/leaky_relu", "--device", "cpu", "--db", str(tmp_path / "k.db")],
+                  env={"KERNELLOOP_HOST_MEMORY": "64MiB"})
+    assert out.exit_code == 1, out.output
+    text = " ".join(out.output.split())
+    assert "too_large" in text and "64.00 MiB (67108864 B) available" in text
+
+
+def test_optimize_stops_a_too_large_task_before_any_model_call_and_stores_no_verdict(tmp_path: Path):
+    db = tmp_path / "k.db"
+    out = _invoke(["optimize", "level1/leaky_relu", "--model", "builtin", "--rounds", "1", "--samples", "1",
+                   "--device", "cpu", "--db", str(db)], env={"KERNELLOOP_HOST_MEMORY": "64MiB"})
+    assert out.exit_code == 0, out.output
+    assert "too_large" in out.output
+    with sqlite3.connect(db) as conn:
+        for table in ("model_calls", "attempts", "evaluations"):
+            assert conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0] == 0, table
+        assert conn.execute("SELECT COUNT(*) FROM task_footprints").fetchone()[0] == 1
+
+
+@pytest.mark.gpu
+def test_cuda_footprint_reads_the_allocator_and_counts_the_float64_run():
+    import torch
+
+    from sandbox.footprint import measure_footprint
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    spec = read_spec(discover(["level1/leaky_relu"])[0], {"batch_size": 1024, "dim": 4096})   # 16 MiB
+    fp = measure_footprint(spec, "cuda", Numerics())
+    assert fp.measured_by.startswith("cuda caching allocator") and fp.oom is None
+    assert fp.inputs_bytes == fp.outputs_bytes == 16 * MiB
+    # the trial holds inputs, their clone, outputs, float64 inputs and outputs, and the compare's read
+    assert fp.reference_peak_bytes >= 2 * 16 * MiB + 2 * 32 * MiB + 16 * MiB
+    assert fp.reference_resident_bytes < 16 * MiB          # between requests only the models stay
