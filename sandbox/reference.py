@@ -22,13 +22,20 @@ class ReferenceWorker:
         self.warm_compile = warm_compile
         self.env = env or {}
         self.lock = threading.Lock()
-        self._io = threading.Lock()     # one request at a time on the worker's socket
+        # one request at a time on the worker's socket (a precompute may come from another thread)
+        self._io = threading.RLock()
         self.proc: Optional[WorkerProcess] = None
         self.profile: Optional[list[dict]] = None
         self.counts: Optional[dict] = None
         self.device_name = ""
 
     def ensure(self) -> WorkerProcess:
+        if self.proc is not None and self.proc.proc.poll() is None:
+            return self.proc
+        with self._io:
+            return self._start()
+
+    def _start(self) -> WorkerProcess:
         if self.proc is not None and self.proc.proc.poll() is None:
             return self.proc
         self.proc = WorkerProcess("reference", env=self.env)
@@ -50,6 +57,15 @@ class ReferenceWorker:
         if not reply.get("ok"):
             raise RuntimeError(f"the reference of {self.spec.name} failed: {reply.get('error_message')}")
         return reply
+
+    def ask_if_running(self, payload: dict[str, Any], timeout: float = REFERENCE_TIMEOUT_S) -> dict[str, Any]:
+        """``ask``, but never (re)starts the worker: background work for a reference that was
+        stopped (a released task) or died is not worth a new one."""
+        with self._io:
+            proc = self.proc
+            if proc is None or proc.proc.poll() is not None:
+                return {"ok": False, "error_message": "the reference worker is not running"}
+            return proc.ask(payload, timeout)
 
     def close(self) -> None:
         if self.proc is not None:
@@ -89,7 +105,7 @@ class Precomputed:
             self._done.set()
 
     def _ask(self) -> dict[str, Any]:
-        return self.ref.ask({"op": "precompute", "seed": self.seed, "token": self.token, "fp64": self.fp64,
+        return self.ref.ask_if_running({"op": "precompute", "seed": self.seed, "token": self.token, "fp64": self.fp64,
                              "output_bytes": 0})
 
     def wait(self, timeout: float = REFERENCE_TIMEOUT_S) -> bool:
@@ -114,10 +130,7 @@ class Precomputed:
     def _send_discard(self) -> None:
         if not self.wait() or self.used:
             return
-        proc = self.ref.proc
-        if proc is None or proc.proc.poll() is not None:
-            return                      # a closed or dead reference keeps nothing (and is not restarted)
         try:
-            self.ref.ask({"op": "discard", "token": self.token}, 60.0)
+            self.ref.ask_if_running({"op": "discard", "token": self.token}, 60.0)
         except Exception:  # noqa: BLE001
             pass
