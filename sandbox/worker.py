@@ -40,6 +40,7 @@ from sandbox.tasks import TaskSpec, exec_source, load_task
 
 # Reference outputs precomputed for trials to come (each a full set of outputs on the device).
 MAX_PRECOMPUTED = 3
+PRECOMPUTE_BUDGET = int(os.environ.get("KERNELLOOP_PRECOMPUTE_BYTES", 4 << 30))
 _PREWARMED: dict[str, bool] = {}
 
 _time_runs = timing.time_runs
@@ -78,6 +79,7 @@ class Worker:
         self.profile_wanted = bool(init.get("profile"))
         self.numerics = Numerics.model_validate(init.get("numerics") or {})
         self.precomputed: dict[str, tuple[dict[str, Any], tuple]] = {}
+        self.last_output_bytes = 0
         if self.device == "cuda" and init.get("memory_fraction"):
             torch.cuda.set_per_process_memory_fraction(float(init["memory_fraction"]))
 
@@ -171,6 +173,10 @@ class Worker:
             return {"ok": False, "error_message": "only the reference precomputes"}
         if len(self.precomputed) >= MAX_PRECOMPUTED:
             return {"ok": True, "skipped": f"{len(self.precomputed)} precomputed trials already kept"}
+        # fp32 outputs plus float64 ones: three times the bytes of the last trial's outputs
+        kept_bytes = sum(entry[0].get("kept_bytes", 0) for entry in self.precomputed.values())
+        if kept_bytes + 3 * self.last_output_bytes > PRECOMPUTE_BUDGET:
+            return {"ok": True, "skipped": f"{kept_bytes >> 20} MiB of precomputed outputs already kept"}
         saved, self.kept_reference = getattr(self, "kept_reference", None), None
         try:
             reply = self.trial({**req, "op": "trial", "index": -1})
@@ -178,6 +184,8 @@ class Worker:
         finally:
             self.kept_reference = saved
         if reply.get("ok") and kept is not None:
+            reply["kept_bytes"] = sum(x.numel() * x.element_size() for x in [*kept[1], *(kept[2] or [])]
+                                      if isinstance(x, torch.Tensor))
             self.precomputed[token] = (reply, kept)
         return reply
 
@@ -245,6 +253,7 @@ class Worker:
         reply["inputs_mutated"] = mutated
         reply["output_bytes"] = sum(x.numel() * x.element_size() for x in flat)
         if self.role == "reference":
+            self.last_output_bytes = reply["output_bytes"]
             # Kept on the device for the `compare` request that follows (one trial at a time),
             # with the seed that remakes these inputs should the float64 rule need them.
             flat64, note = (self._run_fp64(inputs64) if inputs64 is not None else (None, None))

@@ -203,3 +203,22 @@ def test_precompute_seeds_are_fresh_and_secret_per_candidate():
     assert a.seed != b.seed and a.token != b.token
     req = a.request({"op": "trial", "seed": 0, "index": 0})
     assert req["seed"] == a.seed and req["precomputed"] == a.token
+
+
+@pytest.mark.slow
+def test_precomputes_past_the_byte_budget_are_skipped_and_computed_on_demand(tmp_path):
+    spec, init_seed = _spec(), 3
+    ref = ReferenceWorker(spec, "cpu", init_seed, env={"KERNELLOOP_PRECOMPUTE_BYTES": "1"})
+    config = EvalConfig().model_dump(mode="json")
+    try:
+        ref.ensure()
+        first, second = Precomputed(ref, fp64=True), Precomputed(ref, fp64=True)
+        assert first.wait(120) != second.wait(120)          # one kept, the other over the budget
+        skipped = second if first.kept else first
+        assert "already kept" in (skipped.note or "")
+        ref.ask(skipped.request({"op": "trial", "seed": 0, "index": 0, "fp64": True}))
+        path = _outputs_file(tmp_path, "skipped.pt", spec, skipped.seed, init_seed)
+        reply = ref.ask({"op": "compare", "index": 0, "path": path, "config": config})
+        assert reply["passed"] and reply["checks"][0]["ref_fp64_rel_rms"] is not None, reply
+    finally:
+        ref.close()
