@@ -3,15 +3,16 @@ reference, timing of reference and candidate by the same code, spot checks of ti
 parent's clock cross-check, and the evidence (profiles, roofline floor)."""
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
-from typing import Optional
+from typing import Any, Optional
 
 from sandbox import failures
 from sandbox.compare import fp64_verdict
 from sandbox.phases import Stages
 from sandbox.process import WorkerProcess
-from sandbox.reference import ReferenceWorker
+from sandbox.reference import Precomputed, ReferenceWorker
 from sandbox.result import EvalConfig, EvalResult, FlagKind, KernelStat, OutputCheck, Status, Timing, Trial
 
 # A candidate whose reported time leaves this much of the parent's wall clock unexplained is flagged.
@@ -25,9 +26,11 @@ class CandidateChecks:
     def __init__(self, config: EvalConfig, device: str):
         self.config, self.device = config, device
 
-    def run(self, result: EvalResult, ref: ReferenceWorker, cand: WorkerProcess, stages: Stages) -> None:
+    def run(self, result: EvalResult, ref: ReferenceWorker, cand: WorkerProcess, stages: Stages,
+            first: Optional[Precomputed] = None, gate: Any = None) -> None:
         """Trials (stop at the first failure), then timing, spot checks and evidence; the
-        verdict and figures go into ``result``."""
+        verdict and figures go into ``result``. ``first``: trial 0's reference outputs computed
+        ahead for this candidate's secret seed; ``gate``: held for timing (``sandbox.pool``)."""
         cfg = self.config
         # ---- trials
         stages.enter("trials")
@@ -38,6 +41,11 @@ class CandidateChecks:
             candidate_first = index == 0
             ask = {"op": "trial", "seed": seed, "index": index, "output_bytes": output_bytes}
             ref_ask = {**ask, "fp64": True} if index == 0 and cfg.numerics.fp64_check else ask
+            if index == 0 and first is not None and first.fp64 == bool(cfg.numerics.fp64_check):
+                # the seed drawn for this candidate when its reference outputs were computed ahead
+                first.wait()
+                ref_ask = first.request(ref_ask)
+                ask = {**ask, "seed": ref_ask["seed"]}
             if index == 1:
                 # The candidate's inputs are refilled in place with the values of `refill_seed`
                 # before the checked run (see the worker); the reference computes those values.
@@ -101,22 +109,23 @@ class CandidateChecks:
         timing_seed = secrets.randbits(30)
         timed = {"op": "time", "seed": timing_seed, "warmup": cfg.warmup_runs, "runs": cfg.timed_runs,
                  "flush_l2": cfg.flush_l2}
-        w0 = time.monotonic()
-        eager = ref.ask(timed)
-        ref_wall = time.monotonic() - w0
-        result.eager_time = Timing(**eager["timing"])
-        if cfg.time_compile:
-            try:
-                comp = ref.ask({**timed, "compiled": True})
-                result.compile_time = Timing(**comp["timing"])
-            except RuntimeError as exc:
-                result.stderr += f"\n[kernelloop] torch.compile of the reference failed: {exc}"
         # Spot checks: the outputs of the last timed run and of one secret other run are
         # compared with the reference, so a candidate cannot cache its way through timing.
         check_runs = sorted({cfg.timed_runs - 1, secrets.randbelow(cfg.timed_runs)})
-        w0 = time.monotonic()
-        ct = cand.ask({**timed, "check_runs": check_runs}, cfg.run_timeout_s)
-        cand_wall = time.monotonic() - w0
+        with (gate.timing() if gate is not None else contextlib.nullcontext()):
+            w0 = time.monotonic()
+            eager = ref.ask(timed)
+            ref_wall = time.monotonic() - w0
+            result.eager_time = Timing(**eager["timing"])
+            if cfg.time_compile:
+                try:
+                    comp = ref.ask({**timed, "compiled": True})
+                    result.compile_time = Timing(**comp["timing"])
+                except RuntimeError as exc:
+                    result.stderr += f"\n[kernelloop] torch.compile of the reference failed: {exc}"
+            w0 = time.monotonic()
+            ct = cand.ask({**timed, "check_runs": check_runs}, cfg.run_timeout_s)
+            cand_wall = time.monotonic() - w0
         if not ct.get("ok"):
             _raise_if_infra(ct)
             result.status = Status.runtime_error

@@ -34,8 +34,9 @@ from sandbox.checks import CandidateChecks
 from sandbox.footprint import FootprintBook
 from sandbox.harness import cpu_model
 from sandbox.phases import Stages, phase
+from sandbox.pool import DeviceGate, WarmPool
 from sandbox.process import WorkerDied, WorkerProcess, WorkerTimeout, kill_all_workers
-from sandbox.reference import ReferenceWorker
+from sandbox.reference import Precomputed, ReferenceWorker
 from sandbox.result import BuildCheck, BuildInfo, EvalConfig, EvalResult, FlagKind, Status
 from sandbox.slots import usable_cores, visible_gpus
 from sandbox.tasks import TaskSpec
@@ -51,6 +52,10 @@ def _device_name(device: str) -> str:
     return cpu_model()
 
 
+# Candidate workers kept started per slot (each one candidate's, then gone).
+DEFAULT_WARM_WORKERS = 2
+
+
 class Sandbox:
     """Evaluates candidates for one device kind. Thread-safe: builds run in parallel on the CPU
     cores (up to ``build_slots``); each GPU (or the CPU) is a slot that one candidate holds
@@ -60,7 +65,13 @@ class Sandbox:
     def __init__(self, device: str, config: Optional[EvalConfig] = None, build_slots: Optional[int] = None,
                  init_seed: Optional[int] = None, gpus: Optional[list[str]] = None,
                  arch: Optional[str] = None, footprints: Optional[FootprintBook] = None,
-                 memory_budgets: Optional[dict[str, int]] = None):
+                 memory_budgets: Optional[dict[str, int]] = None, warm_workers: Optional[int] = None,
+                 precompute: Optional[bool] = None):
+        """``footprints`` and ``memory_budgets``: what tasks need and what may be used
+        (``sandbox.admission``); ``warm_workers``: candidate workers kept started per slot (``sandbox.pool``; None: the
+        default, 0: each candidate's worker starts when its candidate is ready, as it used to);
+        ``precompute``: trial 0's reference outputs computed while the candidate loads (None: when
+        workers are kept warm)."""
         self.device = device
         # Resolved here, where the GPUs are visible, and handed to every worker (build workers
         # run with the GPU hidden); one list for all slots, so every build is a cache hit for all.
@@ -86,6 +97,11 @@ class Sandbox:
         # Workers are admitted against per-GPU, host and outputs budgets (sandbox.admission).
         self.memory = MemoryGate(device, len(self.slots), self.config.numerics, footprints,
                                  memory_budgets, self._slot_env)
+        warm = DEFAULT_WARM_WORKERS if warm_workers is None else warm_workers
+        self._pool = WarmPool(self._spawn_candidate, {"device": device, "profile": self.config.profile},
+                              warm) if warm > 0 else None
+        self.precompute = (warm > 0) if precompute is None else precompute
+        self._gates = [DeviceGate() for _ in self.slots]
 
     # ---------------------------------------------------------------- helpers
     def _slot_env(self, slot: int) -> dict[str, str]:
@@ -97,6 +113,20 @@ class Sandbox:
         if self.arch:
             env["KERNELLOOP_CUDA_ARCH"] = self.arch
         return env
+
+    def _spawn_candidate(self, slot: int) -> WorkerProcess:
+        return WorkerProcess("candidate", memory_limit_mb=self.config.memory_limit_mb if self.device == "cpu" else None,
+                             env={**self._build_env(), **self._slot_env(slot)})
+
+    def _candidate_worker(self, slot: int) -> WorkerProcess:
+        """A fresh process for one candidate: a warm one from the pool, else started now."""
+        if self._pool is not None:
+            return self._pool.take(slot)
+        return self._spawn_candidate(slot)
+
+    @property
+    def pool_stats(self) -> dict[str, int]:
+        return dict(self._pool.stats) if self._pool is not None else {}
 
     def reference(self, spec: TaskSpec, slot: int = 0) -> ReferenceWorker:
         with self._refs_lock:
@@ -150,6 +180,8 @@ class Sandbox:
         an error status, which the caller must not store as a verdict, and no evaluation starts
         another worker afterwards (one waiting for a build slot would otherwise build for a minute)."""
         self._aborted.set()
+        if self._pool is not None:
+            self._pool.close()
         kill_all_workers()
 
     def _check_aborted(self) -> None:
@@ -157,6 +189,8 @@ class Sandbox:
             raise WorkerDied("the sandbox was stopped (the run was interrupted)", None)
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
         if self._aborted.is_set():
             kill_all_workers()          # whatever started in the moment before the abort
         with self._refs_lock:
@@ -239,6 +273,9 @@ class Sandbox:
     def _evaluate_once(self, spec: TaskSpec, source: str) -> EvalResult:
         t0 = time.monotonic()
         result = self._new_result(spec, source)
+        if self._pool is not None and not self._aborted.is_set():
+            for slot in range(len(self.slots)):
+                self._pool.prime(slot)      # warm while this candidate builds
         try:
             with phase(result, "build_wait"):
                 self._build_sem.acquire()
@@ -297,8 +334,14 @@ class Sandbox:
             ref.ensure()
         result.device_name = ref.device_name or result.device_name
         self._check_aborted()
-        cand = WorkerProcess("candidate", memory_limit_mb=cfg.memory_limit_mb if self.device == "cpu" else None,
-                             env={**self._build_env(), **self._slot_env(slot)})
+        first = Precomputed(ref, bool(cfg.numerics.fp64_check), self._gates[slot]) if self.precompute else None
+        try:
+            with phase(result, "worker"):
+                cand = self._candidate_worker(slot)
+        except BaseException:
+            if first is not None:
+                first.discard()
+            raise
         try:
             with phase(result, "load"):
                 loaded = self._load_candidate(spec, source, result, cand)
@@ -307,7 +350,7 @@ class Sandbox:
                     self._slot_locks[slot].acquire()
                 stages = Stages(result)
                 try:
-                    CandidateChecks(cfg, self.device).run(result, ref, cand, stages)
+                    CandidateChecks(cfg, self.device).run(result, ref, cand, stages, first, self._gates[slot])
                 finally:
                     stages.enter(None)
                     self._slot_locks[slot].release()
@@ -319,6 +362,8 @@ class Sandbox:
             if verdict.infra:
                 ref.broken = True       # the next try, or evaluation, starts a fresh reference worker
         finally:
+            if first is not None:
+                first.discard()
             cand.kill()
             result.stdout = cand.output("stdout")
             result.stderr = cand.output("stderr")
@@ -350,5 +395,5 @@ class Sandbox:
 def evaluate(spec: TaskSpec, source: str, device: str = "cpu", config: Optional[EvalConfig] = None,
              arch: Optional[str] = None) -> EvalResult:
     """Evaluate one candidate with a sandbox of its own (see ``Sandbox`` to evaluate many)."""
-    with Sandbox(device, config, arch=arch) as sandbox:
+    with Sandbox(device, config, arch=arch, warm_workers=0) as sandbox:
         return sandbox.evaluate(spec, source)

@@ -1,6 +1,7 @@
 """The trusted side of an evaluation: the reference worker of a task on one slot."""
 from __future__ import annotations
 
+import secrets
 import threading
 from typing import Any, Optional
 
@@ -40,6 +41,8 @@ class ReferenceWorker:
         self.warm_compile = warm_compile
         self.env = env or {}
         self.lock = threading.Lock()
+        # one request at a time on the worker's socket (a precompute may come from another thread)
+        self._io = threading.RLock()
         self.proc: Optional[WorkerProcess] = None
         self.profile: Optional[list[dict]] = None
         self.counts: Optional[dict] = None
@@ -54,6 +57,12 @@ class ReferenceWorker:
         return self._started()
 
     def _started(self) -> WorkerProcess:
+        if self.proc is not None and self.proc.proc.poll() is None:
+            return self.proc
+        with self._io:
+            return self._start()
+
+    def _start(self) -> WorkerProcess:
         if self.proc is not None and self.proc.proc.poll() is None:
             return self.proc
         self.proc = WorkerProcess("reference", env=self.env)
@@ -72,7 +81,8 @@ class ReferenceWorker:
         return self.proc
 
     def ask(self, payload: dict[str, Any], timeout: float = REFERENCE_TIMEOUT_S) -> dict[str, Any]:
-        reply = self._started().ask(payload, timeout)
+        with self._io:
+            reply = self._started().ask(payload, timeout)
         if not reply.get("ok"):
             raise ReferenceFailed(f"the reference of {self.spec.name} failed: {_reply_cause(reply)}")
         return reply
@@ -85,8 +95,79 @@ class ReferenceWorker:
             self.proc = None
         self.profile = self.counts = None
 
+    def ask_if_running(self, payload: dict[str, Any], timeout: float = REFERENCE_TIMEOUT_S) -> dict[str, Any]:
+        """``ask``, but never (re)starts the worker: background work for a reference that was
+        stopped (a released task) or died is not worth a new one."""
+        with self._io:
+            proc = self.proc
+            if proc is None or proc.proc.poll() is not None:
+                return {"ok": False, "error_message": "the reference worker is not running"}
+            return proc.ask(payload, timeout)
+
     def close(self) -> None:
         if self.proc is not None:
             self.proc.close()
             self.proc.cleanup()
             self.proc = None
+
+
+class Precomputed:
+    """The reference's outputs of one candidate's trial 0, computed ahead (while the candidate
+    loads) for a seed the parent drew for that candidate alone: secret until the trial, when
+    the candidate gets it like any trial's seed."""
+
+    def __init__(self, ref: ReferenceWorker, fp64: bool, gate: Any = None):
+        self.ref, self.fp64 = ref, fp64
+        self.seed = secrets.randbits(31)
+        self.token = secrets.token_hex(8)
+        self.kept = False
+        self.used = False
+        self.note: Optional[str] = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(gate,), daemon=True, name="precompute")
+        self._thread.start()
+
+    def _run(self, gate: Any) -> None:
+        try:
+            if gate is not None:
+                with gate.background():
+                    reply = self._ask()
+            else:
+                reply = self._ask()
+            self.kept = bool(reply.get("ok")) and not reply.get("skipped")
+            self.note = reply.get("skipped") or (None if reply.get("ok") else reply.get("error_message"))
+        except Exception as exc:  # noqa: BLE001 - the trial then runs as without a precompute
+            self.note = f"{type(exc).__name__}: {exc}"[:300]
+        finally:
+            self._done.set()
+
+    def _ask(self) -> dict[str, Any]:
+        return self.ref.ask_if_running({"op": "precompute", "seed": self.seed, "token": self.token, "fp64": self.fp64,
+                             "output_bytes": 0})
+
+    def wait(self, timeout: float = REFERENCE_TIMEOUT_S) -> bool:
+        """Whether the outputs are kept (after the computation ends, however it ends)."""
+        self._done.wait(timeout)
+        return self._done.is_set() and self.kept
+
+    def request(self, ask: dict[str, Any]) -> dict[str, Any]:
+        """Trial 0's reference request: the kept outputs (or, if none are, computed as always)."""
+        self.used = True
+        return {**ask, "seed": self.seed, "precomputed": self.token}
+
+    def discard(self) -> None:
+        """Free the kept outputs of a candidate that never reached trial 0 (now, or once computed)."""
+        if self.used:
+            return
+        if self._done.is_set():
+            self._send_discard()
+        else:
+            threading.Thread(target=self._send_discard, daemon=True, name="precompute-discard").start()
+
+    def _send_discard(self) -> None:
+        if not self.wait() or self.used:
+            return
+        try:
+            self.ref.ask_if_running({"op": "discard", "token": self.token}, 60.0)
+        except Exception:  # noqa: BLE001
+            pass

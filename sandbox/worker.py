@@ -14,6 +14,9 @@ Roles:
   ``time`` and ``profile`` requests.
 * ``reference``: the trusted side: the task's ``Model`` (and its ``torch.compile``),
   serving the same requests. It never runs candidate code.
+* ``warm``: a candidate worker started before its candidate is known (``sandbox.pool``): it
+  pays Python's and torch's imports, the CUDA context and the profiler's first session, says so,
+  then waits for its one ``candidate`` message. Nothing of any candidate has been in it before.
 
 Harness modules and the functions timing relies on are bound before candidate code runs.
 """
@@ -35,6 +38,11 @@ from sandbox import timing
 from sandbox.harness import flatten_outputs, is_plain_tensor, make_inputs, make_model
 from sandbox.numerics import Numerics
 from sandbox.tasks import TaskSpec, exec_source, load_task
+
+# Reference outputs precomputed for trials to come (each a full set of outputs on the device).
+MAX_PRECOMPUTED = 3
+PRECOMPUTE_BUDGET = int(os.environ.get("KERNELLOOP_PRECOMPUTE_BYTES", 4 << 30))
+_PREWARMED: dict[str, bool] = {}
 
 _time_runs = timing.time_runs
 _tampered = timing.tampered_functions
@@ -97,6 +105,8 @@ class Worker:
         self.numerics = Numerics.model_validate(init.get("numerics") or {})
         self.step = "starting"          # the harness step running now, named in a harness error
         self.harness_bytes = 0          # what the harness's own buffers of this request take
+        self.precomputed: dict[str, tuple[dict[str, Any], tuple]] = {}
+        self.last_output_bytes = 0
         if self.device == "cuda" and init.get("memory_fraction"):
             torch.cuda.set_per_process_memory_fraction(float(init["memory_fraction"]))
 
@@ -136,7 +146,7 @@ class Worker:
                     "error_message": "the candidate module defines no class ModelNew", "traceback": ""}
         self.kernel_names = sorted({k for r in self.builder.records for k in r.kernel_names})
         reply.update(self._construct(cls))
-        if reply.get("ok") and self.profile_wanted:
+        if reply.get("ok") and self.profile_wanted and not _PREWARMED.get(self.device):
             from sandbox.profiling import warm_up
 
             warm_up(self.device)        # while the parent does not hold the device
@@ -192,8 +202,44 @@ class Worker:
             pass
         del held
 
+    def precompute(self, req: dict[str, Any]) -> dict[str, Any]:
+        """The reference's outputs (float64 ones too if asked) for a trial the parent will ask for
+        later, computed now, while the candidate loads: kept under ``token`` for a ``trial`` request
+        that names it. Whatever trial is kept for a ``compare`` in flight stays kept."""
+        token = str(req["token"])
+        if self.role != "reference":
+            return {"ok": False, "error_message": "only the reference precomputes"}
+        if len(self.precomputed) >= MAX_PRECOMPUTED:
+            return {"ok": True, "skipped": f"{len(self.precomputed)} precomputed trials already kept"}
+        # fp32 outputs plus float64 ones: three times the bytes of the last trial's outputs
+        kept_bytes = sum(entry[0].get("kept_bytes", 0) for entry in self.precomputed.values())
+        if kept_bytes + 3 * self.last_output_bytes > PRECOMPUTE_BUDGET:
+            return {"ok": True, "skipped": f"{kept_bytes >> 20} MiB of precomputed outputs already kept"}
+        saved, self.kept_reference = getattr(self, "kept_reference", None), None
+        try:
+            reply = self.trial({**req, "op": "trial", "index": -1})
+            kept = self.kept_reference
+        finally:
+            self.kept_reference = saved
+        if reply.get("ok") and kept is not None:
+            reply["kept_bytes"] = sum(x.numel() * x.element_size() for x in [*kept[1], *(kept[2] or [])]
+                                      if isinstance(x, torch.Tensor))
+            self.precomputed[token] = (reply, kept)
+        return reply
+
+    def discard(self, req: dict[str, Any]) -> dict[str, Any]:
+        self.precomputed.pop(str(req.get("token")), None)
+        return {"ok": True}
+
     def trial(self, req: dict[str, Any]) -> dict[str, Any]:
         seed, index = int(req["seed"]), int(req["index"])
+        if self.role == "reference" and req.get("precomputed") is not None:
+            entry = self.precomputed.pop(str(req["precomputed"]), None)
+            if entry is not None and entry[1][3] == seed:
+                reply, kept = entry
+                self.kept_reference = (index, kept[1], kept[2], kept[3])
+                return reply
+            # not kept (skipped or discarded): computed now, as without a precompute
         self.step = "making the inputs"
         inputs = make_inputs(self.task, seed, self.device, self.numerics)
         tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
@@ -251,6 +297,7 @@ class Worker:
         reply["inputs_mutated"] = mutated
         reply["output_bytes"] = sum(x.numel() * x.element_size() for x in flat)
         if self.role == "reference":
+            self.last_output_bytes = reply["output_bytes"]
             # Kept on the device for the `compare` request that follows (one trial at a time),
             # with the seed that remakes these inputs should the float64 rule need them.
             flat64, note = (self._run_fp64(inputs64) if inputs64 is not None else (None, None))
@@ -444,8 +491,36 @@ def _equal_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(_equal(a, b))
 
 
+def warm_up(init: dict[str, Any]) -> dict[str, Any]:
+    """What every candidate worker pays before its candidate matters: the build hook's imports,
+    the device's context, the profiler's first session. Best effort: a failure here shows again,
+    and is reported, when the candidate loads."""
+    import time
+
+    t0 = time.monotonic()
+    device = str(init.get("device", "cpu"))
+    import sandbox.build  # noqa: F401 - torch.utils.cpp_extension and the hook
+    try:
+        torch.zeros(1, device=device).add_(1)
+        timing.device_sync(device)
+        if init.get("profile"):
+            from sandbox.profiling import warm_up as profiler_warm_up
+
+            profiler_warm_up(device)
+            _PREWARMED[device] = True
+    except Exception as exc:  # noqa: BLE001
+        return {"ok": True, "warm_error": f"{type(exc).__name__}: {exc}"[:500], "pid": os.getpid()}
+    return {"ok": True, "pid": os.getpid(), "seconds": round(time.monotonic() - t0, 3)}
+
+
 def serve(conn: Connection) -> None:
     init = _recv(conn)
+    if init.get("role") == "warm":
+        _send(conn, warm_up(init))
+        init = _recv(conn)             # the one candidate this worker will ever serve
+        if init.get("role") != "candidate":
+            _send(conn, {"ok": False, "error_message": "a warm worker serves one candidate only"})
+            return
     worker = Worker(conn, init)
     if worker.role == "build":
         _send(conn, worker.build())
@@ -461,6 +536,7 @@ def serve(conn: Connection) -> None:
     if not reply.get("ok"):
         return
     handlers = {"trial": worker.trial, "compare": worker.compare, "time": worker.time,
+                "precompute": worker.precompute, "discard": worker.discard,
                 "timed_outputs": worker.timed_outputs,
                 "profile": worker.profile,
                 "roofline": worker.roofline}

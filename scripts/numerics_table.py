@@ -39,8 +39,8 @@ def main() -> None:
             latest[(t.name, b.numerics or "")] = b
             paths[t.name] = t.path
             device = b.device_name
-        print(f"| task | published eager ms | default eager ms | default/published | strict eager ms | strict/default | "
-              f"published compile ms | default compile ms |")
+        print("| task | published eager ms | default eager ms | default/published | strict eager ms | strict/default | "
+              "published compile ms | default compile ms |")
         print("|---|---|---|---|---|---|---|---|")
         for name in sorted(paths, key=lambda n: (n.split("/")[0], int(n.split("/")[1].split("_")[0]) if "_" in n else 0)):
             d, st = latest.get((name, "fp32/default")), latest.get((name, "fp32/strict"))

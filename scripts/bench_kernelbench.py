@@ -1,0 +1,259 @@
+"""Throughput on real KernelBench tasks: the fixed mix (``evals.kernelbench.MIX``, published
+level-2 tasks) x N builtin candidates each, every check on (5 trials with the float64 check,
+timing of reference eager, reference torch.compile and candidate, spot checks, profiles, the
+roofline floor), evaluated twice in one run:
+
+* ``pipelined``: one Sandbox as the loop uses it: candidates in flight together (builds on the
+  CPU cores while the device checks and times others), candidate workers started and warmed
+  ahead (``sandbox.pool``), trial 0's reference outputs computed while each candidate loads;
+* ``one-at-a-time``: one candidate at a time, each worker started when its candidate is ready,
+  no precompute (the path as it was).
+
+Each mode starts with an empty build cache of its own (every build is a real build; the
+inductor cache and the device probe are shared), starts its own reference workers and stops
+a task's references after its last candidate. Prints candidates per minute, median seconds per
+phase (``EvalResult.phases``), the fraction of wall time the device was held for checks and
+timing, and the ratio of the two modes' rates; the last line is JSON.
+
+    python scripts/bench_kernelbench.py --device cuda                       # 10 tasks x 4 candidates
+    python scripts/bench_kernelbench.py --device cpu --tasks 3 --candidates 2
+    python scripts/bench_kernelbench.py --device cpu --tasks 2 --set batch_size=1
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from evals.kernelbench import MIX, kernelbench_paths  # noqa: E402
+from sandbox.evaluate import Sandbox  # noqa: E402
+from sandbox.result import EvalConfig, EvalResult  # noqa: E402
+from sandbox.tasks import TaskSpec, parse_overrides, read_spec  # noqa: E402
+
+# KernelBench files have no CPU_SIZES preset; these make each task of the mix run in a fraction
+# of a second on a CPU (shapes derived from other constants at import are overridden too).
+CPU_SIZES: dict[str, dict[str, Any]] = {
+    "12_Gemm_Multiply_LeakyReLU": {"batch_size": 16, "in_features": 256, "out_features": 256},
+    "81_Gemm_Swish_Divide_Clamp_Tanh_Clamp": {"batch_size": 16, "in_features": 256, "out_features": 256},
+    "1_Conv2D_ReLU_BiasAdd": {"batch_size": 2, "in_channels": 8, "out_channels": 16, "height": 16, "width": 16,
+                              "bias_shape": (16, 1, 1)},
+    "35_Conv2d_Subtract_HardSwish_MaxPool_Mish": {"batch_size": 2, "in_channels": 8, "out_channels": 16,
+                                                  "height": 16, "width": 16},
+    "5_ConvTranspose2d_Subtract_Tanh": {"batch_size": 2, "in_channels": 8, "out_channels": 8, "height": 16,
+                                        "width": 16, "bias_shape": (8, 1, 1)},
+    "16_ConvTranspose2d_Mish_Add_Hardtanh_Scaling": {"batch_size": 2, "in_channels": 8, "out_channels": 8,
+                                                     "height": 16, "width": 16},
+    "17_Conv2d_InstanceNorm_Divide": {"batch_size": 2, "in_channels": 8, "out_channels": 16, "height": 16,
+                                      "width": 16},
+    "33_Gemm_Scale_BatchNorm": {"batch_size": 32, "in_features": 256, "out_features": 256, "scale_shape": (256,)},
+    "23_Conv3d_GroupNorm_Mean": {"batch_size": 2, "out_channels": 8, "D": 8, "H": 12, "W": 12},
+    "99_Matmul_GELU_Softmax": {"batch_size": 16, "in_features": 256, "out_features": 256},
+}
+# Phases during which a candidate holds its slot's device (checks, timing, evidence).
+HELD = ("trials", "timing", "spot_checks", "profile", "floor")
+
+
+def task_specs(device: str, tasks: int, sets: dict[str, Any]) -> list[TaskSpec]:
+    specs = []
+    for name, path in zip(MIX[:tasks], kernelbench_paths(MIX[:tasks])):
+        spec = read_spec(path, name=name.removesuffix(".py"))
+        overrides = dict(CPU_SIZES.get(path.stem, {})) if device == "cpu" else {}
+        # --set applies to the tasks that define the name (a task without it is left alone)
+        overrides.update({k: v for k, v in sets.items() if _defines(spec.source, k)})
+        specs.append(TaskSpec(name=spec.name, path=spec.path, source=spec.source, overrides=overrides))
+    return specs
+
+
+def _defines(source: str, name: str) -> bool:
+    import ast
+
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign):
+            for t in node.targets:
+                names = [t] if isinstance(t, ast.Name) else list(getattr(t, "elts", []))
+                if any(isinstance(n, ast.Name) and n.id == name for n in names):
+                    return True
+    return False
+
+
+def candidates(specs: list[TaskSpec], device: str, n: int, cfg: EvalConfig) -> list[tuple[TaskSpec, str]]:
+    from agent.builtin import propose
+
+    out = []
+    for spec in specs:
+        seen: set[str] = set()
+        for sample in range(n):
+            src = propose(spec, device, 0, sample, [], numerics=cfg.numerics).source
+            if src in seen:
+                print(f"note: {spec.name} sample {sample} repeats an earlier candidate", file=sys.stderr)
+            seen.add(src)
+            out.append((spec, src))
+    return out
+
+
+class FreshBuildCache:
+    """KERNELLOOP_CACHE pointed at an empty folder for one mode (so every build is real), with
+    the device probe copied in and the inductor cache left where it is."""
+
+    def __enter__(self) -> "FreshBuildCache":
+        from kernelloop.paths import cache_dir
+
+        real = cache_dir()
+        self.saved = {k: os.environ.get(k) for k in ("KERNELLOOP_CACHE", "TORCHINDUCTOR_CACHE_DIR")}
+        self.dir = Path(tempfile.mkdtemp(prefix="kl-bench-cache-"))
+        for f in real.iterdir():
+            if f.is_file():
+                shutil.copy2(f, self.dir / f.name)
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(real / "inductor"))
+        os.environ["KERNELLOOP_CACHE"] = str(self.dir)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def run_mode(mode: str, work: list[tuple[TaskSpec, str]], device: str, cfg: EvalConfig, parallel: int,
+             warm_workers: int) -> dict[str, Any]:
+    pipelined = mode == "pipelined"
+    results: list[EvalResult] = []
+    errors: list[str] = []
+    left = {}
+    for spec, _ in work:
+        left[spec.key] = left.get(spec.key, 0) + 1
+    lock = threading.Lock()
+    with FreshBuildCache():
+        sb = Sandbox(device, cfg, warm_workers=warm_workers if pipelined else 0, precompute=pipelined)
+        try:
+            def one(item: tuple[TaskSpec, str]) -> Optional[EvalResult]:
+                spec, src = item
+                try:
+                    return sb.evaluate(spec, src)
+                except Exception as exc:  # noqa: BLE001 - one failure does not end the benchmark
+                    errors.append(f"{spec.name}: {type(exc).__name__}: {exc}")
+                    traceback.print_exc()
+                    return None
+                finally:
+                    with lock:
+                        left[spec.key] -= 1
+                        last = left[spec.key] == 0
+                    if last:
+                        sb.release(spec)        # as the loop does at a task's end
+
+            t0 = time.monotonic()
+            if pipelined:
+                with ThreadPoolExecutor(max_workers=parallel) as pool:
+                    futures = [pool.submit(one, item) for item in work]
+                    for fut in as_completed(futures):
+                        r = fut.result()
+                        if r is not None:
+                            results.append(r)
+                            _line(mode, r)
+            else:
+                for item in work:
+                    r = one(item)
+                    if r is not None:
+                        results.append(r)
+                        _line(mode, r)
+            wall = time.monotonic() - t0
+            stats = sb.pool_stats
+        except KeyboardInterrupt:
+            sb.abort()
+            raise
+        finally:
+            sb.close()
+    return summarize(mode, results, errors, wall, len(sb.slots), stats)
+
+
+def _line(mode: str, r: EvalResult) -> None:
+    print(f"  [{mode}] {r.task}: {r.status.value}{' (flagged)' if r.flags else ''} in {r.seconds:.1f} s "
+          + " ".join(f"{k}={v:.2f}" for k, v in r.phases.items()), flush=True)
+
+
+def summarize(mode: str, results: list[EvalResult], errors: list[str], wall: float, slots: int,
+              pool: dict[str, int]) -> dict[str, Any]:
+    names = [k for r in results for k in r.phases]
+    names = list(dict.fromkeys(names))
+    phases = {k: round(statistics.median(r.phases.get(k, 0.0) for r in results), 3) for k in names}
+    held = sum(r.phases.get(k, 0.0) for r in results for k in HELD)
+    return {"mode": mode, "candidates": len(results), "errors": errors, "wall_s": round(wall, 1),
+            "per_min": round(len(results) / wall * 60, 2) if wall > 0 else 0.0,
+            "correct": sum(r.correct for r in results), "clean": sum(r.clean for r in results),
+            "statuses": {s: sum(r.status.value == s for r in results) for s in sorted({r.status.value for r in results})},
+            "phases_median_s": phases, "device_held_s": round(held, 1),
+            "device_busy_fraction": round(held / (wall * slots), 3) if wall > 0 else 0.0, "slots": slots,
+            "pool": pool}
+
+
+def report(s: dict[str, Any]) -> None:
+    print(f"{s['mode']}: {s['candidates']} candidates in {s['wall_s']} s: {s['per_min']} candidates/min "
+          f"({s['correct']} correct, {s['clean']} clean; {s['statuses']}); device held for checks and timing "
+          f"{s['device_busy_fraction'] * 100:.0f}% of wall time over {s['slots']} slot(s)"
+          + (f"; {len(s['errors'])} evaluation(s) raised" if s["errors"] else ""))
+    print("  median phase seconds: " + ", ".join(f"{k} {v}" for k, v in s["phases_median_s"].items()))
+    if s["pool"]:
+        print(f"  warm workers: {s['pool']}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--tasks", type=int, default=len(MIX), help=f"the first N tasks of the mix (at most {len(MIX)})")
+    ap.add_argument("--candidates", type=int, default=4, help="builtin candidates per task")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="size override for every task that defines NAME (after the CPU sizes on cpu)")
+    ap.add_argument("--parallel", type=int, default=8, help="candidates in flight in the pipelined mode")
+    ap.add_argument("--warm-workers", type=int, default=2, help="warm candidate workers per slot (pipelined)")
+    ap.add_argument("--modes", default="pipelined,one-at-a-time",
+                    help="comma-separated: pipelined, one-at-a-time (in this order; the first runs on a colder host)")
+    ap.add_argument("--no-compile", action="store_true", help="do not time the reference under torch.compile")
+    ap.add_argument("--json", type=Path, help="also write the summary here")
+    args = ap.parse_args()
+
+    cfg = EvalConfig(time_compile=not args.no_compile)
+    specs = task_specs(args.device, max(1, min(args.tasks, len(MIX))), parse_overrides(args.set))
+    t0 = time.monotonic()
+    work = candidates(specs, args.device, args.candidates, cfg)
+    print(f"{len(work)} candidates ({len(specs)} tasks x {args.candidates}) proposed in {time.monotonic() - t0:.1f} s; "
+          f"config: {cfg.trials} trials (float64 check {'on' if cfg.numerics.fp64_check else 'off'}), "
+          f"{cfg.timed_runs} timed runs, compile {'on' if cfg.time_compile else 'off'}, profile "
+          f"{'on' if cfg.profile else 'off'}", flush=True)
+    summaries = []
+    for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+        if mode not in ("pipelined", "one-at-a-time"):
+            ap.error(f"unknown mode {mode!r}")
+        print(f"{mode} ...", flush=True)
+        summaries.append(run_mode(mode, work, args.device, cfg, args.parallel, args.warm_workers))
+    print()
+    for s in summaries:
+        report(s)
+    out: dict[str, Any] = {"device": args.device, "tasks": [s.name for s in specs], "candidates_per_task": args.candidates,
+                           "modes": summaries}
+    rates = {s["mode"]: s["per_min"] for s in summaries}
+    if rates.get("pipelined") and rates.get("one-at-a-time"):
+        out["ratio"] = round(rates["pipelined"] / rates["one-at-a-time"], 2)
+        print(f"pipelined / one-at-a-time: {out['ratio']}x (goal on an H100: >= 10 candidates/min)")
+    print(json.dumps(out))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""Warm candidate workers (sandbox.pool), trial 0 precomputed by the reference, and the device
+gate: each candidate still gets a process and an output folder of its own, never used before or
+after; a warm worker that died is replaced and not blamed; precomputed outputs are the ones an
+on-demand trial computes."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from sandbox.evaluate import Sandbox
+from sandbox.harness import flatten_outputs, make_inputs, make_model
+from sandbox.pool import DeviceGate, WarmPool
+from sandbox.process import WorkerProcess
+from sandbox.reference import Precomputed, ReferenceWorker
+from sandbox.result import EvalConfig, Status
+from sandbox.tasks import load_task, read_spec
+
+HERE = Path(__file__).parent / "adversarial"
+TASK = HERE / "task_small.py"
+CFG = EvalConfig(trials=2, timed_runs=3, warmup_runs=1, time_compile=False, profile=False, run_timeout_s=60.0)
+
+
+def _spec():
+    return read_spec(TASK, name="adversarial/task_small")
+
+
+def _pool(size: int = 1) -> WarmPool:
+    return WarmPool(lambda slot: WorkerProcess("candidate"), {"device": "cpu", "profile": False}, size)
+
+
+def _wait_ready(pool: WarmPool, slot: int = 0, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        idle = pool._idle.get(slot, [])
+        if idle and all(w.done.is_set() for w in idle):
+            return
+        time.sleep(0.1)
+    raise AssertionError("the warm workers did not get ready")
+
+
+def test_device_gate_keeps_background_work_out_of_timing():
+    gate = DeviceGate()
+    log: list[str] = []
+    bg_in = threading.Event()
+    release_bg = threading.Event()
+
+    def background():
+        with gate.background():
+            bg_in.set()
+            log.append("bg start")
+            release_bg.wait(5)
+            log.append("bg end")
+
+    def timing():
+        with gate.timing():
+            log.append("timing")
+
+    b = threading.Thread(target=background)
+    b.start()
+    assert bg_in.wait(5)
+    t = threading.Thread(target=timing)
+    t.start()
+    time.sleep(0.2)
+    assert log == ["bg start"]              # timing waits for the background work to end
+    late = threading.Thread(target=lambda: (gate.background().__enter__(), log.append("late bg")))
+    late.start()
+    time.sleep(0.2)
+    assert "late bg" not in log             # new background work waits behind a waiting timing
+    release_bg.set()
+    b.join(5)
+    t.join(5)
+    late.join(5)
+    assert log[:3] == ["bg start", "bg end", "timing"] and log[3] == "late bg"
+
+
+@pytest.mark.slow
+def test_a_warm_worker_is_handed_out_once_with_a_fresh_folder_and_a_dead_one_is_replaced():
+    pool = _pool(size=2)
+    try:
+        pool.prime(0)
+        _wait_ready(pool)
+        spawned_dirs = {w.proc.out_dir for w in pool._idle[0]}
+        first = pool.take(0)
+        second = pool.take(0)
+        assert first is not second and first.proc.pid != second.proc.pid
+        assert first.out_dir != second.out_dir
+        for w in (first, second):
+            assert w.out_dir.is_dir() and not any(w.out_dir.iterdir())
+            assert w.out_dir not in spawned_dirs        # made when handed out, for this candidate
+        _wait_ready(pool)
+        idle = pool._idle[0]
+        assert all(w.proc not in (first, second) for w in idle)
+        # one ready worker dies before any candidate used it
+        dead = idle[0].proc
+        dead.proc.kill()
+        dead.proc.wait(10)
+        for w in list(idle):
+            if w.proc is not dead:
+                idle.remove(w)
+                w.proc.kill()
+        third = pool.take(0)
+        assert third.proc.poll() is None and third is not dead
+        assert pool.stats["replaced"] == 1
+        reply = third.ask({"role": "candidate", "device": "cpu", "out_dir": str(third.out_dir),
+                           "task": _spec().__dict__, "source": "import torch\nclass ModelNew(torch.nn.Module):\n"
+                           "    def __init__(self, *a):\n        super().__init__()\n"
+                           "    def forward(self, x):\n        return x\n", "init_seed": 1}, 120)
+        assert reply.get("ok"), reply
+        for w in (first, second, third):
+            w.kill()
+            w.cleanup()
+    finally:
+        pool.close()
+
+
+@pytest.mark.slow
+def test_candidates_never_share_a_worker_or_an_output_folder_and_a_dead_warm_one_is_not_blamed():
+    spec = _spec()
+    honest = (HERE / "cpu" / "honest.py").read_text()
+    used: list[WorkerProcess] = []
+    with Sandbox("cpu", CFG, build_slots=1, warm_workers=1) as sb:
+        take = sb._candidate_worker
+
+        def recording(slot):
+            w = take(slot)
+            used.append(w)
+            return w
+
+        sb._candidate_worker = recording
+        first = sb.evaluate(spec, honest)
+        _wait_ready(sb._pool)
+        for w in sb._pool._idle[0]:         # the warm worker waiting for the next candidate dies
+            w.proc.proc.kill()
+            w.proc.proc.wait(10)
+        second = sb.evaluate(spec, honest + "\n# another candidate\n")
+        stats = sb.pool_stats
+    assert first.status == Status.correct and second.status == Status.correct, (first.error_message,
+                                                                                  second.error_message)
+    assert len(used) == 2
+    assert used[0].proc.pid != used[1].proc.pid and used[0].out_dir != used[1].out_dir
+    assert all(w.proc.poll() is not None for w in used)          # each killed after its candidate
+    assert stats["replaced"] == 1 and stats["taken_ready"] >= 1
+
+
+def _outputs_file(tmp_path: Path, name: str, spec, seed: int, init_seed: int) -> str:
+    task = load_task(spec, validate=False)
+    model = make_model(task.Model, task, init_seed, "cpu")
+    with torch.no_grad():
+        out = flatten_outputs(model(*make_inputs(task, seed, "cpu")))
+    path = tmp_path / name
+    torch.save([x.contiguous() for x in out], str(path))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_precomputed_trial_zero_matches_the_on_demand_one_and_leaves_a_kept_trial_alone(tmp_path):
+    spec, init_seed = _spec(), 7
+    ref = ReferenceWorker(spec, "cpu", init_seed)
+    config = EvalConfig().model_dump(mode="json")
+    try:
+        ref.ensure()
+        pre = Precomputed(ref, fp64=True)
+        assert pre.wait(120)
+        # a trial kept for a compare in flight is not disturbed by a precompute in between
+        ref.ask({"op": "trial", "seed": 11, "index": 1})
+        other = Precomputed(ref, fp64=True)
+        assert other.wait(120)
+        kept = ref.ask({"op": "compare", "index": 1, "path": _outputs_file(tmp_path, "a.pt", spec, 11, init_seed),
+                        "config": config})
+        assert kept["passed"], kept
+        other.discard()
+
+        checks = {}
+        for how in ("precomputed", "on demand"):
+            ask = {"op": "trial", "seed": pre.seed, "index": 0, "fp64": True}
+            ref.ask(pre.request(ask) if how == "precomputed" else ask)
+            path = _outputs_file(tmp_path, f"{how}.pt", spec, pre.seed, init_seed)
+            reply = ref.ask({"op": "compare", "index": 0, "path": path, "config": config})
+            assert reply["passed"], reply
+            checks[how] = reply["checks"]
+        assert checks["precomputed"] == checks["on demand"]
+        assert checks["precomputed"][0]["ref_fp64_rel_rms"] is not None
+        # a token used or discarded is gone: the same request computes on demand (same seed, same outputs)
+        ref.ask(pre.request({"op": "trial", "seed": pre.seed, "index": 0, "fp64": True}))
+        again = ref.ask({"op": "compare", "index": 0, "path": _outputs_file(tmp_path, "again.pt", spec, pre.seed,
+                                                                          init_seed), "config": config})
+        assert again["checks"] == checks["on demand"]
+    finally:
+        ref.close()
+
+
+def test_precompute_seeds_are_fresh_and_secret_per_candidate():
+    class Ref:
+        def ask_if_running(self, payload, timeout=None):
+            return {"ok": True}
+
+    a, b = Precomputed(Ref(), fp64=True), Precomputed(Ref(), fp64=True)
+    assert a.wait(5) and b.wait(5)
+    assert a.seed != b.seed and a.token != b.token
+    req = a.request({"op": "trial", "seed": 0, "index": 0})
+    assert req["seed"] == a.seed and req["precomputed"] == a.token
+
+
+@pytest.mark.slow
+def test_precomputes_past_the_byte_budget_are_skipped_and_computed_on_demand(tmp_path):
+    spec, init_seed = _spec(), 3
+    ref = ReferenceWorker(spec, "cpu", init_seed, env={"KERNELLOOP_PRECOMPUTE_BYTES": "1"})
+    config = EvalConfig().model_dump(mode="json")
+    try:
+        ref.ensure()
+        first, second = Precomputed(ref, fp64=True), Precomputed(ref, fp64=True)
+        assert first.wait(120) != second.wait(120)          # one kept, the other over the budget
+        skipped = second if first.kept else first
+        assert "already kept" in (skipped.note or "")
+        ref.ask(skipped.request({"op": "trial", "seed": 0, "index": 0, "fp64": True}))
+        path = _outputs_file(tmp_path, "skipped.pt", spec, skipped.seed, init_seed)
+        reply = ref.ask({"op": "compare", "index": 0, "path": path, "config": config})
+        assert reply["passed"] and reply["checks"][0]["ref_fp64_rel_rms"] is not None, reply
+    finally:
+        ref.close()
