@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# KernelBench at scale on a GPU host (issue: memory-aware, harness failures not verdicts,
+# throughput), in stages that each fit one device call. Carry .whl (scripts/fetch_wheels.sh)
+# and .kb (a copy of ../shared/KernelBench, git-ignored).
+#   bash scripts/gpu_scale.sh bench   # scripts/bench_kernelbench.py (TASKS, CANDIDATES: default 4 x 2) pipelined vs one at a time
+#   bash scripts/gpu_scale.sh big     # tasks check + optimize on the level-1 tasks that ran out of memory before
+#   bash scripts/gpu_scale.sh tests   # the GPU tests of the sandbox (adversarial, admission, pool, failures)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+source scripts/gpu_env.sh || exit 1
+export PYTHONUNBUFFERED=1 KERNELLOOP_DB=${KERNELLOOP_DB:-/tmp/kernelloop-scale.db} MAX_JOBS=${MAX_JOBS:-8}
+export KERNELLOOP_KERNELBENCH=${KERNELLOOP_KERNELBENCH:-$PWD/.kb}
+KL="python3 -m kernelloop.cli"
+box() { local t=$1; shift; timeout --signal=INT --kill-after=20 "$t" "$@"; echo "[exit $? after: $*]"; }
+BIG="level1/19_ReLU level1/20_LeakyReLU level1/23_Softmax level1/40_LayerNorm level1/47_Sum_reduction_over_a_dimension"
+named() { python3 -c "import sys; from evals.kernelbench import kernelbench_paths as p; print(' '.join(map(str, p(sys.argv[1:]))))" "$@"; }
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
+case "${1:-bench}" in
+  bench)
+    box ${BENCH_S:-560} python3 scripts/bench_kernelbench.py --device cuda --tasks ${TASKS:-4} --candidates ${CANDIDATES:-2} \
+      --json "$OUT/bench.json" 2>&1 | grep -v USDT | tee "$OUT/bench.txt"
+    ;;
+  big)
+    box ${CHECK_S:-200} $KL tasks check $(named $BIG) --device cuda 2>&1 | grep -v USDT | tee "$OUT/tasks_check.txt"
+    box ${LOOP_S:-330} $KL optimize $(named $BIG) --model builtin --rounds 1 --samples ${SAMPLES:-2} --device cuda 2>&1 \
+      | grep -v USDT | tee "$OUT/optimize_big.txt"
+    ;;
+  tests)
+    box ${TESTS_S:-560} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 500 tests/test_sandbox_adversarial.py \
+      tests/test_admission.py tests/test_pool.py tests/test_sandbox_failures.py 2>&1 | tail -15 | tee "$OUT/tests.txt"
+    ;;
+  *) echo "unknown stage $1 (bench, big, tests)"; exit 2 ;;
+esac
+cp "$KERNELLOOP_DB" "$OUT/" 2>/dev/null
