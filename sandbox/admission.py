@@ -245,7 +245,30 @@ class MemoryGate:
 
         return self.book.get(spec, self.device, self.numerics, measure)
 
+    def plan(self, spec: Any, fp: Footprint, slot: int = 0) -> tuple[Footprint, bool]:
+        """(the footprint the task's runs are admitted with, whether its float64 check runs).
+        A task that fits only without the float64 copy and run (level1/19_ReLU's 6 GiB of
+        inputs on an 80 GB GPU) runs without them, judged by the tolerance alone, as KernelBench
+        judges it; one that fits either way keeps the check."""
+        if not getattr(self.numerics, "fp64_check", False):
+            return fp, False
+        if self._too_large_as(spec, fp, slot) is None:
+            return fp, True
+        lean = fp.without_fp64()
+        if self._too_large_as(spec, lean, slot) is None:
+            return lean, False
+        return fp, True
+
+    def fp64_runs(self, spec: Any, slot: int = 0) -> bool:
+        """Whether the task's float64 check runs (its footprint is measured first if not known)."""
+        return self.plan(spec, self.footprint(spec, slot), slot)[1]
+
     def too_large(self, spec: Any, fp: Footprint, slot: int = 0) -> Optional[TaskTooLarge]:
+        """Why the task cannot run even alone (without the float64 check where that is what does
+        not fit), or None."""
+        return self._too_large_as(spec, self.plan(spec, fp, slot)[0], slot)
+
+    def _too_large_as(self, spec: Any, fp: Footprint, slot: int = 0) -> Optional[TaskTooLarge]:
         needs = [self.reference_needs(fp, slot), self.run_needs(fp, slot)]
         found = self.admission.too_large(spec.name, needs)
         if fp.oom is None:
@@ -263,6 +286,7 @@ class MemoryGate:
         big = self.too_large(spec, fp, slot)
         if big is not None:
             raise big
+        fp = self.plan(spec, fp, slot)[0]
         return self.admission.admit(spec.name, self.run_needs(fp, slot), (spec.key, slot),
                                     self.reference_needs(fp, slot), close_reference, check_aborted)
 

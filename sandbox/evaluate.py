@@ -31,7 +31,7 @@ from sandbox import anticheat, failures
 from sandbox.admission import MemoryGate, TaskTooLarge
 from sandbox.build import cuda_arch_list, first_compiler_error
 from sandbox.checks import CandidateChecks
-from sandbox.footprint import FootprintBook
+from sandbox.footprint import FootprintBook, human_bytes
 from sandbox.harness import cpu_model
 from sandbox.phases import Stages, phase
 from sandbox.pool import DeviceGate, WarmPool
@@ -319,15 +319,26 @@ class Sandbox:
         try:
             with phase(result, "memory_wait"):      # raises TaskTooLarge: no verdict for this task
                 admitted = self.memory.admit(spec, slot, self._close_reference, self._check_aborted)
+            if self.config.numerics.fp64_check and not self.memory.fp64_runs(spec, slot):
+                # the float64 copy and run do not fit beside the run: the tolerance alone judges
+                fp = self.memory.footprint(spec, slot)
+                result.config = self.config.model_copy(update={"numerics": self.config.numerics.model_copy(
+                    update={"fp64_check": False})})
+                note = (f"\n[kernelloop] float64 check skipped: the task's float64 copy and run "
+                        f"({human_bytes(fp.fp64_bytes)}) do not fit beside it on this device; "
+                        f"judged by the tolerance alone")
+            else:
+                note = ""
             try:
                 self._run_on(slot, spec, source, result)
+                result.stderr += note
             finally:
                 self.memory.leave(admitted)
         finally:
             self._release_slot(slot)
 
     def _run_on(self, slot: int, spec: TaskSpec, source: str, result: EvalResult) -> None:
-        cfg = self.config
+        cfg = result.config or self.config      # this evaluation's (without the float64 check where it does not fit)
         ref = self.reference(spec, slot)
         with phase(result, "reference"), ref.lock:
             self._check_aborted()

@@ -52,10 +52,20 @@ class Footprint:
     @property
     def candidate_peak_bytes(self) -> int:
         """A candidate worker at its peak, estimated from the reference's figures: its model,
-        the inputs and their clone (the mutation check), then either the NaN poison (twice
-        inputs and outputs) or the forward, plus two outputs kept for the timing's spot checks."""
-        run = max(self.inputs_bytes + self.forward_peak_bytes, 3 * self.inputs_bytes + 2 * self.outputs_bytes)
-        return self.params_bytes + run + 2 * self.outputs_bytes
+        the inputs and their clone (the mutation check), the forward, plus two outputs kept
+        for the timing's spot checks. The NaN poison before a run is not counted: it fills only
+        what is free (``sandbox.worker``)."""
+        return self.params_bytes + 2 * self.inputs_bytes + self.forward_peak_bytes + 2 * self.outputs_bytes
+
+    def without_fp64(self) -> "Footprint":
+        """The figures of runs without the float64 check: no float64 copy of the model in the
+        reference worker, no float64 run in its trials."""
+        per = {"fp32": 2, "fp16": 4, "bf16": 4}.get(self.numerics.split("/")[0], 2)
+        model64 = min(self.params_bytes * per, self.fp64_bytes)
+        oom = None if (self.oom or "").startswith("the float64 run") else self.oom
+        return dataclasses.replace(self, fp64_bytes=0, oom=oom,
+                                   reference_resident_bytes=max(0, self.reference_resident_bytes - model64),
+                                   reference_peak_bytes=max(0, self.reference_peak_bytes - self.fp64_bytes))
 
     @property
     def candidate_resident_bytes(self) -> int:

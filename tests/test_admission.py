@@ -116,10 +116,10 @@ def test_sandbox_runs_of_two_tasks_that_fit_one_at_a_time_wait_and_close_the_idl
 
     a, b = _spec("a"), _spec("b")
     fps = {a.key: _fp(a, 40 * MiB), b.key: _fp(b, 40 * MiB)}
-    # each task: reference 10 + candidate process 10 MiB resident, 55 MiB transient (75 alone);
-    # over an 80 MiB budget two tasks (95) cannot run at once, nor one beside the other's idle reference (85)
+    # each task: reference 10 + candidate process 10 MiB resident, 50 MiB transient (70 alone);
+    # over a 75 MiB budget two tasks (90) cannot run at once, nor one beside the other's idle reference (80)
     sandbox = Sandbox("cpu", EvalConfig(), footprints=_PresetBook(fps),
-                      memory_budgets={"host": 80 * MiB, "shm": 1 << 30})
+                      memory_budgets={"host": 75 * MiB, "shm": 1 << 30})
     inside, most, ran, closed = [0], [0], [], []
     lock = threading.Lock()
 
@@ -161,6 +161,41 @@ def test_sandbox_evaluate_of_a_too_large_task_raises_and_gives_no_verdict():
     assert info.value.available == 100 * MiB and info.value.needed > 100 * MiB
     assert sandbox.too_large(big) is not None
     sandbox.close()
+
+
+def test_a_task_that_fits_only_without_the_float64_copy_runs_without_the_float64_check(monkeypatch):
+    """level1/19_ReLU at its published size: 6 GiB of inputs fit an 80 GB GPU, their float64
+    copies and run beside them do not. The task runs, judged by the tolerance alone (as
+    KernelBench judges it), and says so; one too large even without them is too_large."""
+    from sandbox.evaluate import Sandbox
+
+    lean, huge = _spec("lean"), _spec("huge")
+    fp = _fp(lean, 40 * MiB)                         # 70 MiB alone without float64 (see above)
+    fp.fp64_bytes, fp.reference_peak_bytes = 60 * MiB, fp.reference_peak_bytes + 60 * MiB
+    big = _fp(huge, 200 * MiB)
+    big.fp64_bytes, big.reference_peak_bytes = 60 * MiB, big.reference_peak_bytes + 60 * MiB
+    sandbox = Sandbox("cpu", EvalConfig(), footprints=_PresetBook({lean.key: fp, huge.key: big}),
+                      memory_budgets={"host": 75 * MiB, "shm": 1 << 30})
+    seen = {}
+
+    def fake_run_on(slot, spec, source, result):
+        seen["fp64_check"] = (result.config or sandbox.config).numerics.fp64_check
+        result.status = Status.correct
+
+    monkeypatch.setattr(sandbox, "_run_on", fake_run_on)
+    assert sandbox.too_large(lean) is None and not sandbox.memory.fp64_runs(lean)
+    result = sandbox.evaluate(lean, "")
+    assert result.status is Status.correct and seen["fp64_check"] is False
+    assert result.config.numerics.fp64_check is False and sandbox.config.numerics.fp64_check is True
+    assert "float64 check skipped" in result.stderr and "60.00 MiB" in result.stderr
+    with pytest.raises(TaskTooLarge):
+        sandbox.evaluate(huge, "")
+    # with room for it, the float64 check stays on
+    roomy = Sandbox("cpu", EvalConfig(), footprints=_PresetBook({lean.key: fp}),
+                    memory_budgets={"host": 200 * MiB, "shm": 1 << 30})
+    assert roomy.memory.fp64_runs(lean)
+    sandbox.close()
+    roomy.close()
 
 
 # ------------------------------------------------------------------ measuring and storing
