@@ -34,6 +34,23 @@ _OOM_WORDS = ("out of memory", "can't allocate memory", "cannot allocate memory"
 _DISK_WORDS = ("no space left on device", "disk quota exceeded", "file too large")
 
 
+class WorkerDied(Exception):
+    """A worker process ended, or could not be used, before it answered."""
+
+    def __init__(self, message: str, returncode: Optional[int], role: Optional[str] = None):
+        super().__init__(message)
+        self.returncode = returncode
+        self.role = role                # whose worker: sandbox.failures tells infra from candidate by it
+
+
+class WorkerTimeout(Exception):
+    """A worker did not answer in time."""
+
+    def __init__(self, message: str, role: Optional[str] = None):
+        super().__init__(message)
+        self.role = role
+
+
 class InfraFailure(Exception):
     """A failure of the harness, not of the candidate; ``cause`` says what happened."""
 
@@ -142,8 +159,6 @@ def candidate_reply(reply: dict[str, Any]) -> Optional[Verdict]:
 
 def classify(exc: BaseException, candidate_worker: Any = None) -> Verdict:
     """An exception that ended an evaluation's run phase: infra or the candidate's."""
-    from sandbox.process import WorkerDied, WorkerTimeout
-
     if isinstance(exc, InfraFailure):
         return Verdict(True, exc.error_type, exc.cause)
     if isinstance(exc, WorkerDied):

@@ -20,23 +20,10 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Optional
 
-from sandbox.failures import exit_cause, oom_kills
+from sandbox.failures import WorkerDied, WorkerTimeout, exit_cause, oom_kills  # noqa: F401 - raised here, imported from here
 
 OUTPUT_CAP = 10_000
 _REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-class WorkerDied(Exception):
-    def __init__(self, message: str, returncode: Optional[int], role: Optional[str] = None):
-        super().__init__(message)
-        self.returncode = returncode
-        self.role = role                # whose worker: sandbox.failures tells infra from candidate by it
-
-
-class WorkerTimeout(Exception):
-    def __init__(self, message: str, role: Optional[str] = None):
-        super().__init__(message)
-        self.role = role
 
 
 # Outputs cross from a candidate worker to the reference worker as files: on a memory-backed
