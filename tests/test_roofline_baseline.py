@@ -427,7 +427,7 @@ def test_the_sandbox_floor_follows_the_math_mode_and_impossible_uses_the_tf32_bo
     from dataclasses import asdict
     from types import SimpleNamespace
 
-    from sandbox.evaluate import Sandbox
+    from sandbox.checks import CandidateChecks
     from sandbox.numerics import Numerics
     from sandbox.result import EvalConfig, EvalResult, Status, Timing
 
@@ -439,13 +439,11 @@ def test_the_sandbox_floor_follows_the_math_mode_and_impossible_uses_the_tf32_bo
     def sandbox_floor(task: str, median_ms: float = 100.0) -> tuple[EvalResult, object]:
         counts = count_task(read_spec(TASKS / f"{task}.py"), "cuda")
         ref = SimpleNamespace(lock=threading.Lock(), counts={"counts": asdict(counts)})
-        sb = Sandbox.__new__(Sandbox)
-        sb.device = "cuda"
-        sb.config = EvalConfig(numerics=Numerics(math=math))
+        checks = CandidateChecks(EvalConfig(numerics=Numerics(math=math)), "cuda")
         result = EvalResult(task=task, device="cuda", status=Status.correct)
         result.candidate_time = Timing(median_ms=median_ms, iqr_ms=0.0, mean_ms=median_ms, min_ms=median_ms,
                                        max_ms=median_ms, runs=1, clock="cuda_event")
-        sb._floor(ref, result)
+        checks._floor(ref, result)
         return result, counts
 
     def mem_ms(c) -> float:
