@@ -61,6 +61,7 @@ class ProposalRequest:
     analysis: Optional[str] = None       # the critic's latest analysis (markdown)
     run_id: Optional[int] = None
     numerics: Numerics = field(default_factory=Numerics)   # the run's precision and math mode
+    left_out: list[str] = field(default_factory=list)      # what the prompt left out to fit the model's window
 
 
 @dataclass
@@ -73,6 +74,12 @@ class Completion:
     latency_s: float = 0.0
     cost_usd: Optional[float] = None
     error: Optional[str] = None          # set when the call failed (the text is then empty)
+    reasoning: Optional[str] = None      # reasoning the server returned apart from the answer (never fed back)
+    reasoning_tokens: Optional[int] = None
+    finish_cause: Optional[str] = None   # stop | max_tokens | window | time_budget | stall | broken | error
+    prompt_truncated: bool = False       # the server counted far fewer prompt tokens than were sent
+    context: dict[str, Any] = field(default_factory=dict)   # window, its source, counted prompt, max_tokens sent
+    overflow: bool = False               # the server refused the request as larger than the window
 
 
 @dataclass
@@ -96,3 +103,4 @@ class AnalysisOut:
     completion: Optional[Completion] = None   # the model call behind an llm analysis
     template: Optional[str] = None
     messages: Optional[list[dict[str, str]]] = None
+    left_out: list[str] = field(default_factory=list)        # what the prompt left out to fit the window

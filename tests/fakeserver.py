@@ -4,7 +4,12 @@
 ``POST /v1/chat/completions`` (and ``/chat/completions``) with the next scripted
 response: a completion (text, finish_reason, usage, optional delay) or an injected fault
 (429 with Retry-After, 500/503, a slow answer, a malformed JSON body, 401, 404 model not
-found, 429 insufficient_quota). With the script exhausted it answers 418 with a message
+found, 429 insufficient_quota, the context-overflow refusals of OpenAI, vLLM, SGLang and
+llama.cpp, a silently truncated prompt, a stream that stalls). A request with
+``"stream": true`` is answered as server-sent events, chunk by chunk (reasoning apart from
+the content when scripted). ``props``, ``models`` and ``tokenize`` make it answer llama.cpp's
+``GET /props``, ``GET /v1/models`` (vLLM, SGLang) and ``POST /tokenize``; those requests are
+recorded in ``probes``, chat completions in ``requests``. With the script exhausted it answers 418 with a message
 saying so. Every request is recorded (path, headers, JSON body, arrival time).
 
 The ``fake_openai`` fixture starts one per test, points ``OPENAI_BASE_URL`` and
@@ -34,6 +39,13 @@ class Scripted:
     finish_reason: str = "stop"
     usage: Optional[tuple[int, int]] = (11, 22)
     model: Optional[str] = None
+    reasoning: str = ""                 # sent apart from the content, under ``reasoning_field``
+    reasoning_field: str = "reasoning_content"
+    reasoning_tokens: Optional[int] = None
+    chunk_chars: int = 16               # streamed: characters of text per chunk
+    chunk_delay_s: float = 0.0          # streamed: pause between chunks
+    stall_after: Optional[int] = None   # streamed: fall silent after this many chunks ...
+    stall_s: float = 0.0                # ... for this long (then end without [DONE])
 
 
 @dataclass
@@ -56,10 +68,15 @@ class FakeOpenAI:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._closed = False
-        self.requests: list[RecordedRequest] = []
+        self.requests: list[RecordedRequest] = []   # chat completions
+        self.probes: list[RecordedRequest] = []     # GET /props, /v1/models; POST /tokenize
         self._counter = 0
         self.in_flight = 0
         self.max_in_flight = 0              # the most requests it was answering at once
+        self.props: Optional[dict] = None          # GET /props (llama.cpp); None: 404
+        self.models: Optional[list[dict]] = None   # GET /v1/models entries; None: 404
+        self.tokenize: Optional[str] = None        # POST /tokenize: "llama.cpp" | "vllm" | None (404)
+        self.chars_per_token = 4                   # how the fake tokenizer counts
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self.httpd.daemon_threads = True
         self.httpd.block_on_close = False
@@ -154,6 +171,45 @@ class FakeOpenAI:
     def bad_request(self, message: str, code: Optional[str] = None) -> "FakeOpenAI":
         return self.push(Scripted(status=400, body=_error(message, "invalid_request_error", code)))
 
+    # Context overflow refusals, as each server words them (see agent/backends/errors.py).
+    def overflow_openai(self, window: int, prompt: int) -> "FakeOpenAI":
+        return self.push(Scripted(status=400, body=_error(
+            f"This model's maximum context length is {window} tokens. However, your messages resulted in "
+            f"{prompt} tokens. Please reduce the length of the messages.", "invalid_request_error",
+            "context_length_exceeded")))
+
+    def overflow_vllm(self, window: int, prompt: int, completion: int) -> "FakeOpenAI":
+        return self.push(Scripted(status=400, body={"error": {
+            "message": f"This model's maximum context length is {window} tokens. However, you requested "
+                       f"{prompt + completion} tokens ({prompt} in the messages, {completion} in the completion). "
+                       f"Please reduce the length of the messages or completion.",
+            "type": "BadRequestError", "param": None, "code": 400}}))
+
+    def overflow_sglang(self, window: int, prompt: int, completion: Optional[int] = None) -> "FakeOpenAI":
+        if completion is None:
+            msg = f"The input ({prompt} tokens) is longer than the model's context length ({window} tokens)."
+        else:
+            msg = (f"Requested token count exceeds the model's maximum context length of {window} tokens. "
+                   f"You requested a total of {prompt + completion} tokens: {prompt} tokens from the input "
+                   f"messages and {completion} tokens for the completion. Please reduce the number of tokens "
+                   f"in the input messages or the completion to fit within the limit.")
+        return self.push(Scripted(status=400, body={"object": "error", "message": msg, "type": "BadRequest",
+                                                    "param": None, "code": 400}))
+
+    def overflow_llamacpp(self, window: int, prompt: int) -> "FakeOpenAI":
+        return self.push(Scripted(status=400, body={"error": {
+            "code": 400, "message": f"request ({prompt} tokens) exceeds the available context size "
+                                    f"({window} tokens), try increasing it",
+            "type": "exceed_context_size_error", "n_prompt_tokens": prompt, "n_ctx": window}}))
+
+    def silently_truncating(self, text: str, kept_prompt_tokens: int, completion: int = 50) -> "FakeOpenAI":
+        """Ollama beyond num_ctx: answers, but counted (and read) only the prompt's last tokens."""
+        return self.reply(text, usage=(kept_prompt_tokens, completion))
+
+    def stalling(self, text: str, after_chunks: int, stall_s: float, chunk_chars: int = 8) -> "FakeOpenAI":
+        """A stream that sends ``after_chunks`` chunks of ``text`` and then falls silent."""
+        return self.push(Scripted(text=text, chunk_chars=chunk_chars, stall_after=after_chunks, stall_s=stall_s))
+
     @property
     def remaining(self) -> int:
         with self._lock:
@@ -171,13 +227,42 @@ class FakeOpenAI:
         body: dict[str, Any] = {
             "id": f"chatcmpl-fake-{self._counter}", "object": "chat.completion", "created": int(time.time()),
             "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": item.text},
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": item.text,
+                                                 **({item.reasoning_field: item.reasoning} if item.reasoning else {})},
                          "finish_reason": item.finish_reason, "logprobs": None}],
         }
         if item.usage is not None:
             p, c = item.usage
-            body["usage"] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+            body["usage"] = self._usage(item)
         return body
+
+    @staticmethod
+    def _usage(item: Scripted) -> dict:
+        p, c = item.usage
+        usage: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        if item.reasoning_tokens is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": item.reasoning_tokens}
+        return usage
+
+    def _chunks(self, item: Scripted, request_body: Any) -> list[dict]:
+        """The SSE chunks of a streamed completion: role, reasoning, content, finish, usage."""
+        model = item.model or (request_body.get("model") if isinstance(request_body, dict) else None) or "fake"
+        base = {"id": f"chatcmpl-fake-{self._counter}", "object": "chat.completion.chunk",
+                "created": int(time.time()), "model": model}
+
+        def chunk(delta: dict, finish: Optional[str] = None) -> dict:
+            return {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+
+        out = [chunk({"role": "assistant", "content": ""})]
+        n = max(1, item.chunk_chars)
+        for i in range(0, len(item.reasoning), n):
+            out.append(chunk({item.reasoning_field: item.reasoning[i:i + n]}))
+        for i in range(0, len(item.text), n):
+            out.append(chunk({"content": item.text[i:i + n]}))
+        out.append(chunk({}, item.finish_reason))
+        if item.usage is not None:
+            out.append({**base, "choices": [], "usage": self._usage(item)})
+        return out
 
     def _handler_class(self):
         server = self
@@ -212,9 +297,13 @@ class FakeOpenAI:
                     body = raw.decode(errors="replace")
                 record = RecordedRequest(path=self.path, headers={k.lower(): v for k, v in self.headers.items()},
                                          body=body, at=time.monotonic())
-                with server._lock:
-                    server.requests.append(record)
                 path = self.path.split("?", 1)[0].rstrip("/")
+                with server._lock:
+                    (server.probes if path == "/tokenize" else server.requests).append(record)
+                if path == "/tokenize":
+                    record.status = 200 if server.tokenize else 404
+                    self._tokenize(body)
+                    return
                 if path not in ("/v1/chat/completions", "/chat/completions"):
                     record.status = 404
                     self._send(404, json.dumps(_error(f"fake server: no route {self.path}",
@@ -236,6 +325,9 @@ class FakeOpenAI:
                     with server._lock:
                         server.in_flight -= 1
                 record.status = item.status
+                if item.body is None and isinstance(body, dict) and body.get("stream"):
+                    self._stream(item, body)
+                    return
                 if item.body is None:
                     payload = json.dumps(server._completion_body(item, body)).encode()
                 elif isinstance(item.body, bytes):
@@ -244,9 +336,54 @@ class FakeOpenAI:
                     payload = json.dumps(item.body).encode()
                 self._send(item.status, payload, item.headers)
 
+            def _stream(self, item: Scripted, body: Any) -> None:
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Cache-Control", "no-cache")
+                    self.send_header("Connection", "close")
+                    self.end_headers()
+                    self.close_connection = True
+                    for i, ch in enumerate(server._chunks(item, body)):
+                        if item.stall_after is not None and i == item.stall_after:
+                            server._stop.wait(item.stall_s)
+                            return               # falls silent, then hangs up without [DONE]
+                        if i and item.chunk_delay_s and server._stop.wait(item.chunk_delay_s):
+                            return
+                        self.wfile.write(f"data: {json.dumps(ch)}\n\n".encode())
+                        self.wfile.flush()
+                    self.wfile.write(b"data: [DONE]\n\n")
+                    self.wfile.flush()
+                except (BrokenPipeError, ConnectionResetError, OSError):
+                    pass                 # the client hung up
+
             def do_GET(self) -> None:  # noqa: N802
-                self._send(404, json.dumps(_error("fake server: only POST chat completions",
+                path = self.path.split("?", 1)[0].rstrip("/")
+                record = RecordedRequest(path=self.path, headers={}, body=None, at=time.monotonic(), status=200)
+                with server._lock:
+                    server.probes.append(record)
+                if path == "/props" and server.props is not None:
+                    self._send(200, json.dumps(server.props).encode(), {})
+                    return
+                if path in ("/v1/models", "/models") and server.models is not None:
+                    self._send(200, json.dumps({"object": "list", "data": server.models}).encode(), {})
+                    return
+                record.status = 404
+                self._send(404, json.dumps(_error(f"fake server: no route {self.path}",
                                                   "invalid_request_error")).encode(), {})
+
+            def _tokenize(self, body: Any) -> None:
+                how = server.tokenize
+                if how == "llama.cpp" and isinstance(body, dict) and "content" in body:
+                    n = -(-len(str(body["content"])) // server.chars_per_token)
+                    self._send(200, json.dumps({"tokens": list(range(n))}).encode(), {})
+                elif how == "vllm" and isinstance(body, dict) and "messages" in body:
+                    text = "".join(str(m.get("content") or "") for m in body["messages"])
+                    n = -(-len(text) // server.chars_per_token) + 4 * len(body["messages"])
+                    self._send(200, json.dumps({"count": n, "max_model_len": 0, "tokens": list(range(n))}).encode(), {})
+                else:
+                    self._send(404 if how is None else 400,
+                               json.dumps(_error("fake server: no tokenizer", "invalid_request_error")).encode(), {})
 
         return Handler
 
@@ -254,6 +391,11 @@ class FakeOpenAI:
 @pytest.fixture
 def fake_openai(monkeypatch, tmp_path):
     """A running ``FakeOpenAI`` with OPENAI_BASE_URL / OPENAI_API_KEY pointing at it."""
+    from agent.backends import context
+
+    # Windows and slot limits are kept per base URL for the process; a port used again is another server.
+    monkeypatch.setattr(context, "KNOWN", {})
+    monkeypatch.setattr(context, "_LIMITERS", {})
     with FakeOpenAI() as server:
         monkeypatch.setenv("OPENAI_BASE_URL", server.url)
         monkeypatch.setenv("OPENAI_API_KEY", "sk-fake-test-key")

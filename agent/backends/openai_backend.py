@@ -1,149 +1,75 @@
-"""``openai:<model>``: any OpenAI-compatible chat-completions endpoint.
+"""``openai:<model>``: any OpenAI-compatible chat-completions endpoint (hosted APIs, vLLM,
+SGLang, llama.cpp's llama-server, Ollama).
 
-Settings, first found wins: the backend's options (``api_key``, ``base_url``), the
-environment (``OPENAI_API_KEY``, ``OPENAI_BASE_URL``), the ``[openai]`` section of
-``~/.config/kernelloop/config.toml`` (``KERNELLOOP_CONFIG`` names another file)::
+Settings (``openai_config``: options, then ``OPENAI_API_KEY``/``OPENAI_BASE_URL``, then the
+``[openai]`` section of ``~/.config/kernelloop/config.toml``, then the defaults)::
 
     [openai]
     api_key = "sk-..."
     base_url = "http://localhost:8000/v1"
-    temperature = 0.7          # unset: not sent (the endpoint's default)
-    max_tokens = 8192          # 0: not sent
-    timeout_s = 300            # per request
-    max_retries = 5            # retries after the first try
-    concurrency = 4            # requests in flight at once (also ``max_concurrency``)
+    temperature = 0.7            # unset: not sent (the endpoint's default)
+    max_tokens = 8192            # 0: not sent; lowered per call to what the window leaves
+    context_tokens = 32768       # the model's window; unset: asked of the server, else learned
+    min_answer_tokens = 256      # a prompt that leaves the answer less fails (that task's error)
+    reasoning_effort = "high"    # unset: not sent
+    stream = true
+    first_token_timeout_s = 600  # to the first chunk (server queue + prompt processing)
+    stall_timeout_s = 120        # the longest silence between chunks
+    call_budget_s = 1800         # a call's total; past it the partial answer is kept, cut off (0: none)
+    max_retries = 5              # retries after the first try
+    concurrency = 4              # requests in flight at once; never more than the server's slots
+    count_tokens = "auto"        # auto: the server's /tokenize where it answers | estimate
 
-Options given to the backend (``get_backend("openai:gpt-4o", temperature=0.2, ...)``) win
-over the file; an option left ``None`` falls back to it, then to the defaults below.
+The window and parallel slots (``context``): asked of the server once (llama.cpp ``/props``,
+vLLM/SGLang ``/v1/models``), or learned from the first overflow refusal, and kept for the
+process. ``prompt_budget()`` tells the loop and the critic how many prompt tokens fit;
+each call's ``max_tokens`` is lowered to what the window leaves the answer.
 
-One retry layer: the openai client's own retries are off (``max_retries=0``) and tenacity
-retries transient failures (429 rate limits, 408/409, 5xx, timeouts, connection errors,
-malformed response bodies) with exponential backoff and jitter, waiting what a
-``Retry-After`` (or ``retry-after-ms``) header asks instead when the server sends one.
-Failures that a retry cannot mend fail at once with ``BackendError`` and a message naming
-what to fix: a rejected key (401), no permission (403), an unknown model or wrong base
-URL (404), an exhausted quota (429 ``insufficient_quota``), an invalid request (400/422).
-A transient failure that outlasts the retries (and a prompt too long for the model's
-context) is returned as ``Completion(error=...)`` so the loop records it and goes on.
-A model that refuses ``max_tokens`` for ``max_completion_tokens`` (OpenAI's reasoning
-models) is asked again with that name, and keeps it.
+Failures (``errors.classify``): one retry layer (tenacity; the client's own retries are off)
+for transient ones (429, 408/409, 5xx, connection errors, malformed bodies, no first chunk
+within ``first_token_timeout_s``), waiting what ``Retry-After`` asks where sent. A failure of
+this one request (a context overflow, a request refused for its content) comes back as
+``Completion(error=...)`` and the run goes on; what every call would meet (rejected key, no
+access, unknown model, exhausted quota, a parameter the endpoint refuses) raises
+``BackendError`` and stops the run, which ``--resume`` continues. An overflow refusal that
+states the window is learned from; when only the answer's share did not fit, the call is
+asked again at once with max_tokens lowered.
+
+Answers stream (``openai_stream``): a call that was receiving tokens is never retried for
+being slow; past ``stall_timeout_s`` or ``call_budget_s`` its partial answer is kept, cut off.
+Reasoning returned apart from the answer (``reasoning_content``, ``reasoning``) or inside
+``<think>`` is returned in ``Completion.reasoning`` and never in ``text``.
 """
 from __future__ import annotations
 
-import email.utils
 import logging
 import os
 import random
 import threading
 import time
-from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import openai
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt
 
+from agent.backends import context as ctx
 from agent.backends.base import BackendError, register
+from agent.backends.errors import CallSite, ContextOverflow, GiveUp, ParameterRejected, Transient, classify
+from agent.backends.openai_config import (DEFAULT_BASE_URL, DEFAULTS, config_path, load_config,  # noqa: F401
+                                          retry_after_seconds, settings)
+from agent.backends.openai_stream import FirstTokenTimeout, Limits, StreamResult, read_stream, reasoning_of, \
+    split_think, usage_figures
 from agent.pricing import cost_usd, prices_from_config
 from agent.types import Completion, ProposalRequest
 
-try:
-    import tomllib
-except ModuleNotFoundError:       # Python 3.10
-    try:
-        import tomli as tomllib  # type: ignore[no-redef]
-    except ModuleNotFoundError:
-        tomllib = None  # type: ignore[assignment]
-
 log = logging.getLogger(__name__)
 
-DEFAULT_BASE_URL = "https://api.openai.com/v1"
-DEFAULTS: dict[str, Any] = {
-    "temperature": None,          # None: not sent (the endpoint's default; some models accept no other)
-    "max_tokens": 8192,           # 0: not sent
-    "timeout_s": 300.0,
-    "max_retries": 5,             # retries after the first try
-    "concurrency": 4,
-    "backoff_initial_s": 1.0,     # first backoff; doubles per retry, plus up to 1 s of jitter
-    "backoff_max_s": 60.0,
-    "retry_after_max_s": 120.0,   # a longer Retry-After is waited for only this long
-}
-CONFIG_KEYS = {"api_key", "base_url", *DEFAULTS}
+TRUNCATION_RATIO_EXACT = 0.9      # the server counted < 90% of an exact count: it cut the prompt
+TRUNCATION_RATIO_ESTIMATE = 0.5   # ... < 50% of the (generous) estimate
 
 
-def config_path() -> Path:
-    explicit = os.environ.get("KERNELLOOP_CONFIG")
-    if explicit:
-        return Path(explicit).expanduser()
-    root = os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")
-    return Path(root) / "kernelloop" / "config.toml"
-
-
-def load_config(path: Optional[Path] = None) -> dict[str, Any]:
-    """The whole config file as a dict ({} when there is none)."""
-    path = path or config_path()
-    if not path.is_file():
-        return {}
-    if tomllib is None:
-        raise BackendError(f"reading {path} needs Python 3.11+ (tomllib) or the tomli package")
-    try:
-        with open(path, "rb") as fh:
-            return tomllib.load(fh)
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise BackendError(f"config file {path} cannot be read: {exc}") from None
-
-
-def retry_after_seconds(headers: Optional[Mapping[str, str]], now: Optional[float] = None) -> Optional[float]:
-    """The wait a response asks for: ``retry-after-ms``, or ``Retry-After`` in seconds or as an HTTP date."""
-    if not headers:
-        return None
-    ms = headers.get("retry-after-ms")
-    if ms is not None:
-        try:
-            return max(0.0, float(ms) / 1000.0)
-        except ValueError:
-            pass
-    value = headers.get("retry-after")
-    if value is None:
-        return None
-    value = value.strip()
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
-        return None
-    if when is None:
-        return None
-    return max(0.0, when.timestamp() - (time.time() if now is None else now))
-
-
-class _Transient(Exception):
-    """A failure worth retrying; ``retry_after`` is the server's requested wait, if any."""
-
-    def __init__(self, message: str, retry_after: Optional[float] = None):
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class _GiveUp(Exception):
-    """A failure of this one call that retrying cannot mend, but that is no configuration error."""
-
-
-def _error_message(exc: openai.APIStatusError) -> str:
-    body = exc.body
-    if isinstance(body, Mapping):
-        msg = body.get("message")
-        if isinstance(msg, str) and msg:
-            return msg
-    return str(exc)
-
-
-def _is_quota(exc: openai.APIStatusError) -> bool:
-    body = exc.body if isinstance(exc.body, Mapping) else {}
-    marks = " ".join(str(x) for x in (exc.code, body.get("type"), body.get("code"), _error_message(exc)) if x)
-    return "quota" in marks.lower()
+class _Refit(Transient):
+    """An overflow of the answer's share only: asked again at once with max_tokens lowered."""
 
 
 @register("openai")
@@ -153,58 +79,64 @@ class OpenAIBackend:
     default_critic = "llm"
 
     def __init__(self, model: str, *, api_key: Optional[str] = None, base_url: Optional[str] = None,
-                 temperature: Optional[float] = None, max_tokens: Optional[int] = None,
-                 timeout_s: Optional[float] = None, max_retries: Optional[int] = None,
-                 concurrency: Optional[int] = None, backoff_initial_s: Optional[float] = None,
-                 backoff_max_s: Optional[float] = None, retry_after_max_s: Optional[float] = None,
-                 config: Optional[Mapping[str, Any]] = None, **_ignored: Any):
-        """``**_ignored``: options meant for other backends (``store``...) are accepted and unused,
-        so the loop can hand one option set to any backend."""
+                 config: Optional[Mapping[str, Any]] = None, **options: Any):
+        """``options``: any key of ``openai_config.DEFAULTS`` (None: from the file or the default);
+        options meant for other backends (``store``...) are accepted and unused, so the loop
+        can hand one option set to any backend."""
         if not model:
             raise BackendError("openai backend needs a model name: --model openai:<model>, e.g. openai:gpt-4o")
         self.model = model
         self.name = f"openai:{model}"
         cfg_all = load_config() if config is None else dict(config)
-        section = cfg_all.get("openai") or {}
         self._config_where = f"[openai] of {config_path()}"
-        unknown = sorted(set(section) - CONFIG_KEYS)
-        if unknown:
-            raise BackendError(f"{self._config_where}: unknown setting(s) {', '.join(unknown)}; "
-                               f"known: {', '.join(sorted(CONFIG_KEYS))}")
+        given = {k: options.get(k) for k in DEFAULTS}
+        if options.get("timeout_s") is not None and given["call_budget_s"] is None:
+            given["call_budget_s"] = options["timeout_s"]
+        s = settings(given, cfg_all.get("openai") or {}, self._config_where)
         try:
             self.extra_prices = prices_from_config(cfg_all.get("pricing") or {})
         except ValueError as exc:
             raise BackendError(f"{config_path()}: {exc}") from None
+        self.temperature: Optional[float] = s["temperature"]
+        self.max_tokens: int = int(s["max_tokens"])
+        self.context_tokens: Optional[int] = int(s["context_tokens"]) if s["context_tokens"] else None
+        self.min_answer_tokens = int(s["min_answer_tokens"])
+        self.stream = bool(s["stream"])
+        self.limits = Limits(first_token_s=float(s["first_token_timeout_s"]), stall_s=float(s["stall_timeout_s"]),
+                             budget_s=float(s["call_budget_s"] or 0))
+        self.max_retries = int(s["max_retries"])
+        self.concurrency = max(1, int(s["concurrency"]))
+        self.max_concurrency = self.concurrency
+        self.reasoning_effort: Optional[str] = s["reasoning_effort"]
+        self.count_tokens: str = s["count_tokens"]
+        self.chars_per_token = float(s["chars_per_token"])
+        self.backoff_initial_s = float(s["backoff_initial_s"])
+        self.backoff_max_s = float(s["backoff_max_s"])
+        self.retry_after_max_s = float(s["retry_after_max_s"])
 
-        given = {"temperature": temperature, "max_tokens": max_tokens, "timeout_s": timeout_s,
-                 "max_retries": max_retries, "concurrency": concurrency,
-                 "backoff_initial_s": backoff_initial_s, "backoff_max_s": backoff_max_s,
-                 "retry_after_max_s": retry_after_max_s}
-        settings = {k: (given[k] if given[k] is not None else section.get(k, DEFAULTS[k])) for k in DEFAULTS}
-        self.temperature: Optional[float] = settings["temperature"]
-        self.max_tokens: Optional[int] = settings["max_tokens"]
-        self.timeout_s = float(settings["timeout_s"])
-        self.max_retries = int(settings["max_retries"])
-        self.max_concurrency = max(1, int(settings["concurrency"]))
-        self.backoff_initial_s = float(settings["backoff_initial_s"])
-        self.backoff_max_s = float(settings["backoff_max_s"])
-        self.retry_after_max_s = float(settings["retry_after_max_s"])
-        if self.max_retries < 0:
-            raise BackendError(f"max_retries must be >= 0, not {self.max_retries}")
-
-        key, self._key_source = self._pick(api_key, "OPENAI_API_KEY", section.get("api_key"), "api_key")
+        key, self._key_source = self._pick(api_key, "OPENAI_API_KEY", (cfg_all.get("openai") or {}).get("api_key"), "api_key")
         if not key:
             raise BackendError(f"no API key for {self.name}: set OPENAI_API_KEY "
-                               f"(or api_key in {self._config_where})")
-        url, self._url_source = self._pick(base_url, "OPENAI_BASE_URL", section.get("base_url"), "base_url")
+                               f"(or api_key in {self._config_where}); a local server that checks none takes any, e.g. 'none'")
+        url, self._url_source = self._pick(base_url, "OPENAI_BASE_URL", (cfg_all.get("openai") or {}).get("base_url"), "base_url")
         self.base_url = (url or DEFAULT_BASE_URL).rstrip("/")
         if not url:
             self._url_source = "the default (set OPENAI_BASE_URL for another endpoint)"
-        self.client = openai.OpenAI(api_key=key, base_url=self.base_url, timeout=self.timeout_s, max_retries=0)
-        self._slots = threading.BoundedSemaphore(self.max_concurrency)
-        # OpenAI's reasoning models refuse max_tokens and want max_completion_tokens; the first
-        # refusal switches this (see _classify), other endpoints keep the widely known name.
+        read = max(self.limits.first_token_s, self.limits.stall_s) + 5.0
+        if not self.stream and self.limits.budget_s:
+            read = self.limits.budget_s
+        self.client = openai.OpenAI(api_key=key, base_url=self.base_url, max_retries=0,
+                                    timeout=openai.Timeout(read, connect=10.0, write=60.0, pool=None))
+        self._probe_client = openai.OpenAI(api_key=key, base_url=self.base_url, max_retries=0,
+                                           timeout=openai.Timeout(10.0, connect=5.0))
+        self._limiter = ctx.limiter(self.base_url, self.concurrency)
+        self._facts: Optional[ctx.ServerFacts] = None
+        self._facts_lock = threading.Lock()
+        self._counter: Optional[ctx.TokenCounter] = None
+        # OpenAI's reasoning models refuse max_tokens for max_completion_tokens; some servers
+        # refuse stream_options. The first refusal switches these (errors.ParameterRejected).
         self.token_param = "max_tokens"
+        self.stream_options = True
 
     def _pick(self, option: Optional[str], env: str, from_file: Optional[str], file_key: str) -> tuple[Optional[str], str]:
         if option:
@@ -215,36 +147,126 @@ class OpenAIBackend:
             return str(from_file), f"{file_key} in {self._config_where}"
         return None, ""
 
+    # ------------------------------------------------------------------ window and slots
+
+    def server_facts(self) -> ctx.ServerFacts:
+        """What the server says of its window, slots and tokenizer (asked once per backend)."""
+        with self._facts_lock:
+            if self._facts is None:
+                probe = self.count_tokens == "auto"
+                if self.context_tokens is not None and not probe:
+                    facts = ctx.ServerFacts()
+                else:
+                    facts = ctx.discover(self._probe_client, self.base_url, self.model, probe_tokenizer=probe)
+                if facts.window is not None and ctx.known_window(self.base_url, self.model) is None:
+                    ctx.remember_window(self.base_url, self.model, facts.window)
+                if facts.slots:
+                    self.max_concurrency = min(self.concurrency, facts.slots)
+                    self._limiter.set_capacity(self.max_concurrency)
+                    log.info("%s: the server runs %d requests at once; in flight at most %d",
+                             self.name, facts.slots, self.max_concurrency)
+                self._counter = ctx.TokenCounter(self._probe_client, self.base_url, self.model, facts.tokenize,
+                                                 self.chars_per_token)
+                self._facts = facts
+            return self._facts
+
+    def window(self) -> Optional[ctx.Window]:
+        """The model's window: ``context_tokens``, else what the server said or an overflow taught."""
+        if self.context_tokens is not None:
+            return ctx.Window(self.context_tokens, "context_tokens")
+        self.server_facts()
+        return ctx.known_window(self.base_url, self.model)
+
+    def prompt_budget(self) -> Optional[ctx.PromptBudget]:
+        """How many prompt tokens a call may carry; None while the window is unknown."""
+        w = self.window()
+        return ctx.prompt_budget(w, self.max_tokens, self.min_answer_tokens) if w is not None else None
+
+    def count_prompt(self, messages: list[dict[str, Any]]) -> tuple[int, str]:
+        """(tokens, how counted) of ``messages`` as this backend counts them."""
+        self.server_facts()
+        assert self._counter is not None
+        return self._counter.count(messages)
+
     # ------------------------------------------------------------------ calls
 
     def complete(self, request: ProposalRequest, sample: int) -> Completion:
         return self.chat(request.messages, purpose="propose")
 
     def chat(self, messages: list[dict[str, str]], purpose: str = "critique") -> Completion:
-        """One chat completion with retries. Transient failures that outlast the retries come
-        back as ``Completion(error=...)``; configuration errors raise ``BackendError``."""
+        """One chat completion with retries. Failures of this call come back as
+        ``Completion(error=...)``; what every call would meet raises ``BackendError``."""
         start = time.monotonic()
-        tries = 0
+        prompt_count, counted_by = self.count_prompt(messages)
+        window = self.window()
+        info: dict[str, Any] = {"prompt_count": prompt_count, "counted_by": counted_by,
+                                "window": window.tokens if window else None,
+                                "window_source": window.source if window else None}
+        if window is not None and prompt_count > window.tokens - self.min_answer_tokens - ctx.SAFETY_MARGIN:
+            return self._failed(self._too_large(prompt_count, counted_by, window), start, info, overflow=True)
+        state = {"max_tokens": ctx.answer_tokens(window, prompt_count, self.max_tokens), "refit": False, "tries": 0}
 
         def once() -> Completion:
-            nonlocal tries
-            tries += 1
-            return self._request(messages)
+            state["tries"] += 1
+            info["max_tokens_sent"] = state["max_tokens"]
+            try:
+                return self._request(messages, state["max_tokens"])
+            except ParameterRejected as exc:
+                if exc.parameter == "max_tokens":
+                    self.token_param = "max_completion_tokens"
+                elif exc.parameter == "stream_options":
+                    self.stream_options = False
+                raise
+            except ContextOverflow as exc:
+                raise self._after_overflow(exc, prompt_count, state, info) from None
 
         retrying = Retrying(stop=stop_after_attempt(self.max_retries + 1), wait=self._wait,
-                            retry=retry_if_exception_type(_Transient), reraise=True,
+                            retry=retry_if_exception_type(Transient), reraise=True,
                             before_sleep=self._log_retry(purpose))
         try:
             completion = retrying(once)
-        except _Transient as exc:
-            return self._failed(f"{exc} (gave up after {tries} tr{'y' if tries == 1 else 'ies'})", start)
-        except _GiveUp as exc:
-            return self._failed(str(exc), start)
+        except Transient as exc:
+            tries = state["tries"]
+            return self._failed(f"{exc} (gave up after {tries} tr{'y' if tries == 1 else 'ies'})", start, info)
+        except ContextOverflow as exc:
+            return self._failed(str(exc), start, info, overflow=True)
+        except GiveUp as exc:
+            return self._failed(str(exc), start, info)
         completion.latency_s = time.monotonic() - start
+        self._judge(completion, prompt_count, info)
         return completion
 
-    def _failed(self, message: str, start: float) -> Completion:
-        return Completion(text="", model=self.name, error=message, latency_s=time.monotonic() - start)
+    def _too_large(self, prompt_count: int, counted_by: str, window: ctx.Window) -> str:
+        return (f"the prompt is {prompt_count} tokens ({counted_by}) and model {self.model!r} has a window of "
+                f"{window.tokens} tokens ({window.source}); at least {self.min_answer_tokens} must be left for "
+                f"the answer (min_answer_tokens)")
+
+    def _after_overflow(self, exc: ContextOverflow, prompt_count: int, state: dict, info: dict) -> Exception:
+        """Learn the window an overflow states; ask again at once when only the answer's share was too large."""
+        if exc.window:
+            learned = ctx.Window(exc.window, "overflow error")
+            current = ctx.known_window(self.base_url, self.model)
+            if self.context_tokens is None and (current is None or current.tokens != exc.window):
+                ctx.remember_window(self.base_url, self.model, learned)
+                log.warning("%s: the server's window is %d tokens (learned from its refusal; set "
+                            "context_tokens to say so up front)", self.name, exc.window)
+            info["window"], info["window_source"] = exc.window, (self.window() or learned).source
+            prompt = exc.prompt_tokens or prompt_count
+            room = exc.window - prompt - ctx.SAFETY_MARGIN
+            lowered = min(self.max_tokens or room, room)
+            if not state["refit"] and room >= self.min_answer_tokens and lowered < (state["max_tokens"] or room + 1):
+                state["refit"] = True
+                state["max_tokens"] = lowered
+                return _Refit(f"the answer's share did not fit the window of {exc.window} tokens; "
+                              f"asking again with max_tokens={state['max_tokens']}", retry_after=0.0)
+        sizes = ", ".join(f"{k} {v}" for k, v in (("prompt", exc.prompt_tokens), ("window", exc.window),
+                                                  ("answer", exc.completion_tokens)) if v)
+        return ContextOverflow(f"the prompt is too long for model {self.model!r} ({sizes or 'sizes not stated'}; "
+                               f"our count {prompt_count}): {exc}", exc.window, exc.prompt_tokens, exc.completion_tokens)
+
+    def _failed(self, message: str, start: float, info: dict, overflow: bool = False) -> Completion:
+        return Completion(text="", model=self.name, error=message, latency_s=time.monotonic() - start,
+                          finish_cause="error", context=dict(info), overflow=overflow)
 
     def _wait(self, state: RetryCallState) -> float:
         exc = state.outcome.exception() if state.outcome else None
@@ -261,70 +283,103 @@ class OpenAIBackend:
                         state.attempt_number, self.max_retries, state.next_action.sleep if state.next_action else 0)
         return before_sleep
 
-    def _request(self, messages: list[dict[str, str]]) -> Completion:
+    def _site(self, max_tokens: Optional[int]) -> CallSite:
+        sent = f"temperature={self.temperature}, {self.token_param}={max_tokens}"
+        if self.reasoning_effort:
+            sent += f", reasoning_effort={self.reasoning_effort}"
+        return CallSite(model=self.model, base_url=self.base_url, key_source=self._key_source, sent=sent)
+
+    def _params(self, messages: list[dict[str, str]], max_tokens: Optional[int]) -> dict[str, Any]:
         params: dict[str, Any] = {"model": self.model, "messages": messages}
         if self.temperature is not None:
             params["temperature"] = self.temperature
-        if self.max_tokens:
-            params[self.token_param] = self.max_tokens
+        if max_tokens:
+            params[self.token_param] = max_tokens
+        if self.reasoning_effort:
+            params["reasoning_effort"] = self.reasoning_effort
+        if self.stream:
+            params["stream"] = True
+            if self.stream_options:
+                params["stream_options"] = {"include_usage": True}
+        return params
+
+    def _request(self, messages: list[dict[str, str]], max_tokens: Optional[int]) -> Completion:
+        params = self._params(messages, max_tokens)
         try:
-            with self._slots:
-                raw = self.client.chat.completions.with_raw_response.create(**params)
-                response = raw.parse()
+            if self.stream:
+                self._limiter.acquire()
+                got = read_stream(lambda: self.client.chat.completions.create(**params), self.limits,
+                                  self._limiter.release)
+            else:
+                self._limiter.acquire()
+                try:
+                    got = self._plain(params)
+                finally:
+                    self._limiter.release()
         except openai.APIStatusError as exc:
-            raise self._classify(exc) from None
+            raise classify(exc, self._site(max_tokens), self.token_param) from None
+        except FirstTokenTimeout as exc:
+            raise Transient(f"{self.base_url}: {exc}") from None
         except openai.APITimeoutError:
-            raise _Transient(f"no answer from {self.base_url} within {self.timeout_s:g} s "
-                             f"(timeout_s)") from None
+            raise Transient(f"no answer from {self.base_url} within the client's timeout "
+                            f"(first_token_timeout_s / call_budget_s)") from None
         except openai.APIConnectionError as exc:
             cause = exc.__cause__ or exc
-            raise _Transient(f"cannot reach OPENAI_BASE_URL={self.base_url} ({self._url_source}): "
-                             f"{type(cause).__name__}: {cause}") from None
-        except (ValueError, openai.APIResponseValidationError) as exc:   # JSONDecodeError is a ValueError
-            raise _Transient(f"malformed response from {self.base_url}: {type(exc).__name__}: {exc}") from None
+            raise Transient(f"cannot reach OPENAI_BASE_URL={self.base_url} ({self._url_source}): "
+                            f"{type(cause).__name__}: {cause}") from None
+        except (ValueError, openai.APIResponseValidationError, openai.APIError) as exc:
+            raise Transient(f"malformed response from {self.base_url}: {type(exc).__name__}: {exc}") from None
+        if got.chunks == 0 and not got.finish_reason and not got.text:
+            raise Transient(f"malformed response from {self.base_url}: an empty stream")
+        text, think = split_think(got.text)
+        reasoning = "\n\n".join(r for r in (got.reasoning.strip(), think) if r) or None
+        finish_reason = got.finish_reason
+        if got.ended_by:
+            finish_reason = "length"                      # cut off: parsed as a truncated answer
+            log.warning("%s: %s; the partial answer (%d characters) is kept as cut off", self.name, got.note, len(text))
+        return Completion(text=text, model=self.name, finish_reason=finish_reason,
+                          prompt_tokens=got.prompt_tokens, completion_tokens=got.completion_tokens,
+                          cost_usd=cost_usd(self.model, got.prompt_tokens, got.completion_tokens, self.extra_prices),
+                          reasoning=reasoning, reasoning_tokens=got.reasoning_tokens,
+                          finish_cause=got.ended_by, context={"ended": got.note} if got.note else {})
 
+    def _plain(self, params: dict[str, Any]) -> StreamResult:
+        """One non-streamed answer (``stream = false``): one total timeout, ``call_budget_s``."""
+        response = self.client.chat.completions.create(**params)
         choices = getattr(response, "choices", None)
         if not choices:
-            raise _Transient(f"malformed response from {self.base_url}: no choices in "
-                             f"{str(response)[:200]!r}")
+            raise ValueError(f"no choices in {str(response)[:200]!r}")
         choice = choices[0]
-        usage = getattr(response, "usage", None)
-        prompt_tokens = getattr(usage, "prompt_tokens", None) if usage else None
-        completion_tokens = getattr(usage, "completion_tokens", None) if usage else None
-        text = (choice.message.content if choice.message else None) or ""
-        return Completion(text=text, model=self.name, finish_reason=choice.finish_reason,
-                          prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                          cost_usd=cost_usd(self.model, prompt_tokens, completion_tokens, self.extra_prices))
+        got = StreamResult(chunks=1, finish_reason=choice.finish_reason)
+        got.text = (choice.message.content if choice.message else None) or ""
+        got.reasoning = reasoning_of(choice.message) if choice.message else ""
+        got.prompt_tokens, got.completion_tokens, got.reasoning_tokens = usage_figures(getattr(response, "usage", None))
+        return got
 
-    def _classify(self, exc: openai.APIStatusError) -> Exception:
-        """The exception the retry layer acts on: _Transient, _GiveUp or BackendError."""
-        status = exc.status_code
-        msg = _error_message(exc)
-        where = f"OPENAI_BASE_URL={self.base_url}"
-        if status == 429 and _is_quota(exc):
-            return BackendError(f"quota exhausted for the key from {self._key_source} at {where} "
-                                f"(429: {msg}); add credit to that account or set OPENAI_API_KEY to another key")
-        if status in (408, 409, 429) or status >= 500:
-            return _Transient(f"{where} answered {status}: {msg}", retry_after_seconds(exc.response.headers))
-        if status == 401:
-            return BackendError(f"{where} rejected the API key from {self._key_source} (401: {msg}); "
-                                f"set OPENAI_API_KEY to a valid key for this endpoint")
-        if status == 403:
-            return BackendError(f"the key from {self._key_source} has no access to model {self.model!r} "
-                                f"at {where} (403: {msg}); set OPENAI_API_KEY to a key with access, "
-                                f"or choose another --model")
-        if status == 404:
-            return BackendError(f"model {self.model!r} not found at {where} (404: {msg}); check the "
-                                f"name in --model openai:<model>, or set OPENAI_BASE_URL to the endpoint "
-                                f"that serves it (requests go to {self.base_url}/chat/completions)")
-        if (status == 400 and self.max_tokens and self.token_param == "max_tokens"
-                and "max_completion_tokens" in msg):
-            self.token_param = "max_completion_tokens"
-            return _Transient(f"model {self.model!r} wants max_completion_tokens instead of max_tokens; "
-                              "asking again with it", retry_after=0.0)
-        if status == 400 and ("context" in msg.lower() and ("length" in msg.lower() or "window" in msg.lower())
-                              or str(exc.code) == "context_length_exceeded"):
-            return _GiveUp(f"the prompt is too long for model {self.model!r} (400: {msg})")
-        return BackendError(f"{where} refused the request for model {self.model!r} ({status}: {msg}); "
-                            f"check the options sent: temperature={self.temperature}, "
-                            f"max_tokens={self.max_tokens}")
+    def _judge(self, c: Completion, prompt_count: int, info: dict[str, Any]) -> None:
+        """The finish cause, the truncated-prompt flag and the context record of a completed call."""
+        c.context = {**info, **c.context}
+        window = info.get("window")
+        sent = info.get("max_tokens_sent")
+        p, n = c.prompt_tokens, c.completion_tokens
+        if c.finish_cause is None:
+            if c.finish_reason == "length":
+                if sent and n is not None and n >= sent:
+                    c.finish_cause = "max_tokens"
+                elif window and p is not None and n is not None and p + n >= window - 2:
+                    c.finish_cause = "window"
+                elif not sent:
+                    c.finish_cause = "window"
+                else:
+                    c.finish_cause = "max_tokens" if n is None else "length"
+            elif c.finish_reason in (None, "stop", "eos"):
+                c.finish_cause = "stop"
+            else:
+                c.finish_cause = c.finish_reason
+        exact = self._counter is not None and self._counter.exact
+        ratio = TRUNCATION_RATIO_EXACT if exact else TRUNCATION_RATIO_ESTIMATE
+        if p is not None and prompt_count and p < ratio * prompt_count:
+            c.prompt_truncated = True
+            log.warning("%s: the server counted %d prompt tokens of the %d sent (%s): it cut the prompt "
+                        "(set the server's window, e.g. Ollama's num_ctx, or context_tokens)",
+                        self.name, p, prompt_count, info.get("counted_by"))
