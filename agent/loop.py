@@ -25,7 +25,8 @@ import sqlalchemy as sa
 from agent.backends.base import ModelBackend
 from agent.critic.evidence import attempt_views
 from agent.parse import parse_answer
-from agent.prompts import build_proposal_messages
+from agent.fitting import budget_of
+from agent.prompts import fit_proposal_messages
 from agent.types import AttemptView, Completion, DeviceFacts, ProposalRequest
 from sandbox.admission import TaskTooLarge
 from sandbox.evaluate import Sandbox, sha256_text
@@ -33,7 +34,7 @@ from sandbox.result import EvalConfig, EvalResult
 from sandbox.tasks import TaskSpec, with_device_sizes
 from store import Store
 from store.models import Analysis, Attempt, Evaluation, ModelCall, Run
-from store.repo import cached_evaluation, evaluation_row, has_verdict, upsert_task
+from store.repo import cached_evaluation, call_fields, evaluation_row, has_verdict, upsert_task
 
 
 @dataclass
@@ -284,19 +285,34 @@ class OptimizeLoop:
         if not missing:
             return
         floor = next((v.result.floor_ms for v in reversed(history) if v.result and v.result.floor_ms), None)
-        template, messages, sha = build_proposal_messages(eval_spec, self.device, rnd, history, analysis, floor,
-                                                          numerics=self.config.eval.numerics)
+        def build() -> ProposalRequest:
+            # Fitted to the model's window where the backend knows it (raises PromptTooLarge:
+            # this task's error, naming the sizes).
+            budget, count = budget_of(self.backend)
+            template, messages, sha, left_out = fit_proposal_messages(
+                eval_spec, self.device, rnd, history, analysis, floor, self.config.eval.numerics, budget, count)
+            return ProposalRequest(task=eval_spec, device=self.device, round=rnd, samples=self.config.samples,
+                                   messages=messages, template=template, prompt_sha256=sha, history=history,
+                                   analysis=analysis, run_id=run_id, numerics=self.config.eval.numerics,
+                                   left_out=left_out)
+
+        request = build()
         parents = choose_parents(history)
-        request = ProposalRequest(task=eval_spec, device=self.device, round=rnd, samples=self.config.samples,
-                                  messages=messages, template=template, prompt_sha256=sha, history=history,
-                                  analysis=analysis, run_id=run_id, numerics=self.config.eval.numerics)
 
         def ask(sample: int) -> None:
             if self._stop.is_set():
                 return                  # interrupted: not asked; --resume asks for it
-            completion = self._complete(request, sample)
+            asked = request
+            completion = self._complete(asked, sample)
+            if completion.overflow:
+                # The server refused it as larger than the window, which the backend has now
+                # learned: fitted again, it is asked once more.
+                refitted = build()
+                if refitted.messages != asked.messages:
+                    asked = refitted
+                    completion = self._complete(asked, sample)
             # Stored as soon as it arrives: a kill during another sample's call keeps this one.
-            self._store_attempt(run_id, task_id, rnd, sample, request, completion, parents)
+            self._store_attempt(run_id, task_id, rnd, sample, asked, completion, parents)
 
         workers = max(1, min(len(missing), getattr(self.backend, "max_concurrency", 1)))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="propose") as pool:
@@ -318,9 +334,7 @@ class OptimizeLoop:
         with self.store.session() as s:
             call = ModelCall(run_id=run_id, task_id=task_id, round=rnd, purpose="propose", model=c.model or self.config.model,
                              template=request.template, prompt_sha256=request.prompt_sha256, messages=request.messages,
-                             response_text=c.text, finish_reason=c.finish_reason, prompt_tokens=c.prompt_tokens,
-                             completion_tokens=c.completion_tokens, latency_s=c.latency_s, cost_usd=c.cost_usd,
-                             error=c.error)
+                             **call_fields(c, request.left_out))
             s.add(call)
             s.flush()
             if parsed is None:

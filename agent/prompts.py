@@ -101,6 +101,8 @@ def messages_sha256(messages: list[dict[str, str]]) -> str:
 def render(template_name: str, system_template: Optional[str] = SYSTEM,
            **ctx: Any) -> tuple[list[dict[str, str]], str]:
     """``[system, user]`` messages (no system message when ``system_template`` is None) and their sha256."""
+    ctx.setdefault("left_out", [])          # what was left out to fit the window (fit_proposal_messages)
+    ctx.setdefault("include_example", True)
     messages: list[dict[str, str]] = []
     if system_template:
         messages.append({"role": "system", "content": render_text(system_template, **ctx)})
@@ -402,11 +404,16 @@ def _attempt_view(role: str, a: AttemptView, max_source_chars: int) -> dict[str,
 def build_proposal_messages(task: TaskSpec, device: DeviceFacts, round: int, history: list[AttemptView],
                             analysis: Optional[str], floor_ms: Optional[float], max_attempts_shown: int = 4,
                             max_source_chars: int = MAX_SOURCE_CHARS,
-                            numerics: Optional[Numerics] = None) -> tuple[str, list[dict[str, str]], str]:
+                            numerics: Optional[Numerics] = None, max_analysis_chars: int = MAX_ANALYSIS_CHARS,
+                            include_example: bool = True,
+                            left_out: Optional[list[str]] = None) -> tuple[str, list[dict[str, str]], str]:
     """(template name, messages, sha256) for one round of one task: ``propose_first`` when
-    ``history`` is empty, else ``propose_refine``; ``numerics`` is the run's convention."""
+    ``history`` is empty, else ``propose_refine``; ``numerics`` is the run's convention.
+    ``max_source_chars`` 0 shows no sources, ``max_analysis_chars`` 0 no analysis; ``left_out``
+    is said in the prompt (see ``fit_proposal_messages``)."""
     ctx: dict[str, Any] = {"task": task, "device": device, "round": round, "floor_ms": floor_ms,
-                           "numerics": numerics or Numerics()}
+                           "numerics": numerics or Numerics(), "left_out": list(left_out or []),
+                           "include_example": include_example}
     if not history:
         messages, sha = render(FIRST, **ctx)
         return FIRST, messages, sha
@@ -420,7 +427,63 @@ def build_proposal_messages(task: TaskSpec, device: DeviceFacts, round: int, his
         shown=[_attempt_view(role, a, max_source_chars) for role, a in chosen],
         best=best.label if best else None,
         failures=any(role == "failure" for role, _ in chosen),
-        analysis=cap_text(analysis, MAX_ANALYSIS_CHARS) if analysis and analysis.strip() else None,
+        analysis=(cap_text(analysis, max_analysis_chars) if analysis and analysis.strip() and max_analysis_chars > 0
+                  else None),
     )
     messages, sha = render(REFINE, **ctx)
     return REFINE, messages, sha
+
+
+# (attempts shown, source characters, analysis characters), fullest first; the task, the
+# device, the reference timings, the summary of all attempts and the output contract stay.
+REFINE_LADDER = [(4, MAX_SOURCE_CHARS, MAX_ANALYSIS_CHARS), (3, MAX_SOURCE_CHARS, MAX_ANALYSIS_CHARS),
+                 (2, 4000, 3000), (1, 4000, 3000), (1, 2000, 1500), (1, 0, 1500), (1, 0, 0), (0, 0, 0)]
+
+
+def _refine_left_out(history: list[AttemptView], analysis: Optional[str], shown: int, source_chars: int,
+                     analysis_chars: int) -> list[str]:
+    out: list[str] = []
+    full = len(choose_attempts(history, REFINE_LADDER[0][0]))
+    kept = len(choose_attempts(history, shown))
+    if kept < full:
+        out.append(f"{full - kept} of the {full} earlier attempts chosen to show" if kept else
+                   "every earlier attempt (only the summary above is left)")
+    if kept:
+        if source_chars == 0:
+            out.append("the earlier attempts' sources (their evidence is kept)")
+        elif source_chars < MAX_SOURCE_CHARS:
+            out.append(f"the earlier attempts' sources beyond {source_chars} characters each")
+    if analysis and analysis.strip():
+        if analysis_chars == 0:
+            out.append("the analysis of the attempts so far")
+        elif analysis_chars < MAX_ANALYSIS_CHARS and len(analysis.strip()) > analysis_chars:
+            out.append(f"the analysis beyond its first {analysis_chars} characters")
+    return out
+
+
+def fit_proposal_messages(task: TaskSpec, device: DeviceFacts, round: int, history: list[AttemptView],
+                          analysis: Optional[str], floor_ms: Optional[float], numerics: Optional[Numerics],
+                          budget: Any, count: Any) -> tuple[str, list[dict[str, str]], str, list[str]]:
+    """``build_proposal_messages`` fitted to the model's window (``agent.fitting``): fewer
+    earlier attempts first, then shorter sources, a shorter analysis, no sources, no analysis
+    (and for a first round, no worked example); never the task or the output contract. Returns
+    (template, messages, sha256, what was left out); raises ``fitting.PromptTooLarge``."""
+    from agent.fitting import Fitted, fit
+
+    def variant(shown: int = 4, source_chars: int = MAX_SOURCE_CHARS, analysis_chars: int = MAX_ANALYSIS_CHARS,
+                example: bool = True):
+        def make() -> Fitted:
+            left = (_refine_left_out(history, analysis, shown, source_chars, analysis_chars) if history
+                    else ([] if example else ["the worked example"]))
+            built = build_proposal_messages(task, device, round, history, analysis, floor_ms, shown, source_chars,
+                                            numerics, analysis_chars, example, left)
+            return Fitted(value=built, messages=built[1], left_out=left)
+        return make
+
+    if history:
+        variants = [variant(n, src, ana) for n, src, ana in REFINE_LADDER]
+    else:
+        variants = [variant(), variant(example=False)]
+    got = fit(variants, budget, count, what=f"proposal prompt of {task.name}")
+    template, messages, sha = got.value
+    return template, messages, sha, got.left_out

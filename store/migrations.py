@@ -167,10 +167,23 @@ def m004_task_footprints(conn: sa.Connection) -> None:
     md.create_all(conn, tables=[md.tables["task_footprints"]])
 
 
+def m005_model_call_reasoning_and_limits(conn: sa.Connection) -> None:
+    """Each model call keeps the reasoning the server returned apart from the answer (and its
+    token count), which limit ended the answer (finish_cause: stop, max_tokens, window,
+    time_budget, stall, broken, error), whether the server cut the prompt (prompt_truncated),
+    and how the prompt was fitted (context: the window and its source, the prompt as counted,
+    max_tokens sent, what was left out). Rows from before have none of these (NULL)."""
+    columns = [("reasoning", sa.Text()), ("reasoning_tokens", sa.Integer()), ("finish_cause", sa.String(32)),
+               ("prompt_truncated", sa.Boolean()), ("context", sa.JSON())]
+    for name, type_ in columns:
+        conn.execute(sa.text(f"ALTER TABLE model_calls ADD COLUMN {name} {type_.compile(dialect=conn.dialect)}"))
+
+
 MIGRATIONS: list[Callable[[sa.Connection], None]] = [
     m001_tasks_and_baselines,
     m002_runs_calls_attempts_evaluations_analyses,
     m003_numerics,
     m004_task_footprints,
+    m005_model_call_reasoning_and_limits,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any, Optional
 
-from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 
@@ -104,6 +104,11 @@ class ModelCall(Base):
     cost_usd: Mapped[Optional[float]] = mapped_column(Float)
     error: Mapped[Optional[str]] = mapped_column(Text)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)
+    reasoning: Mapped[Optional[str]] = mapped_column(Text)             # never fed back into prompts
+    reasoning_tokens: Mapped[Optional[int]] = mapped_column(Integer)
+    finish_cause: Mapped[Optional[str]] = mapped_column(String(32))    # stop | max_tokens | window | time_budget | stall | ...
+    prompt_truncated: Mapped[Optional[bool]] = mapped_column(Boolean)  # the server counted far fewer prompt tokens
+    context: Mapped[Optional[dict[str, Any]]] = mapped_column(JSON)    # window, counted prompt, max_tokens sent, left out
 
 
 class Attempt(Base):

@@ -12,6 +12,20 @@ from sandbox.tasks import TaskSpec
 from store.models import Analysis, Attempt, Evaluation, Run, Task, TaskFootprint
 
 
+def call_fields(c, left_out: Optional[list[str]] = None) -> dict:
+    """A ``Completion``'s figures as ``ModelCall`` columns (reasoning, limits, how the prompt was fitted)."""
+    context = dict(getattr(c, "context", None) or {})
+    if left_out:
+        context["left_out"] = list(left_out)
+    return {"response_text": c.text, "finish_reason": c.finish_reason, "prompt_tokens": c.prompt_tokens,
+            "completion_tokens": c.completion_tokens, "latency_s": c.latency_s, "cost_usd": c.cost_usd,
+            "error": c.error, "reasoning": getattr(c, "reasoning", None),
+            "reasoning_tokens": getattr(c, "reasoning_tokens", None),
+            "finish_cause": getattr(c, "finish_cause", None),
+            "prompt_truncated": bool(getattr(c, "prompt_truncated", False)),
+            "context": context or None}
+
+
 def upsert_task(session: Session, spec: TaskSpec) -> Task:
     task = session.scalar(sa.select(Task).where(Task.sha256 == spec.sha256))
     if task is None:

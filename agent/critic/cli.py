@@ -82,7 +82,7 @@ def critique_run(store: Any, run_id: int, task: Optional[str] = None, critic: Op
     """
     from agent.critic.evidence import attempt_views, device_facts, task_spec
     from store.models import Analysis, ModelCall
-    from store.repo import get_run
+    from store.repo import call_fields, get_run
 
     work: list[tuple[int, str, Any, list[AttemptView]]] = []
     with store.reader() as session:
@@ -110,9 +110,7 @@ def critique_run(store: Any, run_id: int, task: Optional[str] = None, critic: Op
                 call = ModelCall(run_id=run_id, task_id=task_id, round=last_round, purpose="critique",
                                  model=c.model or model, template=analysis.template or "critic_task",
                                  prompt_sha256=messages_sha256(analysis.messages), messages=analysis.messages,
-                                 response_text=c.text, finish_reason=c.finish_reason,
-                                 prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
-                                 latency_s=c.latency_s, cost_usd=c.cost_usd, error=c.error)
+                                 **call_fields(c, analysis.left_out))
                 session.add(call)
                 session.flush()
                 call_id = call.id

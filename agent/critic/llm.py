@@ -76,13 +76,16 @@ class LLMCritic:
 
     # ------------------------------------------------------------------ prompt
     def context(self, task: TaskSpec, attempts: list[AttemptView], device: DeviceFacts,
-                grounded: Optional[AnalysisOut]) -> dict[str, Any]:
+                grounded: Optional[AnalysisOut], max_code_chars: Optional[int] = None,
+                include_grounded: Optional[bool] = None, left_out: Optional[list[str]] = None) -> dict[str, Any]:
+        max_code_chars = self.max_code_chars if max_code_chars is None else max_code_chars
+        include_grounded = self.include_grounded if include_grounded is None else include_grounded
         ctx = task_context(task, device)
         diags = {d.attempt.attempt_id: d for d in self.grounded.diagnose(task, attempts, device)}
         spec = with_device_sizes(task, device.device) if device else task
         rows = []
         for a in sorted(attempts, key=lambda x: (x.round, x.sample, x.attempt_id)):
-            code, cut = cap_code(a.source or "", self.max_code_chars) if a.source else ("", False)
+            code, cut = cap_code(a.source or "", max_code_chars) if a.source and max_code_chars > 0 else ("", False)
             d = diags.get(a.attempt_id)
             rows.append({"id": a.attempt_id, "round": a.round, "sample": a.sample,
                          "verdict": d.verdict if d else (a.result.status.value if a.result else "no candidate"),
@@ -98,42 +101,73 @@ class LLMCritic:
                 device_lines.append(f"SMs: {device.sm_count}")
         source, _ = cap_code(task.source, MAX_TASK_CHARS)
         grounded_lines = []
-        if grounded is not None and self.include_grounded:
+        if grounded is not None and include_grounded:
             grounded_lines = [f"attempt {f.attempt_id}: [{f.category}] {f.cause}" if f.attempt_id is not None
                               else f"[{f.category}] {f.cause}" for f in grounded.findings
                               if f.category not in ("best",)]
         sizes = ", ".join(f"{k}={v!r}" for k, v in sorted(spec.overrides.items())) if spec.overrides else ""
         return {"task": task, "task_source": source, "device": device, "device_lines": device_lines,
                 "sizes": sizes, "attempts": rows, "reference_profile": reference_profile_lines(attempts),
-                "grounded": grounded_lines, "constants": ctx.constants}
+                "grounded": grounded_lines, "constants": ctx.constants, "left_out": list(left_out or []),
+                "code_left_out": max_code_chars <= 0}
 
     def messages(self, task: TaskSpec, attempts: list[AttemptView], device: DeviceFacts,
-                 grounded: Optional[AnalysisOut] = None) -> list[dict[str, str]]:
+                 grounded: Optional[AnalysisOut] = None, max_code_chars: Optional[int] = None,
+                 include_grounded: Optional[bool] = None, left_out: Optional[list[str]] = None) -> list[dict[str, str]]:
         env = environment()
-        ctx = self.context(task, attempts, device, grounded)
+        ctx = self.context(task, attempts, device, grounded, max_code_chars, include_grounded, left_out)
         system = env.get_template(SYSTEM_TEMPLATE).render(**ctx).strip()
         user = env.get_template(TASK_TEMPLATE).render(**ctx).strip()
         return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
+    def fitted_messages(self, task: TaskSpec, attempts: list[AttemptView], device: DeviceFacts,
+                        grounded: Optional[AnalysisOut] = None) -> tuple[list[dict[str, str]], list[str]]:
+        """``messages`` fitted to the model's window (``agent.fitting``): the attempts' code cut
+        shorter, then left out, then the grounded findings; the evidence of every attempt stays.
+        Returns (messages, what was left out); raises ``fitting.PromptTooLarge``."""
+        from agent.fitting import Fitted, budget_of, fit
+
+        full = self.max_code_chars
+
+        def variant(code_chars: int, with_grounded: bool = True):
+            def make() -> Fitted:
+                left: list[str] = []
+                if code_chars <= 0:
+                    left.append("the attempts' code (their evidence is kept)")
+                elif code_chars < full:
+                    left.append(f"the attempts' code beyond {code_chars} characters each")
+                if not with_grounded and self.include_grounded:
+                    left.append("the deterministic check's findings")
+                msgs = self.messages(task, attempts, device, grounded, code_chars, with_grounded and self.include_grounded,
+                                     left)
+                return Fitted(value=msgs, messages=msgs, left_out=left)
+            return make
+
+        steps = [c for c in (full, full // 2, full // 4, full // 10) if c > 0]
+        variants = [variant(c) for c in steps] + [variant(0), variant(0, with_grounded=False)]
+        budget, count = budget_of(self.backend)
+        got = fit(variants, budget, count, what=f"critique prompt of {task.name}")
+        return got.messages, got.left_out
+
     # ------------------------------------------------------------------ analysis
     def analyze(self, task: TaskSpec, attempts: list[AttemptView], device: DeviceFacts) -> AnalysisOut:
         grounded = self.grounded.analyze(task, attempts, device)
-        messages = self.messages(task, attempts, device, grounded)
         model_name = getattr(self.backend, "name", type(self.backend).__name__)
+        left_out: list[str] = []
+        try:
+            messages, left_out = self.fitted_messages(task, attempts, device, grounded)
+        except Exception as exc:  # noqa: BLE001 - PromptTooLarge (or the window could not be asked): no call
+            messages = self.messages(task, attempts, device, grounded)
+            completion = Completion(text="", model=model_name, error=f"{type(exc).__name__}: {exc}",
+                                    finish_cause="error")
+            return self._fallback(grounded, model_name, completion, messages, left_out)
         try:
             completion = self.backend.chat(messages)
         except Exception as exc:  # noqa: BLE001 - any backend failure falls back to the grounded analysis
             completion = Completion(text="", model=model_name, error=f"{type(exc).__name__}: {exc}")
         text = strip_reasoning(completion.text or "") if completion.error is None else ""
         if completion.error is not None or not text:
-            why = completion.error or "the model returned an empty answer"
-            note = (f"> The language-model critic ({model_name}) failed: {why}. "
-                    f"This is the grounded analysis of the stored evidence instead.\n\n")
-            findings = list(grounded.findings) + [
-                Finding(attempt_id=None, category="llm_failed", cause=f"the llm critic failed ({why}); "
-                                                                      f"grounded analysis used")]
-            return AnalysisOut(critic="grounded", markdown=note + grounded.markdown, findings=findings,
-                               completion=completion, template=TEMPLATE, messages=messages)
+            return self._fallback(grounded, model_name, completion, messages, left_out)
         evidence = evidence_figures(attempts, device)
         unverified = check_text(text, evidence)
         markdown = text.rstrip() + "\n"
@@ -152,4 +186,16 @@ class LLMCritic:
                                         cause=f"the analysis quotes {q} which matches no stored figure",
                                         evidence=[q.context], numbers={"quoted": q.value, "unit": q.unit}))
         return AnalysisOut(critic=self.name, markdown=markdown, findings=findings, completion=completion,
-                           template=TEMPLATE, messages=messages)
+                           template=TEMPLATE, messages=messages, left_out=left_out)
+
+    @staticmethod
+    def _fallback(grounded: AnalysisOut, model_name: str, completion: Completion, messages: list[dict[str, str]],
+                  left_out: list[str]) -> AnalysisOut:
+        why = completion.error or "the model returned an empty answer"
+        note = (f"> The language-model critic ({model_name}) failed: {why}. "
+                f"This is the grounded analysis of the stored evidence instead.\n\n")
+        findings = list(grounded.findings) + [
+            Finding(attempt_id=None, category="llm_failed", cause=f"the llm critic failed ({why}); "
+                                                                  f"grounded analysis used")]
+        return AnalysisOut(critic="grounded", markdown=note + grounded.markdown, findings=findings,
+                           completion=completion, template=TEMPLATE, messages=messages, left_out=left_out)
