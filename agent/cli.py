@@ -83,8 +83,25 @@ def optimize_command(
     timed_runs: int = typer.Option(20, "--timed-runs", min=1),
     no_compile: bool = typer.Option(False, "--no-compile", help="do not time the reference under torch.compile"),
     temperature: Optional[float] = typer.Option(None, "--temperature"),
-    max_tokens: Optional[int] = typer.Option(None, "--max-tokens"),
-    concurrency: Optional[int] = typer.Option(None, "--concurrency", help="model calls in flight at once"),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens",
+                                             help="the answer's token limit, lowered per call to what the window "
+                                                  "leaves (0: not sent) [default: 8192]"),
+    concurrency: Optional[int] = typer.Option(None, "--concurrency",
+                                              help="model calls in flight at once (never more than the server's "
+                                                   "slots where it says) [default: 4]"),
+    context_tokens: Optional[int] = typer.Option(None, "--context-tokens",
+                                                 help="the model's context window in tokens [default: asked of the "
+                                                      "server, else learned from its first overflow refusal]"),
+    reasoning_effort: Optional[str] = typer.Option(None, "--reasoning-effort",
+                                                   help="passed through to the model (e.g. low, medium, high)"),
+    first_token_timeout: Optional[float] = typer.Option(None, "--first-token-timeout",
+                                                        help="seconds to the first streamed chunk [default: 600]"),
+    stall_timeout: Optional[float] = typer.Option(None, "--stall-timeout",
+                                                  help="longest silence between chunks, in seconds; past it the partial "
+                                                       "answer is kept, cut off [default: 120]"),
+    call_budget: Optional[float] = typer.Option(None, "--call-budget",
+                                                help="one model call's total seconds; past it the partial answer is "
+                                                     "kept, cut off (0: none) [default: 1800]"),
     set_: Optional[list[str]] = SetOption,
     precision: Optional[str] = PrecisionOption,
     math: Optional[str] = MathOption,
@@ -128,7 +145,10 @@ def optimize_command(
             fail(str(exc))
         specs = _load_specs(tasks or ["seeds"], overrides)
         options = {k: v for k, v in {"temperature": temperature, "max_tokens": max_tokens,
-                                     "concurrency": concurrency}.items() if v is not None}
+                                     "concurrency": concurrency, "context_tokens": context_tokens,
+                                     "reasoning_effort": reasoning_effort,
+                                     "first_token_timeout_s": first_token_timeout, "stall_timeout_s": stall_timeout,
+                                     "call_budget_s": call_budget}.items() if v is not None}
         cfg = LoopConfig(model=model, device=dev, rounds=rounds, samples=samples, critic=critic,
                          target_speedup=target_speedup, patience=patience,
                          eval=EvalConfig(trials=trials, timed_runs=timed_runs, time_compile=not no_compile,

@@ -1,8 +1,10 @@
 """``kernelloop logs``: the stored model calls (prompts, responses, tokens, latency, cost).
 
 ``kernelloop logs`` (or ``logs list``) lists recent calls, newest first, with filters;
-``kernelloop logs show ID`` prints one call's messages and response. ``--json`` prints
-the same as JSON, for scripts.
+``kernelloop logs show ID`` prints one call's figures (tokens, the limit that ended the
+answer, the window and what the prompt left out to fit it), its messages, the model's
+reasoning and its response. ``--json`` prints the same as JSON, for scripts. ``--db`` given
+to ``logs`` holds for ``list`` and ``show``.
 """
 from __future__ import annotations
 
@@ -55,7 +57,9 @@ def _summary(call, task_name: Optional[str]) -> dict[str, Any]:
             "round": call.round, "purpose": call.purpose, "model": call.model, "template": call.template,
             "prompt_sha256": call.prompt_sha256, "prompt_tokens": call.prompt_tokens,
             "completion_tokens": call.completion_tokens, "latency_s": call.latency_s, "cost_usd": call.cost_usd,
-            "finish_reason": call.finish_reason, "error": call.error,
+            "finish_reason": call.finish_reason, "finish_cause": call.finish_cause,
+            "reasoning_tokens": call.reasoning_tokens, "prompt_truncated": call.prompt_truncated,
+            "error": call.error,
             "created_at": call.created_at.isoformat() if call.created_at else None}
 
 
@@ -119,7 +123,7 @@ def list_command(db: Optional[str] = DbOption, run: Optional[int] = RunOpt, task
 @app.command("show")
 def show_command(call_id: int = typer.Argument(..., metavar="ID", help="model call id (from logs list)"),
                  db: Optional[str] = DbOption, as_json: bool = JsonOpt) -> None:
-    """One model call: its figures, every message sent, and the response text."""
+    """One model call: its figures, every message sent, the reasoning and the response text."""
     from store.models import ModelCall, Task
 
     store = open_store(db)
@@ -132,6 +136,8 @@ def show_command(call_id: int = typer.Argument(..., metavar="ID", help="model ca
             data = _summary(call, task_name)
             data["messages"] = call.messages
             data["response_text"] = call.response_text
+            data["reasoning"] = call.reasoning
+            data["context"] = call.context
     finally:
         store.close()
     if as_json:
@@ -143,7 +149,19 @@ def show_command(call_id: int = typer.Argument(..., metavar="ID", help="model ca
             f"tokens in {_num(data['prompt_tokens'], 'd')}, out {_num(data['completion_tokens'], 'd')}; "
             f"latency {_num(data['latency_s'], '.2f')} s; cost "
             f"{('$' + _num(data['cost_usd'], '.4f')) if data['cost_usd'] is not None else '-'}; "
-            f"finish_reason {data['finish_reason'] or '-'}"]
+            f"finish_reason {data['finish_reason'] or '-'}"
+            + (f" (ended by {data['finish_cause']})" if data["finish_cause"] else "")
+            + (f"; reasoning tokens {data['reasoning_tokens']}" if data["reasoning_tokens"] is not None else "")]
+    c = data["context"] or {}
+    if c.get("window"):
+        head.append(f"window {c['window']} tokens ({c.get('window_source')}); prompt counted {c.get('prompt_count')} "
+                    f"({c.get('counted_by')}); max_tokens sent {c.get('max_tokens_sent')}")
+    if c.get("left_out"):
+        head.append("left out to fit the window: " + "; ".join(c["left_out"]))
+    if c.get("ended"):
+        head.append(f"cut off: {c['ended']}")
+    if data["prompt_truncated"]:
+        head.append("prompt truncated: the server counted far fewer prompt tokens than were sent")
     if data["error"]:
         head.append(f"error: {data['error']}")
     typer.echo("\n".join(head))
@@ -151,5 +169,7 @@ def show_command(call_id: int = typer.Argument(..., metavar="ID", help="model ca
         role = m.get("role", "?") if isinstance(m, dict) else "?"
         content = m.get("content", "") if isinstance(m, dict) else str(m)
         typer.echo(f"\n===== message {i}: {role} =====\n{content}")
+    if data["reasoning"]:
+        typer.echo(f"\n===== reasoning (not fed back into prompts) =====\n{data['reasoning']}")
     typer.echo("\n===== response =====")
     typer.echo(data["response_text"] if data["response_text"] is not None else "(no response)")

@@ -5,7 +5,8 @@ JSONL records, one JSON object a line, attempts first (by task, round, sample), 
 
 * ``{"type": "attempt", "run_id", "attempt_id", "task": {"name", "id", "sha256", "source"},
   "round", "sample", "parse_status", "parse_error", "messages" (the prompt), "completion"
-  (the model's text), "model_call" (id, model, template, finish_reason, tokens, cost, latency),
+  (the model's text), "model_call" (id, model, template, finish_reason, tokens, cost, latency,
+  finish_cause, reasoning, reasoning_tokens, prompt_truncated, context),
   "candidate_source", "parent_ids", "evaluation_id", "evaluation" (the latest ``EvalResult``
   as JSON, or null), "correct" (``EvalResult.clean``), "flagged", "runtime_ms", "speedup_eager",
   "speedup_compile"}``; non-finite numbers (NaN, inf) are written as null
@@ -65,7 +66,11 @@ def jsonl_records(session, run_id: int, data: Optional[RunData] = None) -> Itera
                 "model_call": ({"id": call.id, "model": call.model, "template": call.template,
                                 "finish_reason": call.finish_reason, "prompt_tokens": call.prompt_tokens,
                                 "completion_tokens": call.completion_tokens, "cost_usd": call.cost_usd,
-                                "latency_s": call.latency_s, "error": call.error} if call is not None else None),
+                                "latency_s": call.latency_s, "error": call.error,
+                                "finish_cause": call.finish_cause, "reasoning": call.reasoning,
+                                "reasoning_tokens": call.reasoning_tokens,
+                                "prompt_truncated": call.prompt_truncated,
+                                "context": call.context} if call is not None else None),
                 "candidate_source": rec.source, "parent_ids": rec.parent_ids,
                 "evaluation_id": ev.id if ev is not None else None,
                 "evaluation": ev.result if ev is not None else None,

@@ -38,6 +38,12 @@ app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Measure and show the device's bandwidth and FLOP ceilings.")
 
 
+@app.callback()
+def _group(db: Optional[str] = DbOption) -> None:
+    """``--db`` here holds for every device subcommand."""
+
+
+
 @dataclass
 class Probe:
     device: str                         # cuda | cpu

@@ -18,6 +18,12 @@ from sandbox.tasks import (CPU_PRESET_NAME, TaskError, TaskSpec, discover, load_
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="List, show and check task files.")
 
+
+@app.callback()
+def _group(db: Optional[str] = DbOption) -> None:
+    """``--db`` here holds for every tasks subcommand."""
+
+
 PathsArgument = typer.Argument(None, help="task files, directories or bundled names [default: every bundled task]")
 
 # Tensor methods that only reshape or move data; left out of the ops summary.

@@ -12,7 +12,21 @@ import sys
 console = Console(width=None if sys.stdout.isatty() else 200)
 err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 
-DbOption = typer.Option(None, "--db", envvar="KERNELLOOP_DB",
+def _inherit_db(ctx: typer.Context, value: Optional[str]) -> Optional[str]:
+    """``--db`` given to a command group (``kernelloop logs --db X show N``) holds for its
+    subcommands unless they are given their own (``KERNELLOOP_DB`` counts as given)."""
+    if value is not None:
+        return value
+    parent = ctx.parent
+    while parent is not None:
+        inherited = (parent.params or {}).get("db")
+        if inherited is not None:
+            return inherited
+        parent = parent.parent
+    return None
+
+
+DbOption = typer.Option(None, "--db", envvar="KERNELLOOP_DB", callback=_inherit_db,
                         help="SQLite file or SQLAlchemy URL of the store [default: ./kernelloop.db]")
 DeviceOption = typer.Option(None, "--device", "-d",
                             help="cuda or cpu [default: cuda if a GPU is visible, else cpu]")
