@@ -85,23 +85,23 @@ def optimize_command(
     temperature: Optional[float] = typer.Option(None, "--temperature"),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens",
                                              help="the answer's token limit, lowered per call to what the window "
-                                                  "leaves (0: not sent) [default: 8192]"),
+                                                  "leaves (0: not sent; default 8192)"),
     concurrency: Optional[int] = typer.Option(None, "--concurrency",
                                               help="model calls in flight at once (never more than the server's "
-                                                   "slots where it says) [default: 4]"),
+                                                   "slots where it says); default 4"),
     context_tokens: Optional[int] = typer.Option(None, "--context-tokens",
-                                                 help="the model's context window in tokens [default: asked of the "
-                                                      "server, else learned from its first overflow refusal]"),
+                                                 help="the model's context window in tokens (default: asked of the "
+                                                      "server, else learned from its first overflow refusal)"),
     reasoning_effort: Optional[str] = typer.Option(None, "--reasoning-effort",
                                                    help="passed through to the model (e.g. low, medium, high)"),
     first_token_timeout: Optional[float] = typer.Option(None, "--first-token-timeout",
-                                                        help="seconds to the first streamed chunk [default: 600]"),
+                                                        help="seconds to the first streamed chunk (default 600)"),
     stall_timeout: Optional[float] = typer.Option(None, "--stall-timeout",
                                                   help="longest silence between chunks, in seconds; past it the partial "
-                                                       "answer is kept, cut off [default: 120]"),
+                                                       "answer is kept, cut off (default 120)"),
     call_budget: Optional[float] = typer.Option(None, "--call-budget",
                                                 help="one model call's total seconds; past it the partial answer is "
-                                                     "kept, cut off (0: none) [default: 1800]"),
+                                                     "kept, cut off (0: none; default 1800)"),
     set_: Optional[list[str]] = SetOption,
     precision: Optional[str] = PrecisionOption,
     math: Optional[str] = MathOption,
