@@ -8,13 +8,35 @@ from typing import Any, Optional
 import pytest
 
 from agent.critic.base import get_critic
-from agent.critic.grounded import (evidence_lines, fixed_arrays, pytorch_calls_in_forward,
-                                   unstable_exp_sums)
-from agent.critic.numbers import (check_text, evidence_figures, extract_quantities, fmt_ms, fmt_pct, fmt_x,
-                                  sig)
+from agent.critic.grounded import (
+    evidence_lines,
+    fixed_arrays,
+    pytorch_calls_in_forward,
+    unstable_exp_sums,
+)
+from agent.critic.numbers import (
+    check_text,
+    evidence_figures,
+    extract_quantities,
+    fmt_ms,
+    fmt_pct,
+    fmt_x,
+    sig,
+)
+from agent.critic.uncertainty import contradictions
 from agent.types import AnalysisOut, AttemptView, Completion, DeviceFacts
-from sandbox.result import (BuildInfo, EvalResult, Flag, FlagKind, KernelStat, OutputCheck, Status, Timing,
-                            Tolerance, Trial)
+from sandbox.result import (
+    BuildInfo,
+    EvalResult,
+    Flag,
+    FlagKind,
+    KernelStat,
+    OutputCheck,
+    Status,
+    Timing,
+    Tolerance,
+    Trial,
+)
 from sandbox.tasks import TaskSpec
 
 GPU = DeviceFacts(device="cuda", name="NVIDIA H100 80GB HBM3", torch_version="2.5.1", compute_capability="9.0",
@@ -555,7 +577,8 @@ def test_correct_partial_fusion_is_called_correct_and_explained_from_profiles():
     # next attempt: keep the fused kernel, fuse the elementwise kernel left, not the library GEMM
     first = next_steps(an)[0]
     assert first.startswith("Start from attempt 11") and "sigmoid_kernel" in first and "library GEMM" in first
-    assert "| 11 | 1 | correct | 2.94 ms | 1.15x | 1.05x |" in an.markdown
+    # the table shows each speedup with its interval (from the quartiles: no per-run times here)
+    assert "| 11 | 1 | correct | 2.94 ms | 1.15x [1.13x-1.18x] | 1.05x [1.03x-1.08x] |" in an.markdown
 
 
 def test_correct_slower_than_eager_says_so_with_its_evidence():
@@ -574,12 +597,39 @@ def test_correct_slower_than_eager_says_so_with_its_evidence():
 def test_a_difference_within_the_spread_is_no_speedup():
     r = correct_result(cand=3.3801, eager=3.3887)                 # 1.00x
     an = analyze([view(12, r, source=STABLE_LSE)])
-    assert "same_speed" in cats(an, 12) and "faster" not in cats(an, 12)
-    assert cause(an, "same_speed").startswith("No measurable difference from eager PyTorch (1.00x)")
-    r = correct_result(cand=3.0, eager=3.3887)
-    r.candidate_time = r.candidate_time.model_copy(update={"iqr_ms": 0.5})
+    assert "inconclusive" in cats(an, 12) and "faster" not in cats(an, 12)
+    assert cause(an, "inconclusive").startswith("Inconclusive against eager PyTorch: the point estimate is 1.00x")
+    assert "too close for these runs to tell apart" in cause(an, "inconclusive")
+    r = correct_result(cand=3.0, eager=3.3887)                    # 1.13x, but the candidate's IQR is 1 ms
+    r.candidate_time = r.candidate_time.model_copy(update={"iqr_ms": 1.0})
     an = analyze([view(12, r, source=STABLE_LSE)])
-    assert "same_speed" in cats(an, 12) and "within the runs' spread (IQR 0.500 ms" in an.markdown
+    c = cause(an, "inconclusive")
+    assert "faster" not in cats(an, 12) and "point estimate is 1.13x" in c
+    assert "the candidate's runs spread widely (IQR 1.00 ms around a median of 3.00 ms" in c
+
+
+def test_a_speed_label_never_contradicts_its_interval():
+    """The issue's miss: a noisy 0.21x and a noisy 2.23x were both called "no difference"."""
+    from sandbox.timing import summarize
+
+    def timed(samples):
+        return summarize(samples, "perf_counter").model_copy(update={"host_load": 2.5})
+
+    for eager, cand, label in (([5.24] * 10 + [40.0] * 10, [24.7] * 20, "inconclusive"),
+                               ([10.0 + 0.01 * i for i in range(20)], [4.4 + 0.01 * i for i in range(20)], "faster"),
+                               ([10.0 + 0.01 * i for i in range(20)], [20.0 + 0.01 * i for i in range(20)], "slower")):
+        r = correct_result()
+        r.eager_time, r.candidate_time = timed(eager), timed(cand)
+        r.speedup_eager = r.eager_time.median_ms / r.candidate_time.median_ms
+        r.compile_time = r.speedup_compile = None
+        an = analyze([view(14, r, source=STABLE_LSE)])
+        assert label in cats(an, 14)
+        f = next(f for f in an.findings if f.category == label)
+        assert (f.numbers["interval_low"] > 1.0) == (label == "faster")
+        assert (f.numbers["interval_high"] < 1.0) == (label == "slower")
+        assert contradictions(an.markdown) == []
+        if label == "inconclusive":
+            assert "host was busy while timing (load 2.50 per CPU)" in f.cause
 
 
 def test_latent_overflow_in_a_correct_attempt():

@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Optional
 
 from agent.critic.diagnosis import code_span, fmt_err, int_or_sig
-from agent.critic.numbers import fmt_ms, fmt_num, fmt_pct, fmt_s, fmt_x, is_annotation
+from agent.critic.numbers import fmt_ms, fmt_num, fmt_pct, fmt_s, fmt_x, is_annotation, sig
+from agent.critic.patterns import classify
 from agent.critic.profile import short_kernel_name
 from agent.critic.source import source_line
+from agent.critic.uncertainty import speed_claim
 from agent.types import AttemptView
 from sandbox.result import Status
 
@@ -60,23 +62,34 @@ def evidence_lines(a: AttemptView, max_kernels: int = 8) -> list[str]:
                     parts.append(f"max rel error {fmt_err(o.max_rel_err)}")
                 if o.nan_count or o.inf_count:
                     parts.append(f"{o.nan_count} NaN and {o.inf_count} Inf where the reference is finite")
-                if o.mismatch_pattern:
-                    parts.append(f"pattern: {o.mismatch_pattern}")
-                if o.bad_rows:
-                    parts.append("first bad rows: " + ", ".join(str(x) for x in o.bad_rows[:8]))
+                patterns = classify(o.locations, o.numel)
+                if patterns:
+                    parts.append("error pattern: " + "; ".join(f"[{p.kind}] {p.sentence}" for p in patterns))
+                else:
+                    if o.mismatch_pattern:
+                        parts.append(f"pattern: {o.mismatch_pattern}")
+                    if o.bad_rows:
+                        parts.append("first bad rows: " + ", ".join(str(x) for x in o.bad_rows[:8]))
                 lines.append("; ".join(parts))
     if r.candidate_time:
         ct = r.candidate_time
         lines.append(f"runtime: median {fmt_ms(ct.median_ms)} (IQR {fmt_ms(ct.iqr_ms)}, {ct.runs} runs, "
-                     f"clock {ct.clock})")
+                     f"clock {ct.clock}" + (f", host load {sig(ct.host_load, 3)} per CPU" if ct.host_load else "")
+                     + ")")
     if r.eager_time:
-        text = f"eager PyTorch: median {fmt_ms(r.eager_time.median_ms)}"
-        if r.speedup_eager is not None:
+        text = f"eager PyTorch: median {fmt_ms(r.eager_time.median_ms)} (IQR {fmt_ms(r.eager_time.iqr_ms)})"
+        claim = speed_claim(r, "eager") if r.candidate_time else None
+        if claim is not None:
+            text += f"; speed vs eager: {claim.label}: {claim.sentence}"
+        elif r.speedup_eager is not None:
             text += f"; speedup vs eager {fmt_x(r.speedup_eager)}"
         lines.append(text)
     if r.compile_time:
         text = f"torch.compile: median {fmt_ms(r.compile_time.median_ms)}"
-        if r.speedup_compile is not None:
+        claim = speed_claim(r, "compile") if r.candidate_time else None
+        if claim is not None:
+            text += f"; speed vs torch.compile: {claim.label}: {claim.sentence}"
+        elif r.speedup_compile is not None:
             text += f"; speedup vs torch.compile {fmt_x(r.speedup_compile)}"
         lines.append(text)
     if r.floor_ms is not None:

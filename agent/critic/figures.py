@@ -10,6 +10,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from agent.critic.patterns import classify, pattern_numbers
+from sandbox.intervals import relative_spread, speedup_interval
+
 
 @dataclass
 class Figure:
@@ -94,6 +97,20 @@ def result_evidence(result: Any, label: str) -> Evidence:
     _timing(ev, result.candidate_time, f"{w}: candidate_time")
     _timing(ev, result.eager_time, f"{w}: eager_time")
     _timing(ev, result.compile_time, f"{w}: compile_time")
+    for t_name in ("candidate_time", "eager_time", "compile_time"):
+        t = getattr(result, t_name)
+        rel = relative_spread(t)
+        if rel is not None:
+            ev.add(rel * 100.0, "percent", f"{w}: {t_name}.iqr_ms / median_ms")
+        if t is not None:
+            ev.add(getattr(t, "host_load", None), "plain", f"{w}: {t_name}.host_load")
+    for base_name in ("eager_time", "compile_time"):
+        iv = speedup_interval(getattr(result, base_name), result.candidate_time)
+        if iv is not None:
+            ev.add(iv.low, "ratio", f"{w}: {base_name} speedup interval low ({iv.method})")
+            ev.add(iv.high, "ratio", f"{w}: {base_name} speedup interval high ({iv.method})")
+            ev.add(iv.level * 100.0, "percent", f"{w}: interval level")
+            ev.add(1.0, "ratio", "the ratio 1x an interval is compared with")
     ev.add(result.speedup_eager, "ratio", f"{w}: speedup_eager")
     ev.add(result.speedup_compile, "ratio", f"{w}: speedup_compile")
     if result.eager_time and result.compile_time and result.compile_time.median_ms:
@@ -124,6 +141,8 @@ def result_evidence(result: Any, label: str) -> Evidence:
             ev.add(o.tolerance.rtol, "plain", f"{where}.tolerance.rtol")
             for d in list(o.shape) + list(o.ref_shape) + list(o.bad_rows or []):
                 ev.add(d, "plain", f"{where}.shape")
+            for v in pattern_numbers(classify(getattr(o, "locations", None), o.numel)):
+                ev.add(v, "plain", f"{where}.locations")
     failed = [t for t in result.trials if not t.passed]
     if result.trials:
         ev.add(len(result.trials), "plain", f"{w}: number of trials")

@@ -53,6 +53,7 @@ from agent.critic.source import (  # noqa: F401
     unstable_exp_sums,
 )
 from agent.critic.speed import explain_correct
+from agent.critic.uncertainty import speed_cell
 from agent.types import AnalysisOut, AttemptView, DeviceFacts, Finding
 from sandbox.result import EvalResult, Status
 from sandbox.tasks import TaskSpec, with_device_sizes
@@ -113,8 +114,8 @@ def _table(diags: list[Diagnosis]) -> list[str]:
     for d in diags:
         r = d.attempt.result
         rt = fmt_ms(r.candidate_time.median_ms) if r is not None and r.correct and r.candidate_time else "—"
-        se = fmt_x(r.speedup_eager) if r is not None and r.correct and r.speedup_eager is not None else "—"
-        sc = fmt_x(r.speedup_compile) if r is not None and r.correct and r.speedup_compile is not None else "—"
+        se = speed_cell(r, "eager") if r is not None and r.correct and r.speedup_eager is not None else "—"
+        sc = speed_cell(r, "compile") if r is not None and r.correct and r.speedup_compile is not None else "—"
         cause = d.short.replace("|", "\\|")
         rows.append(f"| {d.attempt.attempt_id} | {d.attempt.round} | {d.verdict} | {rt} | {se} | {sc} | {cause} |")
     return rows
@@ -212,9 +213,9 @@ class GroundedCritic:
             r = best.result
             line = f"Best: attempt {best.attempt_id}, {fmt_ms(r.candidate_time.median_ms)}"
             if r.speedup_eager is not None:
-                line += f", {fmt_x(r.speedup_eager)} vs eager"
+                line += f", {speed_cell(r, 'eager')} vs eager"
             if r.speedup_compile is not None:
-                line += f", {fmt_x(r.speedup_compile)} vs torch.compile"
+                line += f", {speed_cell(r, 'compile')} vs torch.compile"
             lines.append(line + ".")
         elif not any(d.attempt.correct for d in diags):
             lines.append("No attempt is correct yet.")

@@ -17,7 +17,8 @@ from agent.critic.source import (
     native_blocks,
     unstable_exp_sums,
 )
-from agent.types import AttemptView
+from agent.critic.patterns import classify
+from agent.types import AttemptView, Finding
 from sandbox.result import EvalResult
 
 
@@ -110,8 +111,13 @@ def explain_incorrect(a: AttemptView, r: EvalResult, d: Diagnosis, ctx: TaskCont
                 errs.append(f"max abs error {fmt_err(o.max_abs_err)}")
             if o.max_rel_err is not None:
                 errs.append(f"max rel error {fmt_err(o.max_rel_err)}")
+            patterns = classify(o.locations, o.numel)
+            if patterns:
+                where_words = None
             cause = (f"Wrong values{(' ' + where_words) if where_words else ''}: in {oname} {amount}"
                      + (f"; {', '.join(errs)}" if errs else "") + ".")
+            if patterns:
+                cause += " Error pattern: " + "; ".join(p.sentence for p in patterns) + "."
             meaning = {
                 "everywhere": " Errors everywhere point at the computation itself (the formula, the statistics "
                               "or the indexing), not at boundary handling.",
@@ -122,6 +128,9 @@ def explain_incorrect(a: AttemptView, r: EvalResult, d: Diagnosis, ctx: TaskCont
                 "scattered": " Scattered errors point at a race (missing synchronisation), uninitialised memory "
                              "or reduced precision.",
             }.get(pattern or "", "")
+            if patterns:
+                lead = next((p for p in patterns if p.kind != "nonfinite"), patterns[0])
+                meaning = f" Such a pattern usually means {lead.meaning}."
             if any(f.category == "overflow" for f in d.findings):
                 meaning = " The non-finite values above account for these."
             small = (o.max_abs_err is not None and o.max_abs_err <= 10 * o.tolerance.atol and
@@ -140,8 +149,16 @@ def explain_incorrect(a: AttemptView, r: EvalResult, d: Diagnosis, ctx: TaskCont
             d.add("mismatch", cause + meaning,
                   evidence + [evidence_ref(a, f"{where}.mismatched", o.mismatched), evidence_ref(a, f"{where}.max_abs_err", o.max_abs_err),
                               evidence_ref(a, f"{where}.mismatch_pattern", pattern)], numbers)
+            for p in patterns:
+                d.findings.append(Finding(attempt_id=a.attempt_id, category=f"pattern_{p.kind}", cause=p.sentence,
+                                          evidence=[evidence_ref(a, f"{where}.locations", p.kind)],
+                                          numbers=dict(p.numbers)))
             categories.append("mismatch")
-            shorts.append(f"wrong values ({pattern.replace('_', ' ')})" if pattern else "wrong values")
+            if patterns:
+                shorts.append("wrong values (" + ", ".join(dict.fromkeys(p.kind.replace("_", " ") for p in patterns))
+                              + ")")
+            else:
+                shorts.append(f"wrong values ({pattern.replace('_', ' ')})" if pattern else "wrong values")
     d.bullets.insert(0, f"Incorrect: {head}.")
     if "mismatch" in categories or "nan_inf" in categories:
         explained = fixed_array_note(a, d, ctx, failing=True)

@@ -1,4 +1,5 @@
-"""Why a correct attempt is faster or slower: its speed against eager and what the profiles show."""
+"""Why a correct attempt is faster or slower: its speed against eager (within its interval,
+``agent.critic.uncertainty``) and what the profiles show."""
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -16,22 +17,15 @@ from agent.critic.numbers import (
 )
 from agent.critic.profile import boundness, kernel_list, short_kernel_name, significant
 from agent.critic.source import pytorch_calls_in_forward
+from agent.critic.uncertainty import speed_claim
 from agent.types import AttemptView
 from sandbox.result import EvalResult, FlagKind
 
 
 def speed_vs_eager(r: EvalResult) -> Optional[str]:
-    """faster | slower | same_speed (the medians differ by less than the runs' spread, or by
-    less than the printed precision of the speedup); None without a speedup."""
-    if r.speedup_eager is None:
-        return None
-    if fmt_x(r.speedup_eager) == fmt_x(1.0):
-        return "same_speed"
-    if r.candidate_time and r.eager_time:
-        spread = max(r.candidate_time.iqr_ms, r.eager_time.iqr_ms)
-        if abs(r.candidate_time.median_ms - r.eager_time.median_ms) <= spread:
-            return "same_speed"
-    return "faster" if r.speedup_eager > 1.0 else "slower"
+    """faster | slower | inconclusive, as the speedup's interval says; None without a speedup."""
+    claim = speed_claim(r, "eager")
+    return claim.label if claim is not None else None
 
 
 def explain_correct(a: AttemptView, r: EvalResult, d: Diagnosis, ctx: TaskContext) -> None:
@@ -104,14 +98,6 @@ def explain_correct(a: AttemptView, r: EvalResult, d: Diagnosis, ctx: TaskContex
     if not profiled and static_calls:
         details.append("from the source: its forward still calls " +
                        ", ".join(f"`{c}`" for c in static_calls[:5]) + " from PyTorch")
-    if r.candidate_time and r.eager_time:
-        spread = max(r.candidate_time.iqr_ms, r.eager_time.iqr_ms)
-        if abs(r.candidate_time.median_ms - r.eager_time.median_ms) <= spread:
-            details.append(f"the difference from eager is within the runs' spread (IQR {fmt_ms(r.candidate_time.iqr_ms)} "
-                           f"for the candidate, {fmt_ms(r.eager_time.iqr_ms)} for eager): the two are not "
-                           f"distinguishable in these measurements")
-            why_numbers["iqr_ms"] = r.candidate_time.iqr_ms
-            why_numbers["eager_iqr_ms"] = r.eager_time.iqr_ms
     if r.floor_fraction is not None and r.floor_ms is not None:
         details.append(f"the roofline floor ({fmt_ms(r.floor_ms)}) is {fmt_pct(r.floor_fraction)} of its runtime")
         why_numbers["floor_fraction"] = r.floor_fraction
@@ -132,14 +118,13 @@ def explain_correct(a: AttemptView, r: EvalResult, d: Diagnosis, ctx: TaskContex
     # a "fusion" that is PyTorch's own work (no kernel of its own ran, or a fallback path) is none
     flagged = {f.kind for f in r.flags} & {FlagKind.no_custom_kernel, FlagKind.fallback}
     partial = bool(own and kept) or (not profiled and bool(static_calls) and bool(r.custom_calls_per_forward))
-    speed = speed_vs_eager(r)
-    if speed is not None:
+    claim = speed_claim(r, "eager")
+    speed = claim.label if claim is not None else None
+    if claim is not None:
         cat = speed
-        lead = {"faster": f"Faster than eager PyTorch ({fmt_x(r.speedup_eager)})",
-                "slower": f"Slower than eager PyTorch ({fmt_x(r.speedup_eager)})",
-                "same_speed": f"No measurable difference from eager PyTorch ({fmt_x(r.speedup_eager)})"}[speed]
+        lead = claim.sentence
         if summary:
-            cause = lead + ": " + "; ".join(summary) + "."
+            cause = lead + ". Where the time goes: " + "; ".join(summary) + "."
         elif details:
             cause = lead + "."
         else:
@@ -147,7 +132,10 @@ def explain_correct(a: AttemptView, r: EvalResult, d: Diagnosis, ctx: TaskContex
         bullet = cause if not details else lead + ". From the evidence:" + "".join(
             f"\n  - {x}" for x in details)
         d.add(cat, cause, [evidence_ref(a, "speedup_eager", r.speedup_eager)],
-              {"speedup_eager": r.speedup_eager, **why_numbers}, bullet=bullet)
+              {"speedup_eager": r.speedup_eager, "interval_low": claim.interval.low,
+               "interval_high": claim.interval.high, "interval_method": claim.interval.method,
+               **{k: v for k, v in claim.numbers.items() if k not in ("speedup", "low", "high")}, **why_numbers},
+              bullet=bullet)
     elif details:
         d.add("profile", "From the evidence: " + "; ".join(details) + ".", [], why_numbers)
 
@@ -165,7 +153,7 @@ def explain_correct(a: AttemptView, r: EvalResult, d: Diagnosis, ctx: TaskContex
         short += ", partial fusion"
     if speed is not None:
         short += {"faster": ", faster than eager", "slower": ", slower than eager",
-                  "same_speed": ", as fast as eager (within noise)"}[speed]
+                  "inconclusive": ", speed vs eager inconclusive"}[speed]
     if any(f.category == "latent_overflow" for f in d.findings):
         short += ", latent overflow risk"
     d.short = short
