@@ -31,11 +31,14 @@ def _runs(counts: list[int]) -> tuple[list[list[int]], bool]:
 
 
 def _period(counts: torch.Tensor) -> Optional[int]:
-    n = counts.numel()
-    if n < 4 or bool((counts == counts[0]).all()):
+    """The smallest period of which indices hold wrong elements (a value that happens to be right
+    does not break a pattern: the support repeats, not the exact counts)."""
+    hot = counts > 0
+    n = hot.numel()
+    if n < 4 or bool((hot == hot[0]).all()):
         return None
     for k in range(2, min(MAX_PERIOD, n // 2) + 1):
-        if n % k == 0 and bool((counts.view(n // k, k) == counts[:k]).all()):
+        if n % k == 0 and bool((hot.view(n // k, k) == hot[:k]).all()):
             return k
     return None
 

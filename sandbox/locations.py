@@ -23,7 +23,7 @@ class AxisMap(BaseModel):
     slice_numel: int                       # elements per index along this axis
     runs: list[list[int]] = []             # [start, end, wrong elements per index], equal neighbours merged
     truncated: bool = False                # more than MAX_RUNS runs: ``runs`` covers a prefix of the axis
-    period: Optional[int] = None           # smallest k (size % k == 0) with counts[i] == counts[i % k], not constant
+    period: Optional[int] = None           # smallest k (size % k == 0): index i holds wrong elements iff i % k does
     period_counts: list[int] = []          # counts over one period
 
 

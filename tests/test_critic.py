@@ -867,17 +867,20 @@ def test_formatters_round_to_what_they_print():
 # ----------------------------------------------------------------------------- the llm critic
 
 class FakeBackend:
+    """Answers ``text`` (or, call by call, the entries of ``texts``)."""
     name = "openai:fake"
 
-    def __init__(self, text: str = "", error: Optional[str] = None, raise_exc: bool = False):
-        self.text, self.error, self.raise_exc = text, error, raise_exc
+    def __init__(self, text: str = "", error: Optional[str] = None, raise_exc: bool = False,
+                 texts: Optional[list[str]] = None):
+        self.text, self.error, self.raise_exc, self.texts = text, error, raise_exc, list(texts or [])
         self.seen: list[list[dict[str, str]]] = []
 
     def chat(self, messages: list[dict[str, str]], purpose: str = "critique") -> Completion:
         self.seen.append(messages)
         if self.raise_exc:
             raise ConnectionError("endpoint unreachable")
-        return Completion(text=self.text if self.error is None else "", model=self.name, finish_reason="stop",
+        text = self.texts.pop(0) if self.texts else self.text
+        return Completion(text=text if self.error is None else "", model=self.name, finish_reason="stop",
                           prompt_tokens=1000, completion_tokens=200, error=self.error)
 
 
@@ -895,7 +898,7 @@ def test_llm_critic_prompt_and_number_check():
     attempts = mixed_attempts()
     an = critic.analyze(LSE_TASK, attempts, GPU)
     assert an.critic == "llm" and an.template == "critic_task" and an.completion.text == LLM_TEXT
-    system, user = an.messages
+    system, user = an.messages[:2]
     assert system["role"] == "system" and "30.8 ms is never \"30.8 seconds\"" in system["content"]
     u = user["content"]
     assert "class Model(nn.Module)" in u                      # the task
@@ -903,7 +906,11 @@ def test_llm_critic_prompt_and_number_check():
     assert "status: compile_error" in u and "at line 24 of the candidate" in u   # its evidence
     assert "runtime: median 2.50 ms" in u
     assert "[latent_overflow]" in u                           # grounded findings
-    assert backend.seen == [an.messages]
+    # the unverified numbers sent it back once; its second answer (the same here) is kept, flagged
+    assert len(backend.seen) == 2 and backend.seen[0] == an.messages[:2] and backend.seen[1] == an.messages
+    assert an.messages[2] == {"role": "assistant", "content": LLM_TEXT.split("</think>")[1].strip()}
+    assert "30.8 seconds" in an.messages[3]["content"] and "matches no stored figure" in an.messages[3]["content"]
+    assert an.completion.prompt_tokens == 2000 and "regenerated" in cats(an)
     md = an.markdown
     assert "<think>" not in md and "99 ms" not in md.split("## Numbers not found")[0]
     assert "## Numbers not found in the evidence" in md
@@ -915,6 +922,31 @@ def test_llm_critic_prompt_and_number_check():
     unverified = [f for f in an.findings if f.category == "unverified_number"]
     assert {f.numbers["unit"] for f in unverified} == {"GFLOP", "seconds", "ms"}
     assert "latent_overflow" in cats(an)                      # grounded findings carried over
+
+
+def test_llm_critic_regenerates_once_and_keeps_a_corrected_answer():
+    wrong = "Attempt 5 is correct at 2.50 ms, 1.36x vs eager; a fused kernel would take 1.2 ms."
+    right = "Attempt 5 is correct at 2.50 ms, 1.36x vs eager."
+    backend = FakeBackend(texts=[wrong, right])
+    an = get_critic("llm", backend=backend).analyze(LSE_TASK, mixed_attempts(), GPU)
+    assert len(backend.seen) == 2 and an.markdown.strip() == right
+    assert "unverified_number" not in cats(an) and "Numbers not found" not in an.markdown
+    regen = next(f for f in an.findings if f.category == "regenerated")
+    assert "1 statement(s)" in regen.cause and any("1.2 ms" in e for e in regen.evidence)
+
+
+def test_llm_critic_flags_a_speed_label_its_interval_contradicts():
+    an = get_critic("llm", backend=FakeBackend(
+        text="Attempt 5 is Slower than eager PyTorch: 1.36x (95% interval 1.13x-1.18x).")).analyze(
+        LSE_TASK, mixed_attempts(), GPU)
+    assert "contradicted_speed" in cats(an) and "## Speed labels contradicted by their intervals" in an.markdown
+
+
+def test_llm_prompt_carries_patterns_and_intervals():
+    backend = FakeBackend(text="ok")
+    get_critic("llm", backend=backend).analyze(LSE_TASK, mixed_attempts(), GPU)
+    u = backend.seen[0][1]["content"]
+    assert "Speed, with its 95% interval" in u and "[faster] Faster than eager PyTorch: 1.36x (95% interval" in u
 
 
 def test_llm_critic_clean_text_has_no_unverified_section():

@@ -141,8 +141,13 @@ def result_evidence(result: Any, label: str) -> Evidence:
             ev.add(o.tolerance.rtol, "plain", f"{where}.tolerance.rtol")
             for d in list(o.shape) + list(o.ref_shape) + list(o.bad_rows or []):
                 ev.add(d, "plain", f"{where}.shape")
-            for v in pattern_numbers(classify(getattr(o, "locations", None), o.numel)):
+            patterns = classify(getattr(o, "locations", None), o.numel)
+            for v in pattern_numbers(patterns):
                 ev.add(v, "plain", f"{where}.locations")
+            for p in patterns:
+                if p.kind == "scale":                      # "2.000 times the reference's value"
+                    ev.add(p.numbers["factor"], "ratio", f"{where}.locations.values.ratio_min")
+                    ev.add(p.numbers["factor_max"], "ratio", f"{where}.locations.values.ratio_max")
     failed = [t for t in result.trials if not t.passed]
     if result.trials:
         ev.add(len(result.trials), "plain", f"{w}: number of trials")

@@ -42,10 +42,9 @@ MEANING = {
     "transposed": "row and column indices are swapped (the kernel writes `out[j][i]` for `out[i][j]`)",
     "nonfinite": "NaN or Inf arise in the computation (overflow, division by zero, the square root or "
                  "logarithm of a negative number, or uninitialised memory)",
-    "everywhere": "errors everywhere point at the computation itself (the formula, the statistics or the "
-                  "indexing), not at boundary handling",
-    "scattered": "isolated wrong elements with no structure point at a race, uninitialised memory or "
-                 "reduced precision",
+    "everywhere": "the computation itself is wrong (the formula, the statistics or the indexing), not the "
+                  "handling of boundaries",
+    "scattered": "a race, uninitialised memory or reduced precision (isolated wrong elements with no structure)",
 }
 
 

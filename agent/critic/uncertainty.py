@@ -87,7 +87,9 @@ def speed_cell(r: Any, baseline: str = "eager") -> str:
     return f"{fmt_x(iv.point)} [{fmt_x(iv.low)}-{fmt_x(iv.high)}]"
 
 
-_CLAIM = re.compile(r"\b(?P<label>Faster than|Slower than|Inconclusive against|faster than|slower than)\b[^.\n]*?"
+# a label, then within the same sentence (no ". " between) the interval it quotes
+_CLAIM = re.compile(r"\b(?P<label>Faster than|Slower than|Inconclusive against|faster than|slower than)\b"
+                    r"(?:(?!\.\s)[^\n]){0,240}?"
                     r"interval (?P<low>\d+(?:\.\d+)?)x-(?P<high>\d+(?:\.\d+)?)x")
 
 
