@@ -142,3 +142,31 @@ def test_planted_numbers_are_stored_figures(planted: Planted):
 def test_planted_set_is_fast_enough(planted: Planted):
     print(f"planted set: evaluated, stored and analysed in {planted.seconds:.1f} s")
     assert planted.seconds < 300
+
+
+def test_planted_seed_documents_quote_only_stored_numbers(planted: Planted, tmp_path: Path):
+    """``kernelloop export RUN --seed-format DIR`` on the planted run: per task, the candidates
+    side by side and why; every number of each analysis (outside code) is a stored figure, and
+    no speed label contradicts its interval."""
+    import sqlalchemy as sa
+
+    from agent.critic.evidence import attempt_views
+    from agent.critic.numbers import check_every_number, evidence_figures
+    from agent.critic.uncertainty import contradictions
+    from evals.export import export_seed_format
+    from store.models import Task
+
+    with planted.store.reader() as s:
+        paths = export_seed_format(s, planted.run_id, tmp_path)
+        assert len(paths) == 3
+        for path in paths:
+            text = path.read_text()
+            analysis = text[text.index(" **Solution Analysis** of"):]
+            name = re.search(r"Solution Analysis\*\* of `([^`]+)`", analysis).group(1)
+            task = s.scalars(sa.select(Task).where(Task.name == name)).one()
+            views = attempt_views(s, planted.run_id, task.id)
+            assert text.count("Kernel: \n") == len(views)
+            assert check_every_number(analysis, evidence_figures(views), allowed=[-1.0]) == [], name
+            assert contradictions(analysis) == []
+            if name == "planted/timed":
+                assert "### Why some are faster" in analysis and "Against the fastest: attempt" in analysis

@@ -195,16 +195,22 @@ def evidence_figures(attempts: Iterable[Any], device: Any = None) -> Evidence:
         ev.extend(result_evidence(a.result, label))
         r = a.result
         if r.correct and r.candidate_time is not None:
-            times.append((label, r.candidate_time.median_ms))
+            times.append((label, r.candidate_time))
+            # the seeds' "Runtime: 1.6" (the median in ms, written without its unit)
+            ev.add(r.candidate_time.median_ms, "plain", f"{label}: candidate_time.median_ms (seed runtime)")
         derived = getattr(a, "derived_evidence", None)
         if derived:
             ev.extend(derived)
     # ratios of two correct attempts' runtimes ("attempt 4 is 1.35x faster than attempt 2")
+    # and their intervals ("..., 95% interval 1.20x-1.51x")
     for i, (la, ta) in enumerate(times):
         for lb, tb in times[i + 1:]:
-            if ta > 0 and tb > 0:
-                ev.add(ta / tb, "ratio", f"{la} / {lb} median_ms")
-                ev.add(tb / ta, "ratio", f"{lb} / {la} median_ms")
+            for (l1, t1), (l2, t2) in (((la, ta), (lb, tb)), ((lb, tb), (la, ta))):
+                iv = speedup_interval(t1, t2)
+                if iv is not None:
+                    ev.add(iv.point, "ratio", f"{l1} / {l2} median_ms")
+                    ev.add(iv.low, "ratio", f"{l1} / {l2} interval low")
+                    ev.add(iv.high, "ratio", f"{l1} / {l2} interval high")
     ev.add(len(attempts), "plain", "number of attempts")
     ev.add(sum(1 for a in attempts if a.correct), "plain", "number of correct attempts")
     ev.extend(device_evidence(device))

@@ -248,6 +248,19 @@ def check_text(markdown: str, evidence: Evidence, strict: bool = False,
     return bad
 
 
+def check_every_number(markdown: str, evidence: Evidence, allowed: Iterable[float] = ()) -> list[Quantity]:
+    """Every number outside code that no figure of the evidence explains: integers, unitless
+    figures and figures with units alike (``allowed``: conventions such as the seeds' -1.0)."""
+    allowed = [float(v) for v in allowed]
+    bad = []
+    for q in extract_quantities(markdown):
+        if any(abs(v - q.value) <= q.quantum * 1.0001 for v in allowed):
+            continue
+        if find_match(q, evidence) is None:
+            bad.append(q)
+    return bad
+
+
 def unverified_section(unverified: list[Quantity]) -> str:
     """The section appended to a language-model analysis whose numbers are not all stored."""
     lines = ["", "## Numbers not found in the evidence", "",

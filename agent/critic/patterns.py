@@ -120,21 +120,25 @@ def _axis_patterns(ax: AxisMap, ndim: int, wrong: int) -> list[Pattern]:
         exact_are = "is" if (s == 1 or (not s and n - e == 1)) else "are"
         last = "the last" if length == 1 else f"the last {length}"
         if e == n:
+            g = math.gcd(s, length)
             return [Pattern("tail", f"{_named(name, s, e)}, {last} of {n}{_block_note(s, length)}, {are} wrong "
                                     f"(holding all {held} wrong elements); {exact} {exact_are} exact",
-                            {**nums, "start": s, "end": e - 1, "length": length}, ax.axis)]
+                            {**nums, "start": s, "end": e - 1, "length": length, "exact_first": 0,
+                             "exact_last": s - 1, "block": g, "blocks": length // g if g else 0}, ax.axis)]
         if s == 0:
             first = "the first" if length == 1 else f"the first {length}"
             return [Pattern("head", f"{_named(name, s, e)}, {first} of {n}, {are} wrong (holding all "
                                     f"{held} wrong elements); {exact} {exact_are} exact",
-                            {**nums, "start": s, "end": e - 1, "length": length}, ax.axis)]
+                            {**nums, "start": s, "end": e - 1, "length": length, "exact_first": e,
+                             "exact_last": n - 1}, ax.axis)]
         group = ""
         if n % length == 0 and s % length == 0 and length > 1:
             group = f", group {s // length} of {n // length} groups of {length}"
         one = "one of" if length == 1 else f"{length} of"
         return [Pattern("group", f"only {_named(name, s, e)} ({one} {n}{group}) {'is' if length == 1 else 'are'} wrong "
                                  f"(holding all {held} wrong elements); the other {name} are exact",
-                        {**nums, "start": s, "end": e - 1, "length": length}, ax.axis)]
+                        {**nums, "start": s, "end": e - 1, "length": length, "group": s // length,
+                         "groups": n // length}, ax.axis)]
     spatial = SPATIAL_FROM.get(ndim, 0 if ndim <= 2 else ndim)
     if len(ranges) == 2 and ranges[0][0] == 0 and ranges[1][1] == n and ax.axis >= spatial and ndim >= 2:
         w0, w1 = ranges[0][1], n - ranges[1][0]
@@ -142,7 +146,8 @@ def _axis_patterns(ax: AxisMap, ndim: int, wrong: int) -> list[Pattern]:
             edge = (f"{name} 0 and {n - 1}" if w0 == 1 else f"{name} {_span(0, w0)} and {_span(n - w0, n)}")
             return [Pattern("boundary", f"the boundary {edge} (of {n} along dimension {ax.axis}) are wrong "
                                         f"(holding all {held} wrong elements); {name} {_span(w0, n - w0)} are exact",
-                            {**nums, "width": w0, "last": n - 1, "inner_start": w0, "inner_end": n - w0 - 1},
+                            {**nums, "first": 0, "width": w0, "last": n - 1, "inner_start": w0,
+                             "inner_end": n - w0 - 1, "outer_start": n - w0},
                             ax.axis)]
     if ax.period:
         k = ax.period
@@ -205,7 +210,7 @@ def classify(m: Optional[MismatchMap], numel: int) -> list[Pattern]:
         where = ", ".join(str(i) for i in m.first_nonfinite)
         out.append(Pattern("nonfinite", f"NaN or Inf first appears at index [{where}] in memory order "
                                         f"({m.nonfinite} non-finite of {numel} elements)",
-                           {"index": list(m.first_nonfinite), "nonfinite": m.nonfinite}))
+                           {"index": list(m.first_nonfinite), "nonfinite": m.nonfinite, "numel": numel}))
     for ax in m.axes:
         out += _axis_patterns(ax, ndim, m.wrong)
     located = any(p.axis is not None for p in out)
