@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from planted_set import CASES, PLANTED, Case
+
 from sandbox.result import EvalConfig
 from sandbox.tasks import read_spec
 
@@ -63,9 +63,9 @@ def _store_run(store, results, specs) -> tuple[int, dict[str, int]]:
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory) -> Planted:
     from agent.critic.cli import critique_run
-    from store.models import Analysis
     from sandbox.evaluate import Sandbox
     from store import Store
+    from store.models import Analysis
 
     t0 = time.monotonic()
     specs = {name: read_spec(PLANTED / f"{name}.py", name=f"planted/{name}") for name in ("rows", "grid", "timed")}
@@ -128,10 +128,11 @@ def test_no_speed_label_contradicts_its_interval(planted: Planted):
 
 def test_planted_numbers_are_stored_figures(planted: Planted):
     """Every number with a unit in the analyses is a stored figure."""
+    import sqlalchemy as sa
+
     from agent.critic.evidence import attempt_views
     from agent.critic.numbers import check_text, evidence_figures
     from store.models import Task
-    import sqlalchemy as sa
 
     with planted.store.reader() as s:
         for task in s.scalars(sa.select(Task)).all():

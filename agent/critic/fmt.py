@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 
-
 def sig(value: float, digits: int = 3) -> str:
     """``value`` with ``digits`` significant figures, in positional notation (no exponent)."""
     if value == 0 or not math.isfinite(value):

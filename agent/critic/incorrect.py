@@ -11,13 +11,13 @@ from agent.critic.diagnosis import (
 )
 from agent.critic.failures import fixed_array_note
 from agent.critic.numbers import fmt_num, fmt_pct
+from agent.critic.patterns import classify
 from agent.critic.source import (
     computes_normalisation_stats,
     has_cross_thread_reduction,
     native_blocks,
     unstable_exp_sums,
 )
-from agent.critic.patterns import classify
 from agent.types import AttemptView, Finding
 from sandbox.result import EvalResult
 
@@ -48,7 +48,8 @@ def explain_incorrect(a: AttemptView, r: EvalResult, d: Diagnosis, ctx: TaskCont
         if list(o.shape) != list(o.ref_shape):
             d.add("wrong_shape",
                   f"Wrong shape: {oname} has shape {list(o.shape)} where the reference's is {list(o.ref_shape)}.",
-                  evidence + [evidence_ref(a, f"{where}.shape", o.shape), evidence_ref(a, f"{where}.ref_shape", o.ref_shape)],
+                  evidence + [evidence_ref(a, f"{where}.shape", o.shape),
+                              evidence_ref(a, f"{where}.ref_shape", o.ref_shape)],
                   {"shape": list(o.shape), "ref_shape": list(o.ref_shape)})
             d.step(1, f"shape:{o.ref_shape}", f"return {oname} with the reference's shape {list(o.ref_shape)} "
                                               f"(check reductions' `keepdim` and final views).")
@@ -57,7 +58,8 @@ def explain_incorrect(a: AttemptView, r: EvalResult, d: Diagnosis, ctx: TaskCont
             continue
         if o.dtype != o.ref_dtype:
             d.add("wrong_dtype", f"Wrong dtype: {oname} is `{o.dtype}` where the reference's is `{o.ref_dtype}`.",
-                  evidence + [evidence_ref(a, f"{where}.dtype", o.dtype), evidence_ref(a, f"{where}.ref_dtype", o.ref_dtype)],
+                  evidence + [evidence_ref(a, f"{where}.dtype", o.dtype),
+                              evidence_ref(a, f"{where}.ref_dtype", o.ref_dtype)],
                   {"dtype": o.dtype, "ref_dtype": o.ref_dtype})
             d.step(1, f"dtype:{o.ref_dtype}", f"return `{o.ref_dtype}` like the reference.")
             categories.append("wrong_dtype")
@@ -78,7 +80,8 @@ def explain_incorrect(a: AttemptView, r: EvalResult, d: Diagnosis, ctx: TaskCont
                                       f"subtracting the maximum first (line {u.line}): exp of a large input is "
                                       f"Inf in float32, and so is the log of the sum.")
             d.add("nan_inf", cause,
-                  evidence + [evidence_ref(a, f"{where}.nan_count", o.nan_count), evidence_ref(a, f"{where}.inf_count", o.inf_count)],
+                  evidence + [evidence_ref(a, f"{where}.nan_count", o.nan_count),
+                              evidence_ref(a, f"{where}.inf_count", o.inf_count)],
                   {"nan_count": o.nan_count, "inf_count": o.inf_count, "numel": o.numel})
             if unstable:
                 u = unstable[0]
@@ -105,7 +108,8 @@ def explain_incorrect(a: AttemptView, r: EvalResult, d: Diagnosis, ctx: TaskCont
                 "scattered": "at scattered elements",
             }.get(pattern or "", None)
             amount = (f"{o.mismatched} of {o.numel} elements" + (f" ({pct})" if pct else "") +
-                      f" are outside the tolerance (atol {fmt_num(o.tolerance.atol)}, rtol {fmt_num(o.tolerance.rtol)})")
+                      f" are outside the tolerance (atol {fmt_num(o.tolerance.atol)}, "
+                      f"rtol {fmt_num(o.tolerance.rtol)})")
             errs = []
             if o.max_abs_err is not None:
                 errs.append(f"max abs error {fmt_err(o.max_abs_err)}")
@@ -147,7 +151,8 @@ def explain_incorrect(a: AttemptView, r: EvalResult, d: Diagnosis, ctx: TaskCont
             if pattern:
                 numbers["mismatch_pattern"] = pattern
             d.add("mismatch", cause + meaning,
-                  evidence + [evidence_ref(a, f"{where}.mismatched", o.mismatched), evidence_ref(a, f"{where}.max_abs_err", o.max_abs_err),
+                  evidence + [evidence_ref(a, f"{where}.mismatched", o.mismatched),
+                              evidence_ref(a, f"{where}.max_abs_err", o.max_abs_err),
                               evidence_ref(a, f"{where}.mismatch_pattern", pattern)], numbers)
             for p in patterns:
                 d.findings.append(Finding(attempt_id=a.attempt_id, category=f"pattern_{p.kind}", cause=p.sentence,

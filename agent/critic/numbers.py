@@ -31,9 +31,7 @@ from agent.critic.figures import (  # noqa: F401
     kernel_groups,
     result_evidence,
 )
-
 from agent.critic.fmt import fmt_ms, fmt_num, fmt_pct, fmt_s, fmt_us, fmt_x, sig  # noqa: F401,E402  (re-exported)
-
 
 # --------------------------------------------------------------------------------------
 # units

@@ -155,7 +155,8 @@ def _axis_patterns(ax: AxisMap, ndim: int, wrong: int) -> list[Pattern]:
         blocks = n // k
         if len(hot) == 1:
             r = hot[0]
-            return [Pattern("every_kth", f"every {ordinal(k)} {SINGULAR.get(name, name)} is wrong ({name} {r}, {r + k}, "
+            one = SINGULAR.get(name, name)
+            return [Pattern("every_kth", f"every {ordinal(k)} {one} is wrong ({name} {r}, {r + k}, "
                                          f"{r + 2 * k}, ...: {blocks} of {n}, each at offset {r} of its group of {k}); "
                                          f"the other {name} are exact",
                             {**nums, "period": k, "offset": r, "count": blocks, "second": r + k,
@@ -216,8 +217,9 @@ def classify(m: Optional[MismatchMap], numel: int) -> list[Pattern]:
     located = any(p.axis is not None for p in out)
     if not located and m.flat_step and m.flat_slots and m.wrong >= 0.9 * m.flat_slots and m.flat_step <= 4096:
         k = m.flat_step
-        out.append(Pattern("every_kth", f"every {ordinal(k)} element in memory order is wrong (flat indices {m.flat_offset} "
-                                        f"mod {k}: {m.wrong} of the {m.flat_slots} such elements); the others are exact",
+        out.append(Pattern("every_kth", f"every {ordinal(k)} element in memory order is wrong (flat indices "
+                                        f"{m.flat_offset} mod {k}: {m.wrong} of the {m.flat_slots} such elements); "
+                                        f"the others are exact",
                            {"period": k, "offset": m.flat_offset, "count": m.wrong, "slots": m.flat_slots}))
     located = any(p.kind not in ("nonfinite",) for p in out)
     if not located and numel and m.wrong >= 0.9 * numel:

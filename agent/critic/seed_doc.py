@@ -39,8 +39,8 @@ def _versus_best(a: AttemptView, best: AttemptView) -> Optional[str]:
     label = {"faster": "faster than", "slower": "slower than"}.get(iv.label, "inconclusive against")
     if iv.label != "inconclusive" and fmt_x(iv.low if iv.label == "faster" else iv.high) == fmt_x(1.0):
         label = "inconclusive against"
-    return (f"attempt {best.attempt_id} ({fmt_ms(best.result.candidate_time.median_ms)}) is {fmt_x(iv.point)} the speed "
-            f"of attempt {a.attempt_id} ({fmt_ms(a.result.candidate_time.median_ms)}): "
+    return (f"attempt {best.attempt_id} ({fmt_ms(best.result.candidate_time.median_ms)}) is {fmt_x(iv.point)} "
+            f"the speed of attempt {a.attempt_id} ({fmt_ms(a.result.candidate_time.median_ms)}): "
             f"{'faster' if label == 'faster than' else 'slower' if label == 'slower than' else 'inconclusive'} "
             f"({interval_text(iv)})")
 
