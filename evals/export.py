@@ -13,12 +13,14 @@ JSONL records, one JSON object a line, attempts first (by task, round, sample), 
 * ``{"type": "analysis", "run_id", "analysis_id", "task": {"name", "id"}, "round", "critic",
   "markdown", "findings", "model_call_id", "created_at"}``
 
-Seed format: one text document per task, ``NNN_<task sha256[:16]>.txt``, in the layout of the
-user's example documents: per attempt (by round, sample)::
+Seed format: one text document per task, ``NNN_<task sha256[:16]>.txt``, shaped like the
+user's example documents (``agent.critic.seed_doc``): per attempt (by round, sample)::
 
     Kernel: \\n<source>\\n\\nEvaluation: True|False \\n\\nRuntime: <ms>|-1.0\\n
 
-then a blank line and the task's latest analysis markdown. ``Evaluation`` is True only for a
+then a blank line and an analysis written from the stored evidence alone: the task, the
+candidates side by side with verdict and runtime, why each is correct or not, why some are
+faster (each speed with its interval), a summary table. ``Evaluation`` is True only for a
 correct kernel (``EvalResult.clean``: a flagged "correct" is False) and ``Runtime`` is then the
 candidate's median in ms, otherwise -1.0; an attempt without code has an empty kernel. An
 ``index.json`` beside the documents maps each file to its task.
@@ -30,7 +32,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from evals.metrics import AttemptRecord, RunData, json_safe, load_run
+from evals.metrics import RunData, json_safe, load_run
 
 
 def _attempt_rows(session, run_id: int) -> dict[int, tuple[Any, Optional[Any]]]:
@@ -101,34 +103,29 @@ def format_runtime(ms: float) -> str:
     return "-1.0" if ms is None or ms < 0 else repr(float(round(ms, 4)))
 
 
-def seed_document(records: list[AttemptRecord], analysis_markdown: Optional[str]) -> str:
-    """One task's document in the seeds' layout (see the module docstring)."""
-    parts = []
-    for rec in records:
-        parts.append(f"Kernel: \n{(rec.source or '').rstrip(chr(10))}\n\n"
-                     f"Evaluation: {rec.correct} \n\nRuntime: {format_runtime(rec.runtime_ms)}\n")
-    text = "".join(parts)
-    if analysis_markdown:
-        text += "\n" + analysis_markdown.strip("\n") + "\n"
-    return text
-
-
 def export_seed_format(session, run_id: int, directory: Path, data: Optional[RunData] = None) -> list[Path]:
     """Write one seed-format document per task into ``directory``; returns the paths."""
+    from agent.critic.evidence import attempt_views, device_facts, task_spec
+    from agent.critic.seed_doc import seed_document as seed_analysis_document
+    from store.models import Task
+    from store.repo import get_run
+
     data = data or load_run(session, run_id)
+    run = get_run(session, run_id)
+    device = device_facts(session, run)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     paths, index = [], []
     for i, task in enumerate(data.task_names):
         sha = hashlib.sha256(data.task_sources.get(task, "").encode()).hexdigest()
-        analysis = data.analyses.get(task)
+        row = session.get(Task, data.task_ids.get(task))
+        views = [v for v in attempt_views(session, run_id, row.id) if not (v.result and v.result.infra)]
         records = data.records_for(task)
         path = directory / f"{i:03d}_{sha[:16]}.txt"
-        path.write_text(seed_document(records, analysis["markdown"] if analysis else None), encoding="utf-8")
+        path.write_text(seed_analysis_document(task_spec(session, run, row, views), views, device), encoding="utf-8")
         paths.append(path)
-        index.append({"file": path.name, "task": task, "task_sha256": sha, "attempts": len(records),
-                      "correct": any(r.correct for r in records),
-                      "analysis_id": analysis["id"] if analysis else None})
+        index.append({"file": path.name, "task": task, "task_sha256": sha, "attempts": len(views),
+                      "correct": any(r.correct for r in records)})
     (directory / "index.json").write_text(json.dumps({"run_id": run_id, "documents": index}, indent=2) + "\n",
                                           encoding="utf-8")
     return paths

@@ -78,6 +78,8 @@ class AttemptRecord:
     compile_ms: Optional[float] = None
     speedup_eager: Optional[float] = None
     speedup_compile: Optional[float] = None
+    speedup_eager_ci: Optional[list[float]] = None     # [low, high]: 95% interval (sandbox.intervals)
+    speedup_compile_ci: Optional[list[float]] = None
     floor_fraction: Optional[float] = None
     error: Optional[str] = None            # first error / failing check, in words
     parent_ids: list[int] = field(default_factory=list)
@@ -106,6 +108,9 @@ class AttemptRecord:
 
     def speedup(self, baseline: str) -> Optional[float]:
         return self.speedup_eager if baseline == "eager" else self.speedup_compile
+
+    def speedup_ci(self, baseline: str) -> Optional[list[float]]:
+        return self.speedup_eager_ci if baseline == "eager" else self.speedup_compile_ci
 
     def to_dict(self, with_source: bool = False) -> dict[str, Any]:
         d = asdict(self)
@@ -155,6 +160,10 @@ class TaskMetrics:
         best = self.best_for(baseline)
         return best.speedup(baseline) if best else None
 
+    def speedup_ci(self, baseline: str) -> Optional[list[float]]:
+        best = self.best_for(baseline)
+        return best.speedup_ci(baseline) if best else None
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "task": self.task, "attempts": self.attempts, "correct": self.correct,
@@ -165,6 +174,7 @@ class TaskMetrics:
             "best_eager_attempt_id": self.best_eager.attempt_id if self.best_eager else None,
             "best_compile_attempt_id": self.best_compile.attempt_id if self.best_compile else None,
             "speedup_eager": self.speedup("eager"), "speedup_compile": self.speedup("compile"),
+            "speedup_eager_ci": self.speedup_ci("eager"), "speedup_compile_ci": self.speedup_ci("compile"),
             "runtime_ms": self.best.runtime_ms if self.best else -1.0,
             "floor_fraction": self.best_eager.floor_fraction if self.best_eager else None,
             "best_by_round": {str(r): v for r, v in sorted(self.best_by_round.items())},
@@ -198,6 +208,8 @@ class RunMetrics:
     per_task: list[TaskMetrics]
     infra_error_attempts: int = 0          # harness failures: in no rate
     tasks_infra_only: int = 0              # tasks with nothing but harness failures: in no rate
+    fast_p_eager_ci: dict[str, Optional[list[float]]] = field(default_factory=dict)   # see fast_p_interval
+    fast_p_compile_ci: dict[str, Optional[list[float]]] = field(default_factory=dict)
 
     def task(self, name: str) -> TaskMetrics:
         for t in self.per_task:
@@ -317,6 +329,28 @@ def fast_p(per_task: list[TaskMetrics], p: float, baseline: str = "eager") -> Op
     return hits / len(per_task)
 
 
+def fast_p_interval(per_task: list[TaskMetrics], p: float, baseline: str = "eager") -> Optional[list[float]]:
+    """fast_p as the best attempts' speedup intervals allow it: [the share whose whole interval
+    exceeds p, the share whose interval reaches above p] (a speedup without an interval counts
+    by its point estimate on both sides). fast_p itself stays KernelBench's point estimate."""
+    if not per_task:
+        return None
+    low = high = 0
+    for t in per_task:
+        if not t.correct:
+            continue
+        if p == 0:
+            low, high = low + 1, high + 1
+            continue
+        s, ci = t.speedup(baseline), t.speedup_ci(baseline)
+        if s is None:
+            continue
+        lo, hi = (ci[0], ci[1]) if ci else (s, s)
+        low += lo > p
+        high += hi > p
+    return [low / len(per_task), high / len(per_task)]
+
+
 def compute_metrics(records: list[AttemptRecord], calls: Iterable[CallRecord] = (),
                     task_names: Iterable[str] = ()) -> RunMetrics:
     """All run metrics from plain records. ``task_names`` adds tasks that have no attempt."""
@@ -339,10 +373,13 @@ def compute_metrics(records: list[AttemptRecord], calls: Iterable[CallRecord] = 
     correct_tasks = [t for t in per_task if t.correct]
 
     fp: dict[str, dict[str, Optional[float]]] = {}
+    fp_ci: dict[str, dict[str, Optional[list[float]]]] = {}
     for baseline in BASELINES:
         measured = any(r.correct and r.speedup(baseline) is not None for r in records)
         fp[baseline] = {p_key(p): (fast_p(scored, p, baseline) if (measured or baseline == "eager") and n_tasks
                                    else None) for p in FAST_P_THRESHOLDS}
+        fp_ci[baseline] = {p_key(p): (fast_p_interval(scored, p, baseline) if (measured or baseline == "eager")
+                                      and n_tasks else None) for p in FAST_P_THRESHOLDS}
 
     flag_counts: dict[str, int] = {}
     status_counts: dict[str, int] = {}
@@ -377,6 +414,7 @@ def compute_metrics(records: list[AttemptRecord], calls: Iterable[CallRecord] = 
         cost_per_correct_kernel=(cost / n_correct) if (n_correct and cost is not None) else None,
         flag_counts=dict(sorted(flag_counts.items())), status_counts=dict(sorted(status_counts.items())),
         per_task=per_task, infra_error_attempts=n_infra,
+        fast_p_eager_ci=fp_ci["eager"], fast_p_compile_ci=fp_ci["compile"],
         tasks_infra_only=len(per_task) - len(scored))
 
 
@@ -465,6 +503,13 @@ def _record_from(attempt, name: str) -> AttemptRecord:
     rec.flags = [f.kind.value for f in result.flags]
     rec.flag_reasons = [f.reason for f in result.flags]
     rec.floor_fraction = result.floor_fraction
+    if result.correct:
+        from sandbox.intervals import speedup_interval
+
+        for name, base in (("speedup_eager_ci", result.eager_time), ("speedup_compile_ci", result.compile_time)):
+            iv = speedup_interval(base, result.candidate_time)
+            if iv is not None:
+                setattr(rec, name, [iv.low, iv.high])
     rec.error = first_error(result)
     return rec
 

@@ -165,6 +165,7 @@ def build_report(data: RunData, task_paths: Optional[dict[str, str]] = None) -> 
                 "parse_status": rec.parse_status, "runtime_ms": rec.runtime_ms,
                 "candidate_ms": rec.candidate_ms, "eager_ms": rec.eager_ms, "compile_ms": rec.compile_ms,
                 "speedup_eager": rec.speedup_eager, "speedup_compile": rec.speedup_compile,
+                "speedup_eager_ci": rec.speedup_eager_ci, "speedup_compile_ci": rec.speedup_compile_ci,
                 "floor_fraction": rec.floor_fraction, "flags": list(rec.flags),
                 "cause": attempt_cause(rec, analysis), "parent_ids": list(rec.parent_ids),
                 "evaluation_id": rec.evaluation_id, "is_best": tm.best is not None and rec.attempt_id == tm.best.attempt_id,
@@ -188,6 +189,7 @@ def build_report(data: RunData, task_paths: Optional[dict[str, str]] = None) -> 
             "attempts_count": tm.attempts, "correct_attempts": tm.correct_attempts,
             "flagged_attempts": tm.flagged_attempts,
             "speedup_eager": tm.speedup("eager"), "speedup_compile": tm.speedup("compile"),
+            "speedup_eager_ci": tm.speedup_ci("eager"), "speedup_compile_ci": tm.speedup_ci("compile"),
             "runtime_ms": best.runtime_ms if best else -1.0,
             "floor_fraction": tm.best_eager.floor_fraction if tm.best_eager else None,
             "best_by_round": {str(r): v for r, v in sorted(tm.best_by_round.items())},
@@ -198,7 +200,8 @@ def build_report(data: RunData, task_paths: Optional[dict[str, str]] = None) -> 
                          if analysis else None),
         })
     summary = m.summary_dict()
-    fast_p_rows = [{"p": p_key(p), "eager": m.fast_p_eager[p_key(p)], "compile": m.fast_p_compile[p_key(p)]}
+    fast_p_rows = [{"p": p_key(p), "eager": m.fast_p_eager[p_key(p)], "compile": m.fast_p_compile[p_key(p)],
+                    "eager_ci": m.fast_p_eager_ci.get(p_key(p)), "compile_ci": m.fast_p_compile_ci.get(p_key(p))}
                    for p in FAST_P_THRESHOLDS]
     flagged = [{"task": t["task"], "attempt_id": a["attempt_id"], "round": a["round"], "flags": a["flags"],
                 "cause": a["cause"]}
@@ -419,6 +422,16 @@ def render_markdown_html(markdown: str, demote: int = 0) -> str:
     return md.render(demote_headings(markdown, demote) if demote else (markdown or ""))
 
 
+def fmt_ci(ci: Optional[list[float]]) -> str:
+    """A speedup's interval beside its point estimate: `` [1.93x-2.08x]``, empty without one."""
+    return f" [{fmt_x(ci[0])}-{fmt_x(ci[1])}]" if ci else ""
+
+
+def fmt_pct_ci(ci: Optional[list[float]]) -> str:
+    """fast_p's range over the speedups' intervals: `` [25%-50%]``, empty without one or when equal."""
+    return f" [{fmt_pct(ci[0])}-{fmt_pct(ci[1])}]" if ci and ci[0] != ci[1] else ""
+
+
 def _env(html: bool):
     import jinja2
 
@@ -427,7 +440,7 @@ def _env(html: bool):
                              keep_trailing_newline=True, undefined=jinja2.StrictUndefined)
     from evals.published import published_ms_cell, ratio_cell
 
-    env.filters.update(x=fmt_x, pct=fmt_pct, ms=fmt_ms, num=fmt_num, cost=fmt_cost, cell=md_cell,
+    env.filters.update(x=fmt_x, pct=fmt_pct, ci=fmt_ci, pct_ci=fmt_pct_ci, ms=fmt_ms, num=fmt_num, cost=fmt_cost, cell=md_cell,
                        fence=fence, demote=demote_headings, ratio=ratio_cell, pub_ms=published_ms_cell,
                        ms_na=lambda v: "n/a" if v is None else f"{v:.3f}")
     if html:

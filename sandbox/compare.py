@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from sandbox.locate import mismatch_map
 from sandbox.numerics import Numerics, Tolerance
 from sandbox.result import EvalConfig, OutputCheck
 
@@ -80,6 +81,7 @@ def compare_tensor(index: int, ref: torch.Tensor, out: torch.Tensor, config: Eva
         check.max_rel_err = check.max_abs_err
         if check.mismatched:
             check.mismatch_pattern, check.bad_rows = _pattern(diff_mask)
+            check.locations = mismatch_map(diff_mask, ref, out, tol)
         return check
     # In chunks: a float64 copy of a 1 GB output and a dozen temporaries of that size cost tens
     # of seconds of page faults (and tens of GB) per comparison; chunks reuse a few MB.
@@ -124,6 +126,7 @@ def compare_tensor(index: int, ref: torch.Tensor, out: torch.Tensor, config: Eva
         check.ref_fp64_max_abs = fp64.ref_max_abs
     if bad_all is not None:
         check.mismatch_pattern, check.bad_rows = _pattern(bad_all.reshape(ref.shape))
+        check.locations = mismatch_map(bad_all.reshape(ref.shape), ref, out, tol)
     return check
 
 

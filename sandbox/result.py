@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, Field, model_validator
 
+from sandbox.locations import MismatchMap
 from sandbox.numerics import Numerics, Tolerance
 
 
@@ -100,6 +101,7 @@ class OutputCheck(BaseModel):
     ref_nonfinite: int = 0
     mismatch_pattern: Optional[str] = None   # everywhere | some_rows | tile_edges | scattered
     bad_rows: Optional[list[int]] = None     # first few rows (leading dims) with mismatches
+    locations: Optional[MismatchMap] = None  # where the wrong elements sit, per axis (sandbox.locations)
     tolerance: Tolerance
     # the float64 check (first trial only): relative RMS errors against the reference in float64
     fp64_rel_rms: Optional[float] = None     # the candidate's
@@ -122,6 +124,8 @@ class Timing(BaseModel):
     max_ms: float
     runs: int
     clock: str                               # cuda_event | perf_counter
+    samples_ms: list[float] = []             # every timed run, in order (intervals are bootstrapped from these)
+    host_load: Optional[float] = None        # 1-minute load average per usable CPU when the runs ended
 
 
 class KernelStat(BaseModel):

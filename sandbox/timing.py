@@ -12,6 +12,7 @@ candidate code runs in a worker), so a candidate that later patches ``time`` or
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -27,6 +28,7 @@ _elapsed_time = torch.cuda.Event.elapsed_time
 _record = torch.cuda.Event.record
 
 CPU_FLUSH_BYTES = 64 << 20
+MAX_SAMPLES = 200             # per-run times kept with a Timing
 GPU_FLUSH_BYTES = 256 << 20   # > 2x the largest L2 on the devices we target (H100 50 MB, H200 50 MB)
 
 
@@ -69,7 +71,17 @@ def summarize(samples_ms: Sequence[float], clock: str) -> Timing:
     else:
         iqr = s[-1] - s[0]
     return Timing(median_ms=statistics.median(s), iqr_ms=iqr, mean_ms=statistics.fmean(s),
-                  min_ms=s[0], max_ms=s[-1], runs=len(s), clock=clock)
+                  min_ms=s[0], max_ms=s[-1], runs=len(s), clock=clock,
+                  samples_ms=[float(f"{x:.6g}") for x in samples_ms][:MAX_SAMPLES], host_load=host_load())
+
+
+def host_load() -> Optional[float]:
+    """The 1-minute load average per CPU this process may use: above 1, timed runs shared the CPUs."""
+    try:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return round(os.getloadavg()[0] / max(cpus, 1), 3)
+    except OSError:
+        return None
 
 
 def time_runs(fn: Callable[..., Any], make_args: Callable[[int], Sequence[Any]], device: str,

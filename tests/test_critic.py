@@ -8,13 +8,35 @@ from typing import Any, Optional
 import pytest
 
 from agent.critic.base import get_critic
-from agent.critic.grounded import (evidence_lines, fixed_arrays, pytorch_calls_in_forward,
-                                   unstable_exp_sums)
-from agent.critic.numbers import (check_text, evidence_figures, extract_quantities, fmt_ms, fmt_pct, fmt_x,
-                                  sig)
+from agent.critic.grounded import (
+    evidence_lines,
+    fixed_arrays,
+    pytorch_calls_in_forward,
+    unstable_exp_sums,
+)
+from agent.critic.numbers import (
+    check_text,
+    evidence_figures,
+    extract_quantities,
+    fmt_ms,
+    fmt_pct,
+    fmt_x,
+    sig,
+)
+from agent.critic.uncertainty import contradictions
 from agent.types import AnalysisOut, AttemptView, Completion, DeviceFacts
-from sandbox.result import (BuildInfo, EvalResult, Flag, FlagKind, KernelStat, OutputCheck, Status, Timing,
-                            Tolerance, Trial)
+from sandbox.result import (
+    BuildInfo,
+    EvalResult,
+    Flag,
+    FlagKind,
+    KernelStat,
+    OutputCheck,
+    Status,
+    Timing,
+    Tolerance,
+    Trial,
+)
 from sandbox.tasks import TaskSpec
 
 GPU = DeviceFacts(device="cuda", name="NVIDIA H100 80GB HBM3", torch_version="2.5.1", compute_capability="9.0",
@@ -555,7 +577,8 @@ def test_correct_partial_fusion_is_called_correct_and_explained_from_profiles():
     # next attempt: keep the fused kernel, fuse the elementwise kernel left, not the library GEMM
     first = next_steps(an)[0]
     assert first.startswith("Start from attempt 11") and "sigmoid_kernel" in first and "library GEMM" in first
-    assert "| 11 | 1 | correct | 2.94 ms | 1.15x | 1.05x |" in an.markdown
+    # the table shows each speedup with its interval (from the quartiles: no per-run times here)
+    assert "| 11 | 1 | correct | 2.94 ms | 1.15x [1.13x-1.18x] | 1.05x [1.03x-1.08x] |" in an.markdown
 
 
 def test_correct_slower_than_eager_says_so_with_its_evidence():
@@ -574,12 +597,39 @@ def test_correct_slower_than_eager_says_so_with_its_evidence():
 def test_a_difference_within_the_spread_is_no_speedup():
     r = correct_result(cand=3.3801, eager=3.3887)                 # 1.00x
     an = analyze([view(12, r, source=STABLE_LSE)])
-    assert "same_speed" in cats(an, 12) and "faster" not in cats(an, 12)
-    assert cause(an, "same_speed").startswith("No measurable difference from eager PyTorch (1.00x)")
-    r = correct_result(cand=3.0, eager=3.3887)
-    r.candidate_time = r.candidate_time.model_copy(update={"iqr_ms": 0.5})
+    assert "inconclusive" in cats(an, 12) and "faster" not in cats(an, 12)
+    assert cause(an, "inconclusive").startswith("Inconclusive against eager PyTorch: the point estimate is 1.00x")
+    assert "too close for these runs to tell apart" in cause(an, "inconclusive")
+    r = correct_result(cand=3.0, eager=3.3887)                    # 1.13x, but the candidate's IQR is 1 ms
+    r.candidate_time = r.candidate_time.model_copy(update={"iqr_ms": 1.0})
     an = analyze([view(12, r, source=STABLE_LSE)])
-    assert "same_speed" in cats(an, 12) and "within the runs' spread (IQR 0.500 ms" in an.markdown
+    c = cause(an, "inconclusive")
+    assert "faster" not in cats(an, 12) and "point estimate is 1.13x" in c
+    assert "the candidate's runs spread widely (IQR 1.00 ms around a median of 3.00 ms" in c
+
+
+def test_a_speed_label_never_contradicts_its_interval():
+    """The issue's miss: a noisy 0.21x and a noisy 2.23x were both called "no difference"."""
+    from sandbox.timing import summarize
+
+    def timed(samples):
+        return summarize(samples, "perf_counter").model_copy(update={"host_load": 2.5})
+
+    for eager, cand, label in (([5.24] * 10 + [40.0] * 10, [24.7] * 20, "inconclusive"),
+                               ([10.0 + 0.01 * i for i in range(20)], [4.4 + 0.01 * i for i in range(20)], "faster"),
+                               ([10.0 + 0.01 * i for i in range(20)], [20.0 + 0.01 * i for i in range(20)], "slower")):
+        r = correct_result()
+        r.eager_time, r.candidate_time = timed(eager), timed(cand)
+        r.speedup_eager = r.eager_time.median_ms / r.candidate_time.median_ms
+        r.compile_time = r.speedup_compile = None
+        an = analyze([view(14, r, source=STABLE_LSE)])
+        assert label in cats(an, 14)
+        f = next(f for f in an.findings if f.category == label)
+        assert (f.numbers["interval_low"] > 1.0) == (label == "faster")
+        assert (f.numbers["interval_high"] < 1.0) == (label == "slower")
+        assert contradictions(an.markdown) == []
+        if label == "inconclusive":
+            assert "host was busy while timing (load 2.50 per CPU)" in f.cause
 
 
 def test_latent_overflow_in_a_correct_attempt():
@@ -817,17 +867,20 @@ def test_formatters_round_to_what_they_print():
 # ----------------------------------------------------------------------------- the llm critic
 
 class FakeBackend:
+    """Answers ``text`` (or, call by call, the entries of ``texts``)."""
     name = "openai:fake"
 
-    def __init__(self, text: str = "", error: Optional[str] = None, raise_exc: bool = False):
-        self.text, self.error, self.raise_exc = text, error, raise_exc
+    def __init__(self, text: str = "", error: Optional[str] = None, raise_exc: bool = False,
+                 texts: Optional[list[str]] = None):
+        self.text, self.error, self.raise_exc, self.texts = text, error, raise_exc, list(texts or [])
         self.seen: list[list[dict[str, str]]] = []
 
     def chat(self, messages: list[dict[str, str]], purpose: str = "critique") -> Completion:
         self.seen.append(messages)
         if self.raise_exc:
             raise ConnectionError("endpoint unreachable")
-        return Completion(text=self.text if self.error is None else "", model=self.name, finish_reason="stop",
+        text = self.texts.pop(0) if self.texts else self.text
+        return Completion(text=text if self.error is None else "", model=self.name, finish_reason="stop",
                           prompt_tokens=1000, completion_tokens=200, error=self.error)
 
 
@@ -845,7 +898,7 @@ def test_llm_critic_prompt_and_number_check():
     attempts = mixed_attempts()
     an = critic.analyze(LSE_TASK, attempts, GPU)
     assert an.critic == "llm" and an.template == "critic_task" and an.completion.text == LLM_TEXT
-    system, user = an.messages
+    system, user = an.messages[:2]
     assert system["role"] == "system" and "30.8 ms is never \"30.8 seconds\"" in system["content"]
     u = user["content"]
     assert "class Model(nn.Module)" in u                      # the task
@@ -853,7 +906,11 @@ def test_llm_critic_prompt_and_number_check():
     assert "status: compile_error" in u and "at line 24 of the candidate" in u   # its evidence
     assert "runtime: median 2.50 ms" in u
     assert "[latent_overflow]" in u                           # grounded findings
-    assert backend.seen == [an.messages]
+    # the unverified numbers sent it back once; its second answer (the same here) is kept, flagged
+    assert len(backend.seen) == 2 and backend.seen[0] == an.messages[:2] and backend.seen[1] == an.messages
+    assert an.messages[2] == {"role": "assistant", "content": LLM_TEXT.split("</think>")[1].strip()}
+    assert "30.8 seconds" in an.messages[3]["content"] and "matches no stored figure" in an.messages[3]["content"]
+    assert an.completion.prompt_tokens == 2000 and "regenerated" in cats(an)
     md = an.markdown
     assert "<think>" not in md and "99 ms" not in md.split("## Numbers not found")[0]
     assert "## Numbers not found in the evidence" in md
@@ -865,6 +922,31 @@ def test_llm_critic_prompt_and_number_check():
     unverified = [f for f in an.findings if f.category == "unverified_number"]
     assert {f.numbers["unit"] for f in unverified} == {"GFLOP", "seconds", "ms"}
     assert "latent_overflow" in cats(an)                      # grounded findings carried over
+
+
+def test_llm_critic_regenerates_once_and_keeps_a_corrected_answer():
+    wrong = "Attempt 5 is correct at 2.50 ms, 1.36x vs eager; a fused kernel would take 1.2 ms."
+    right = "Attempt 5 is correct at 2.50 ms, 1.36x vs eager."
+    backend = FakeBackend(texts=[wrong, right])
+    an = get_critic("llm", backend=backend).analyze(LSE_TASK, mixed_attempts(), GPU)
+    assert len(backend.seen) == 2 and an.markdown.strip() == right
+    assert "unverified_number" not in cats(an) and "Numbers not found" not in an.markdown
+    regen = next(f for f in an.findings if f.category == "regenerated")
+    assert "1 statement(s)" in regen.cause and any("1.2 ms" in e for e in regen.evidence)
+
+
+def test_llm_critic_flags_a_speed_label_its_interval_contradicts():
+    an = get_critic("llm", backend=FakeBackend(
+        text="Attempt 5 is Slower than eager PyTorch: 1.36x (95% interval 1.13x-1.18x).")).analyze(
+        LSE_TASK, mixed_attempts(), GPU)
+    assert "contradicted_speed" in cats(an) and "## Speed labels contradicted by their intervals" in an.markdown
+
+
+def test_llm_prompt_carries_patterns_and_intervals():
+    backend = FakeBackend(text="ok")
+    get_critic("llm", backend=backend).analyze(LSE_TASK, mixed_attempts(), GPU)
+    u = backend.seen[0][1]["content"]
+    assert "Speed, with its 95% interval" in u and "[faster] Faster than eager PyTorch: 1.36x (95% interval" in u
 
 
 def test_llm_critic_clean_text_has_no_unverified_section():

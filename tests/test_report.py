@@ -65,7 +65,9 @@ def test_json_has_all_numbers(built):
         else:
             assert got == want, key
     assert [row["p"] for row in r["fast_p"]] == ["0", "0.5", "0.8", "1", "1.5", "2"]
-    assert r["fast_p"][2] == {"p": "0.8", "eager": 0.5, "compile": 0.25}
+    # fast_p keeps KernelBench's point estimate; beside it, the range the speedups' intervals allow
+    assert r["fast_p"][2] == {"p": "0.8", "eager": 0.5, "compile": 0.25, "eager_ci": [0.5, 0.75],
+                              "compile_ci": [0.25, 0.5]}
     assert [f["task"] for f in r["flagged"]] == ["level2/conv_gn"]
     assert [t["task"] for t in r["tasks"]] == TASKS
 
@@ -116,7 +118,7 @@ def test_markdown_sections(built):
         assert f"### Task {task}" in md
     assert md.count("#### Analysis") == 4 and md.count("#### Attempts") == 4
     assert md.count("#### Best kernel (attempt") == 4 and md.count("#### Diff against parent") == 4
-    assert "| fast_0.8 | 50.0% | 25.0% |" in md
+    assert "| fast_0.8 | 50.0% [50.0%-75.0%] | 25.0% [25.0%-50.0%] |" in md
     assert "| geomean speedup vs eager | 1.34x |" in md
     assert "| tokens per correct kernel | 6,033 |" in md
     assert "| cost per correct kernel | $0.0433 |" in md
@@ -136,7 +138,7 @@ def test_markdown_attempt_rows_in_seed_terms(built):
     md = out["md"]
     row = next(line for line in md.splitlines() if line.startswith(f"| {info.attempts['level1/matmul@2']} (best) |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[1:6] == ["2", "True", "correct", "1.6", "2.50x"]
+    assert cells[1:6] == ["2", "True", "correct", "1.6", "2.50x [2.48x-2.53x]"]
     row = next(line for line in md.splitlines() if line.startswith(f"| {info.attempts['level2/lse@0']} |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[2:5] == ["False", "not evaluated (no_code)", "-1.0"]
@@ -163,7 +165,8 @@ def test_html_sections_and_self_contained(built):
         assert f"<h3>Task {task}</h3>" in html
     assert html.count("<h4>Analysis</h4>") == 4 and html.count("<h4>Attempts</h4>") == 4
     assert html.count("Diff against parent</h4>") == 4
-    assert "<td>fast_0.8</td><td class=\"num\">50.0%</td><td class=\"num\">25.0%</td>" in html
+    assert ("<td>fast_0.8</td><td class=\"num\">50.0% [50.0%-75.0%]</td>"
+            "<td class=\"num\">25.0% [25.0%-50.0%]</td>") in html
     # no external resource of any kind
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:|//)""", html)
     assert "<link" not in html and "@import" not in html and "url(" not in html

@@ -2,17 +2,25 @@
 
 The prompt (``prompts/critic_system.j2`` + ``prompts/critic_task.j2``) carries the task's
 source, every attempt's code (capped) with its stored evidence, and the grounded critic's
-findings. The answer is kept as written, but every number with a unit in it (runtimes,
-speedups, shares, bandwidths, FLOP or byte counts) is checked against the stored figures:
-those that match nothing are listed in an appended "Numbers not found in the evidence"
-section and as ``unverified_number`` findings. The structured findings are the grounded
-critic's (a model's prose is not parsed into claims), plus those.
+findings. The prompt gives each attempt the same structured evidence the grounded critic reads: its error
+patterns (``agent.critic.patterns``), its speed claims with their intervals
+(``agent.critic.uncertainty``) and its profile. Every number with a unit in the answer
+(runtimes, speedups, shares, bandwidths, FLOP or byte counts) is checked against the stored
+figures, and every speed label against the interval it quotes. An answer with a number that
+matches nothing, or a label its interval contradicts, is sent back once with the list of what
+failed, and the model's second answer is kept; what is still wrong in it is listed in an appended
+"Numbers not found in the evidence" section and as ``unverified_number`` /
+``contradicted_speed`` findings (a ``regenerated`` finding records the first answer's problems).
+The structured findings are the grounded critic's (a model's prose is not parsed into claims),
+plus those.
 
 When the backend fails (``Completion.error``, an exception, an empty answer) the analysis
 is the grounded critic's, with a note saying so; the failed completion is still returned
 so the call can be recorded.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import re
 from typing import Any, Optional
@@ -21,7 +29,9 @@ import jinja2
 
 from agent.critic.base import register
 from agent.critic.grounded import (GroundedCritic, evidence_lines, reference_profile_lines, task_context)
-from agent.critic.numbers import check_text, evidence_figures, unverified_section
+from agent.critic.numbers import Quantity, check_text, evidence_figures, unverified_section
+from agent.critic.patterns import classify
+from agent.critic.uncertainty import contradictions, speed_claim
 from agent.types import AnalysisOut, AttemptView, Completion, DeviceFacts, Finding
 from sandbox.tasks import TaskSpec, with_device_sizes
 
@@ -60,6 +70,35 @@ def strip_reasoning(text: str) -> str:
     return text.strip()
 
 
+def attempt_patterns(a: AttemptView) -> list[str]:
+    """``[kind] sentence`` of each error pattern of the attempt's first failed trial."""
+    t = a.result.first_failed_trial() if a.result is not None else None
+    return [f"[{p.kind}] output {o.index}: {p.sentence}" for o in (t.outputs if t else [])
+            for p in classify(o.locations, o.numel)]
+
+
+def attempt_speed(a: AttemptView) -> list[str]:
+    """Its speed claims against eager and torch.compile, each with its interval and label."""
+    r = a.result
+    if r is None or not r.correct or r.candidate_time is None:
+        return []
+    return [f"[{c.label}] {c.sentence}" for c in (speed_claim(r, b) for b in ("eager", "compile")) if c is not None]
+
+
+def problems(text: str, evidence) -> tuple[list[Quantity], list[str]]:
+    """Numbers in ``text`` no stored figure explains, and speed sentences their interval contradicts."""
+    return check_text(text, evidence), contradictions(text)
+
+
+def retry_message(unverified: list[Quantity], contradicted: list[str]) -> str:
+    lines = ["Some statements in your analysis do not match the evidence:"]
+    lines += [f"- {q} (in: \u201c{q.context}\u201d) matches no stored figure" for q in unverified]
+    lines += [f"- \u201c{c}\u201d: the speed label contradicts the interval it quotes" for c in contradicted]
+    lines.append("Rewrite the whole analysis. Quote only figures that appear in the evidence, with its units, and "
+                 "call an attempt faster or slower only when its interval excludes 1x (otherwise: inconclusive).")
+    return "\n".join(lines)
+
+
 @register("llm")
 class LLMCritic:
     name = "llm"
@@ -89,7 +128,8 @@ class LLMCritic:
             d = diags.get(a.attempt_id)
             rows.append({"id": a.attempt_id, "round": a.round, "sample": a.sample,
                          "verdict": d.verdict if d else (a.result.status.value if a.result else "no candidate"),
-                         "evidence": evidence_lines(a), "code": code, "code_cut": cut})
+                         "evidence": evidence_lines(a), "code": code, "code_cut": cut,
+                         "patterns": attempt_patterns(a), "speed": attempt_speed(a)})
         device_lines = []
         if device is not None:
             if device.bandwidth_gbps:
@@ -169,11 +209,31 @@ class LLMCritic:
         if completion.error is not None or not text:
             return self._fallback(grounded, model_name, completion, messages, left_out)
         evidence = evidence_figures(attempts, device)
-        unverified = check_text(text, evidence)
+        unverified, contradicted = problems(text, evidence)
+        first_problems: Optional[tuple[list[Quantity], list[str]]] = None
+        if unverified or contradicted:
+            retry = messages + [{"role": "assistant", "content": text},
+                                {"role": "user", "content": retry_message(unverified, contradicted)}]
+            try:
+                second = self.backend.chat(retry)
+            except Exception as exc:  # noqa: BLE001 - keep the first answer, flagged
+                second = Completion(text="", model=model_name, error=f"{type(exc).__name__}: {exc}")
+            second_text = strip_reasoning(second.text or "") if second.error is None else ""
+            if second_text:
+                first_problems = (unverified, contradicted)
+                completion = _combined(completion, second)
+                messages, text = retry, second_text
+                unverified, contradicted = problems(text, evidence)
         markdown = text.rstrip() + "\n"
         if completion.finish_reason == "length":
             markdown += "\n> The model's answer was cut off (finish_reason=length).\n"
         findings = list(grounded.findings)
+        if first_problems is not None:
+            n_bad = len(first_problems[0]) + len(first_problems[1])
+            findings.append(Finding(attempt_id=None, category="regenerated",
+                                    cause=f"the first answer had {n_bad} statement(s) the evidence does not support; "
+                                          f"the analysis was regenerated once",
+                                    evidence=[q.context for q in first_problems[0]] + first_problems[1]))
         if unverified:
             markdown += unverified_section(unverified)
             seen = set()
@@ -185,6 +245,13 @@ class LLMCritic:
                 findings.append(Finding(attempt_id=None, category="unverified_number",
                                         cause=f"the analysis quotes {q} which matches no stored figure",
                                         evidence=[q.context], numbers={"quoted": q.value, "unit": q.unit}))
+        if contradicted:
+            markdown += ("\n## Speed labels contradicted by their intervals\n\n"
+                         + "".join(f"- \u201c{c}\u201d\n" for c in contradicted))
+            for c in contradicted:
+                findings.append(Finding(attempt_id=None, category="contradicted_speed",
+                                        cause="the analysis labels a speed that its own interval contradicts",
+                                        evidence=[c]))
         return AnalysisOut(critic=self.name, markdown=markdown, findings=findings, completion=completion,
                            template=TEMPLATE, messages=messages, left_out=left_out)
 
@@ -199,3 +266,15 @@ class LLMCritic:
                                                                   f"grounded analysis used")]
         return AnalysisOut(critic="grounded", markdown=note + grounded.markdown, findings=findings,
                            completion=completion, template=TEMPLATE, messages=messages, left_out=left_out)
+
+
+def _combined(first: Completion, second: Completion) -> Completion:
+    """The second answer (its reasoning, finish cause and window included), with the tokens and
+    cost of both calls."""
+    def add(a, b):
+        return None if a is None and b is None else (a or 0) + (b or 0)
+    return dataclasses.replace(
+        second, prompt_tokens=add(first.prompt_tokens, second.prompt_tokens),
+        completion_tokens=add(first.completion_tokens, second.completion_tokens),
+        reasoning_tokens=add(first.reasoning_tokens, second.reasoning_tokens),
+        latency_s=first.latency_s + second.latency_s, cost_usd=add(first.cost_usd, second.cost_usd))
