@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import jinja2
 
+from agent.critic.patterns import classify
 from agent.types import AttemptView, DeviceFacts
 from sandbox.numerics import Numerics
 from sandbox.result import EvalResult, FlagKind, Status
@@ -280,10 +281,15 @@ def _output_lines(o) -> list[str]:
         line = (f"output {o.index}: {o.mismatched} of {o.numel} elements outside tolerance "
                 f"(atol {o.tolerance.atol:g}, rtol {o.tolerance.rtol:g}); max abs error {_g(o.max_abs_err)}, "
                 f"max rel error {_g(o.max_rel_err)}")
-        if o.mismatch_pattern:
-            line += f"; pattern: {o.mismatch_pattern}"
-        if o.bad_rows:
-            line += f" (first bad rows {', '.join(map(str, o.bad_rows[:6]))})"
+        patterns = [p for p in classify(o.locations, o.numel) if p.kind != "nonfinite"]
+        if patterns:
+            # the critic's named patterns (indices and sizes that prove them), most specific first
+            line += "; " + "; ".join(p.sentence for p in patterns[:2])
+        else:
+            if o.mismatch_pattern:
+                line += f"; pattern: {o.mismatch_pattern}"
+            if o.bad_rows:
+                line += f" (first bad rows {', '.join(map(str, o.bad_rows[:6]))})"
         out.append(line)
     return out
 

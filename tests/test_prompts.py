@@ -322,3 +322,23 @@ def test_cpu_worked_example_builds_and_is_correct():
 @pytest.mark.gpu
 def test_cuda_worked_example_builds_and_is_correct():
     _run_example(GPU, "cuda")
+
+
+def test_the_proposer_sees_the_named_error_pattern_with_its_indices():
+    """The feedback names where an incorrect output is wrong as the critic does (rows 96-127, the
+    last 32 of 128), not only a label and the first bad rows."""
+    import torch
+
+    from sandbox.compare import compare_outputs
+    from sandbox.result import EvalConfig
+
+    torch.manual_seed(0)
+    ref = torch.randn(128, 64) + 3.0
+    out = ref.clone()
+    out[96:] = 0
+    ok, _, checks = compare_outputs([ref], [out], EvalConfig())
+    assert not ok
+    result = EvalResult(status=Status.incorrect, task=TASK.name, device="cpu", trials=[
+        Trial(index=0, candidate_first=True, passed=False, reason="output 0 outside tolerance", outputs=checks)])
+    text = "\n".join(evidence(view(1, 0, result)))
+    assert "rows 96-127, the last 32 of 128 (one block of 32), are wrong" in text
