@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 
 from filelock import FileLock
 
-from sandbox.lite_headers import FACTORY_OPS, LEAN_BINDING
+from sandbox.lite_headers import FACTORY_OPS, LEAN_BINDING, MINIMAL_TORCH_PRELUDE
 
 LOG_CAP = 20_000
 _TORCH_USE_RE = re.compile(r"\b(torch::|at::|c10::|TORCH_CHECK|AT_DISPATCH|#\s*include\s*<(torch|ATen|c10)/)")
@@ -48,12 +48,6 @@ _MISSING_TORCH_NAME_RE = re.compile(r'namespace "(?:torch|at|c10)[\w:]*" has no 
                                     # and GCC's words, for the C++ file
                                     r"|is not a member of .(?:torch|at|c10)\b|.(?:torch|at|c10)::[\w:]+. has not been declared"
                                     r"|no match for .operator")
-# What a kernel wrapper needs: tensors and their methods, the usual factories, TORCH_CHECK,
-# AT_DISPATCH; ``torch::`` names resolve to ATen's as torch/types.h makes them.
-MINIMAL_TORCH_PRELUDE = "\n".join([
-    "#include <ATen/core/Tensor.h>", "#include <ATen/Dispatch.h>", "#include <c10/cuda/CUDAStream.h>",
-    *(f"#include <ATen/ops/{op}.h>" for op in FACTORY_OPS),
-    "namespace torch { using namespace at; }"])
 MINIMAL_NOTE = "CUDA sources built with minimal ATen headers in place of torch's"
 LEAN_NOTE = "C++ bindings built with the lean binding header in place of <torch/extension.h>"
 TYPES_NOTE = "CUDA sources built with <torch/types.h> in place of <torch/extension.h>"

@@ -2,7 +2,7 @@
 
 nvcc parses a ``.cu`` file's headers three times (cudafe++, cicc, then the host compiler), so
 every header a candidate's torch wrapper pulls in costs three times over. The minimal prelude
-(``sandbox.build.MINIMAL_TORCH_PRELUDE``) includes ``ATen/core/Tensor.h`` and the factories a
+(``MINIMAL_TORCH_PRELUDE``, here) includes ``ATen/core/Tensor.h`` and the factories a
 wrapper calls (``torch::empty_like`` ...). Each factory header ``ATen/ops/<op>.h`` is small, but
 it includes ``ATen/Context.h``, ``ATen/DeviceGuard.h`` and other headers its inline functions do
 not use, which more than doubles what is parsed (on a 2-core host: 243k preprocessed lines and
@@ -36,6 +36,12 @@ FACTORY_OPS = ("empty", "empty_like", "empty_strided", "zeros", "zeros_like", "o
 KEPT_INCLUDES = {"ATen/core/Tensor.h", "c10/core/Scalar.h", "c10/core/TensorOptions.h", "c10/util/Deprecated.h",
                  "optional", "string_view"}
 _INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"]([^>"]+)[>"].*$', re.MULTILINE)
+# What a kernel wrapper needs: tensors and their methods, the usual factories, TORCH_CHECK,
+# AT_DISPATCH; ``torch::`` names resolve to ATen's as torch/types.h makes them.
+MINIMAL_TORCH_PRELUDE = "\n".join([
+    "#include <ATen/core/Tensor.h>", "#include <ATen/Dispatch.h>", "#include <c10/cuda/CUDAStream.h>",
+    *(f"#include <ATen/ops/{op}.h>" for op in FACTORY_OPS),
+    "namespace torch { using namespace at; }"])
 LEAN_BINDING = {"cuda": "kernelloop/lean_binding.h", "cpu": "kernelloop/lean_binding_cpu.h"}
 VERSION = 3
 
@@ -43,8 +49,6 @@ VERSION = 3
 def lean_binding_text(device: str) -> str:
     """The lean binding header for builds with CUDA sources (``cuda``) or C++ sources only (``cpu``:
     no CUDA stream header, which needs the CUDA toolkit's headers)."""
-    from sandbox.build import MINIMAL_TORCH_PRELUDE
-
     prelude = [line for line in MINIMAL_TORCH_PRELUDE.splitlines() if device == "cuda" or "c10/cuda/" not in line]
     guard = f"KERNELLOOP_LEAN_BINDING_{device.upper()}_H"
     return "\n".join([f"#ifndef {guard}", f"#define {guard}", "#include <torch/csrc/utils/pybind.h>",
