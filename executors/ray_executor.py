@@ -8,11 +8,13 @@
   restarts a lost slot wherever its resources are free (``max_restarts=-1``).
 * An evaluation whose slot was lost (its node or actor died: ``RayActorError``,
   ``ActorDiedError``, ``ActorUnavailableError``, ``NodeDiedError``) is a harness failure
-  (``sandbox.failures``): the driver waits for the slot to be back (an at-least-once ``ping``,
-  ``max_task_retries=-1``), and evaluates it again there, at most ``MAX_INFRA_RETRIES`` times;
-  the causes are kept in ``EvalResult.infra_retries``; past them it is ``infra_error``, which
-  ``optimize --resume`` evaluates again. Evaluations themselves are at-most-once
-  (``max_task_retries=0``): a lost one is re-queued by the driver, so it is recorded.
+  (``sandbox.failures``): it is re-queued to the next live slot (at most ``MAX_INFRA_RETRIES``
+  times, the causes kept in ``EvalResult.infra_retries``; past them it is ``infra_error``, which
+  ``optimize --resume`` evaluates again). The lost slot leaves the choice until Ray has restarted
+  it (an at-least-once ``ping``, ``max_task_retries=-1``, answers once it runs again); while no
+  slot is live, evaluations wait for one, at most ``KERNELLOOP_RAY_SLOT_WAIT_S``. Evaluations
+  themselves are at-most-once (``max_task_retries=0``): a lost one is re-queued by the driver,
+  so the loss is on record.
 * The driver stays the store's one writer: replies are JSON text (``executors.ray_slot``).
 """
 from __future__ import annotations
@@ -58,6 +60,11 @@ class RaySlot:
     node: str
     load: int = 0                                   # evaluations in flight on it
     tasks: set[str] = field(default_factory=set)    # task keys whose references it started
+    down: bool = False                              # lost; Ray is restarting it
+
+
+class SlotsLost(Exception):
+    """Every evaluation slot was lost and none came back in time."""
 
 
 class EventLog:
@@ -98,7 +105,8 @@ class RayExecutor:
             except Exception as exc:  # noqa: BLE001 - ConnectionError and Ray's own
                 raise ExecutorError(f"cannot join the Ray cluster at {address or '(a new local one)'}: {exc}") from None
         self._aborted = threading.Event()
-        self._pick_lock = threading.Lock()
+        self._closed = False
+        self._slots_changed = threading.Condition()
         self.events = EventLog(os.environ.get("KERNELLOOP_RAY_EVENTS"))
         self._runtime_env = {"env_vars": dict(node_env)} if node_env else None
         count = slots or self._slot_count(device)
@@ -166,34 +174,51 @@ class RayExecutor:
 
     # ---------------------------------------------------------------- slots
     def _pick(self, spec: TaskSpec) -> RaySlot:
-        """The least-loaded slot; among equals, one where the task's reference already runs."""
-        with self._pick_lock:
-            slot = min(self.slots, key=lambda s: (s.load, spec.key not in s.tasks, s.index))
+        """The least-loaded live slot; among equals, one where the task's reference already runs.
+        While every slot is lost, wait for one to come back (at most ``SLOT_WAIT_S``)."""
+        deadline = time.monotonic() + SLOT_WAIT_S
+        with self._slots_changed:
+            while True:
+                live = [s for s in self.slots if not s.down]
+                if live or self._aborted.is_set() or time.monotonic() > deadline:
+                    break
+                self._slots_changed.wait(timeout=5.0)
+            if not live:
+                raise SlotsLost(f"no evaluation slot came back within {SLOT_WAIT_S:.0f} s")
+            slot = min(live, key=lambda s: (s.load, spec.key not in s.tasks, s.index))
             slot.load += 1
             slot.tasks.add(spec.key)
             return slot
 
     def _unpick(self, slot: RaySlot) -> None:
-        with self._pick_lock:
+        with self._slots_changed:
             slot.load -= 1
 
-    def _await_slot(self, slot: RaySlot) -> bool:
-        """Wait for a lost slot to be running again (Ray restarts it where resources are free)."""
+    def _slot_lost(self, slot: RaySlot) -> None:
+        """Take a lost slot out of the choice until Ray has restarted it (where its resources are
+        free: the same node back, or another one); a thread of its own waits for that."""
+        with self._slots_changed:
+            if slot.down:
+                return
+            slot.down = True
+        threading.Thread(target=self._revive, args=(slot,), name=f"ray-slot-{slot.index}", daemon=True).start()
+
+    def _revive(self, slot: RaySlot) -> None:
         ray = self._ray
-        deadline = time.monotonic() + SLOT_WAIT_S
-        while not self._aborted.is_set() and time.monotonic() < deadline:
-            try:
-                node = ray.get(slot.actor.ping.options(max_task_retries=-1).remote(),
-                               timeout=min(30.0, max(1.0, deadline - time.monotonic())))
+        while not self._aborted.is_set() and not self._closed:
+            try:        # at-least-once: queued until the actor runs again
+                node = ray.get(slot.actor.ping.options(max_task_retries=-1).remote(), timeout=30.0)
             except lost_slot_errors() + (ray.exceptions.GetTimeoutError,):
                 continue
-            with self._pick_lock:
+            except Exception:  # noqa: BLE001 - the cluster went away (shutdown): nothing to revive
+                return
+            with self._slots_changed:
                 if node != slot.node:
-                    slot.tasks.clear()          # a new process: no reference of any task runs there
-                slot.node = node
+                    slot.tasks.clear()      # a new process: no reference of any task runs there
+                slot.node, slot.down = node, False
+                self._slots_changed.notify_all()
             self.events("slot_back", slot=slot.index, node=node)
-            return True
-        return False
+            return
 
     def _build(self, slot: RaySlot, spec: TaskSpec, source: str) -> str:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -214,7 +239,11 @@ class RayExecutor:
         lost: list[str] = []
         data = spec_data(spec)
         while True:
-            slot = self._pick(spec)
+            try:
+                slot = self._pick(spec)
+            except SlotsLost as exc:
+                lost.append(f"SlotLost: {exc}")
+                return self._lost_result(spec, source, lost, t0)
             try:
                 build = self._build(slot, spec, source)
                 self.events("evaluate", task=spec.name, slot=slot.index, node=slot.node,
@@ -225,9 +254,10 @@ class RayExecutor:
                 cause = f"SlotLost: evaluation slot {slot.index} on node {slot.node[:12]} was lost ({type(exc).__name__})"
                 lost.append(cause)
                 self.events("lost", task=spec.name, slot=slot.index, node=slot.node, error=type(exc).__name__)
-                if self._aborted.is_set() or len(lost) > MAX_INFRA_RETRIES or not self._await_slot(slot):
+                self._slot_lost(slot)
+                if self._aborted.is_set() or len(lost) > MAX_INFRA_RETRIES:
                     return self._lost_result(spec, source, lost, t0)
-                continue
+                continue                    # re-queued: the next live slot evaluates it
             finally:
                 self._unpick(slot)
             self._keep_footprints(spec, reply.get("footprints") or [])
@@ -249,13 +279,17 @@ class RayExecutor:
 
     def too_large(self, spec: TaskSpec) -> Optional[TaskTooLarge]:
         while True:
-            slot = self._pick(spec)
+            try:
+                slot = self._pick(spec)
+            except SlotsLost as exc:
+                raise ExecutorError(str(exc)) from None
             try:
                 reply = json.loads(self._ray.get(slot.actor.too_large.remote(spec_data(spec),
                                                                              self._known_footprint(spec))))
             except lost_slot_errors():
-                if self._aborted.is_set() or not self._await_slot(slot):
-                    raise ExecutorError(f"no evaluation slot came back within {SLOT_WAIT_S:.0f} s") from None
+                self._slot_lost(slot)
+                if self._aborted.is_set():
+                    raise ExecutorError("the run was interrupted") from None
                 continue
             finally:
                 self._unpick(slot)
@@ -274,6 +308,7 @@ class RayExecutor:
             slot.actor.abort.options(concurrency_group="control").remote()
 
     def close(self) -> None:
+        self._closed = True
         ray = self._ray
         closing = [s.actor.close.options(concurrency_group="control").remote() for s in self.slots]
         try:
