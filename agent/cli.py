@@ -12,6 +12,7 @@ from rich.table import Table
 
 from kernelloop.cli_common import (DbOption, DeviceOption, MathOption, PrecisionOption, SetOption, console, err_console,
                                    fail, open_store, resolve_device, resolve_numerics)
+from kernelloop.cli_executor import ExecutorOption, RayAddressOption, resolve_executor_device
 
 
 def _fmt(x: Optional[float], unit: str = "", digits: int = 3) -> str:
@@ -106,19 +107,18 @@ def optimize_command(
     precision: Optional[str] = PrecisionOption,
     math: Optional[str] = MathOption,
     resume: Optional[int] = typer.Option(None, "--resume", help="continue run RUN where it stopped"),
+    executor: str = ExecutorOption,
+    ray_address: Optional[str] = RayAddressOption,
     db: Optional[str] = DbOption,
 ) -> None:
     """Optimise tasks: each round samples candidates, evaluates, critiques and refines."""
     from agent.backends.base import BackendError, get_backend
     from agent.loop import LoopConfig, OptimizeLoop
+    from kernelloop.cli_executor import cli_device_facts, open_cli_executor
     from kernelloop.paths import code_version
-    import torch
-
-    from sandbox.evaluate import Sandbox, _device_name
     from sandbox.result import EvalConfig
     from sandbox.tasks import TaskError, TaskSpec, parse_overrides
     from store.models import Run, Task
-    from store.repo import footprint_book
 
     store = open_store(db)
     if resume is not None:
@@ -133,12 +133,12 @@ def optimize_command(
                 specs.append(TaskSpec(name=t["name"], path=t["path"], source=task_row.source,
                                       overrides=run.config["overrides"].get(t["name"], {})))
         run_id = resume
-        resolve_device(cfg.device)
+        resolve_executor_device(cfg.device, executor)
         if (precision or math) and resolve_numerics(precision, math, cfg.eval.numerics) != cfg.eval.numerics:
             fail(f"run {resume} was started under {cfg.eval.numerics.label}: --resume keeps its numerics "
                  f"(drop --precision/--math, or start a new run)")
     else:
-        dev = resolve_device(device)
+        dev = resolve_executor_device(device, executor)
         try:
             overrides = parse_overrides(set_)
         except TaskError as exc:
@@ -161,9 +161,8 @@ def optimize_command(
     except BackendError as exc:
         fail(str(exc))
 
-    sandbox = Sandbox(cfg.device, cfg.eval, footprints=footprint_book(store, _device_name(cfg.device),
-                                                                     torch.__version__))
-    facts = device_facts(cfg.device, sandbox.device_name, store)
+    sandbox = open_cli_executor(executor, cfg.device, cfg.eval, store, ray_address)
+    facts = cli_device_facts(sandbox, lambda: device_facts(cfg.device, sandbox.device_name, store))
     state: dict[str, Any] = {}
 
     def render() -> Table:
@@ -333,21 +332,23 @@ def replay_command(run: int = typer.Argument(..., help="the stored run whose can
                    precision: Optional[str] = typer.Option(None, "--precision",
                                                            help="fp32 | fp16 | bf16 [default: the stored run's]"),
                    math: Optional[str] = typer.Option(None, "--math", help="default | strict [default: the stored run's]"),
+                   executor: str = ExecutorOption,
+                   ray_address: Optional[str] = RayAddressOption,
                    db: Optional[str] = DbOption) -> None:
     """Re-evaluate a run's stored candidates on this machine as a new run linked to the old one,
     and show verdict and speed changes side by side (under the old run's numerics unless told)."""
     from agent.critic.cli import critique_run
     from agent.loop import LoopConfig, evaluate_attempt
     from kernelloop.paths import code_version
+    from kernelloop.cli_executor import open_cli_executor
     from sandbox.admission import TaskTooLarge
-    from sandbox.evaluate import Sandbox, _device_name
     from sandbox.result import EvalResult
     from sandbox.tasks import TaskSpec, with_device_sizes
     from store.models import Attempt, Run, Task
-    from store.repo import footprint_book, get_run, latest_evaluation
+    from store.repo import get_run, latest_evaluation
 
     store = open_store(db)
-    dev = resolve_device(device)
+    dev = resolve_executor_device(device, executor)
     with store.reader() as s:
         try:
             old = get_run(s, run)
@@ -371,9 +372,7 @@ def replay_command(run: int = typer.Argument(..., help="the stored run whose can
     if numerics != cfg.eval.numerics:
         err_console.print(f"[yellow]note:[/] run {run} was measured under {cfg.eval.numerics.label}, this replay under "
                           f"{numerics.label}: verdicts and speedups are not comparable one for one", highlight=False)
-    import torch
-
-    sandbox = Sandbox(dev, eval_cfg, footprints=footprint_book(store, _device_name(dev), torch.__version__))
+    sandbox = open_cli_executor(executor, dev, eval_cfg, store, ray_address)
     with store.session() as s:
         new = Run(kind="replay", status="running", model=f"replay:{run}", critic="grounded", device=dev,
                   device_name=sandbox.device_name, torch_version=sandbox.torch_version, code_version=code_version(),

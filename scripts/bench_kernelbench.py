@@ -18,6 +18,11 @@ timing, and the ratio of the two modes' rates; the last line is JSON.
     python scripts/bench_kernelbench.py --device cuda                       # 10 tasks x 4 candidates
     python scripts/bench_kernelbench.py --device cpu --tasks 3 --candidates 2
     python scripts/bench_kernelbench.py --device cpu --tasks 2 --set batch_size=1
+    python scripts/bench_kernelbench.py --device cuda --modes pipelined --executor ray   # on a Ray cluster
+
+``--executor ray`` (``RAY_ADDRESS`` or ``--ray-address``) evaluates through the Ray executor
+(``executors.ray_executor``): builds as Ray tasks, one slot actor per GPU; the fresh build cache
+is handed to the nodes (``KERNELLOOP_CACHE`` in the tasks' and actors' environment).
 """
 from __future__ import annotations
 
@@ -130,8 +135,18 @@ class FreshBuildCache:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def open_sandbox(executor: str, device: str, cfg: EvalConfig, warm_workers: int, precompute: bool,
+                 ray_address: Optional[str]) -> Any:
+    if executor == "local":
+        return Sandbox(device, cfg, warm_workers=warm_workers, precompute=precompute)
+    from executors import open_executor
+
+    return open_executor(executor, device, cfg, address=ray_address, warm_workers=warm_workers,
+                         precompute=precompute, node_env={"KERNELLOOP_CACHE": os.environ["KERNELLOOP_CACHE"]})
+
+
 def run_mode(mode: str, work: list[tuple[TaskSpec, str]], device: str, cfg: EvalConfig, parallel: int,
-             warm_workers: int) -> dict[str, Any]:
+             warm_workers: int, executor: str = "local", ray_address: Optional[str] = None) -> dict[str, Any]:
     pipelined = mode == "pipelined"
     results: list[EvalResult] = []
     errors: list[str] = []
@@ -140,7 +155,7 @@ def run_mode(mode: str, work: list[tuple[TaskSpec, str]], device: str, cfg: Eval
         left[spec.key] = left.get(spec.key, 0) + 1
     lock = threading.Lock()
     with FreshBuildCache():
-        sb = Sandbox(device, cfg, warm_workers=warm_workers if pipelined else 0, precompute=pipelined)
+        sb = open_sandbox(executor, device, cfg, warm_workers if pipelined else 0, pipelined, ray_address)
         try:
             def one(item: tuple[TaskSpec, str]) -> Optional[EvalResult]:
                 spec, src = item
@@ -173,13 +188,15 @@ def run_mode(mode: str, work: list[tuple[TaskSpec, str]], device: str, cfg: Eval
                         results.append(r)
                         _line(mode, r)
             wall = time.monotonic() - t0
-            stats = sb.pool_stats
+            stats = getattr(sb, "pool_stats", {})
         except KeyboardInterrupt:
             sb.abort()
             raise
         finally:
             sb.close()
-    return summarize(mode, results, errors, wall, len(sb.slots), stats)
+    summary = summarize(mode, results, errors, wall, len(sb.slots), stats)
+    summary["executor"] = executor
+    return summary
 
 
 def _line(mode: str, r: EvalResult) -> None:
@@ -199,7 +216,10 @@ def summarize(mode: str, results: list[EvalResult], errors: list[str], wall: flo
             "statuses": {s: sum(r.status.value == s for r in results) for s in sorted({r.status.value for r in results})},
             "phases_median_s": phases, "device_held_s": round(held, 1),
             "device_busy_fraction": round(held / (wall * slots), 3) if wall > 0 else 0.0, "slots": slots,
-            "pool": pool}
+            "pool": pool,
+            # each candidate's verdict, to compare two runs of the same work (executors, modes)
+            "verdicts": {f"{r.task}|{r.candidate_sha256[:12]}": r.status.value + ("+flagged" if not r.clean and r.correct else "")
+                         for r in results}}
 
 
 def report(s: dict[str, Any]) -> None:
@@ -225,6 +245,9 @@ def main() -> None:
                     help="comma-separated: pipelined, one-at-a-time (in this order; the first runs on a colder host)")
     ap.add_argument("--no-compile", action="store_true", help="do not time the reference under torch.compile")
     ap.add_argument("--json", type=Path, help="also write the summary here")
+    ap.add_argument("--executor", choices=("local", "ray"), default="local",
+                    help="where candidates are evaluated (ray: builds as Ray tasks, one slot actor per GPU)")
+    ap.add_argument("--ray-address", default=None, help="the Ray cluster to join [default: RAY_ADDRESS]")
     args = ap.parse_args()
 
     cfg = EvalConfig(time_compile=not args.no_compile)
@@ -240,12 +263,13 @@ def main() -> None:
         if mode not in ("pipelined", "one-at-a-time"):
             ap.error(f"unknown mode {mode!r}")
         print(f"{mode} ...", flush=True)
-        summaries.append(run_mode(mode, work, args.device, cfg, args.parallel, args.warm_workers))
+        summaries.append(run_mode(mode, work, args.device, cfg, args.parallel, args.warm_workers, args.executor,
+                                  args.ray_address))
     print()
     for s in summaries:
         report(s)
-    out: dict[str, Any] = {"device": args.device, "tasks": [s.name for s in specs], "candidates_per_task": args.candidates,
-                           "modes": summaries}
+    out: dict[str, Any] = {"device": args.device, "executor": args.executor, "tasks": [s.name for s in specs],
+                           "candidates_per_task": args.candidates, "modes": summaries}
     rates = {s["mode"]: s["per_min"] for s in summaries}
     if rates.get("pipelined") and rates.get("one-at-a-time"):
         out["ratio"] = round(rates["pipelined"] / rates["one-at-a-time"], 2)

@@ -2,6 +2,8 @@
 # Fetch the wheels the GPU host lacks (it has torch, ninja, jinja2, typer, rich, matplotlib,
 # filelock, httpx, pytest but no network) into .whl/, an ignored folder that travels with
 # `carry` (.gitignore ignores it). Run once here; every GPU session then installs them with scripts/gpu_env.sh.
+#   bash scripts/fetch_wheels.sh ray   # also Ray and its dependencies into .whl-ray/ (scripts/gpu_ray.sh): Ray's
+#                                      # wheel repacked without its Java jar (79 MB -> about 47 MB, under 64 MiB)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl
@@ -11,3 +13,19 @@ for pkg in pydantic pydantic-core annotated-types typing-inspection typing-exten
     "${PLATFORMS[@]}" -d .whl "$pkg" || python3 -m pip download -q --no-deps -d .whl "$pkg"
 done
 ls -1 .whl
+if [ "${1:-}" = "ray" ]; then
+  RAY_VERSION=${RAY_VERSION:-2.60.0}
+  rm -rf .whl-ray && mkdir -p .whl-ray /tmp/ray-wheel-full
+  for pkg in "ray==$RAY_VERSION" click jsonschema jsonschema-specifications referencing rpds-py attrs msgpack protobuf \
+             pyyaml requests urllib3 charset-normalizer; do
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      "${PLATFORMS[@]}" -d /tmp/ray-wheel-full "$pkg" || python3 -m pip download -q --no-deps -d /tmp/ray-wheel-full "$pkg"
+  done
+  for w in /tmp/ray-wheel-full/*.whl; do
+    case "$(basename "$w")" in
+      ray-*) python3 scripts/repack_ray_wheel.py "$w" ".whl-ray/$(basename "$w")" ;;
+      *) cp "$w" .whl-ray/ ;;
+    esac
+  done
+  du -sh .whl-ray; ls -1 .whl-ray
+fi

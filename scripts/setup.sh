@@ -8,7 +8,15 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==2.13.0"
 fi
-"$PY" -m pip install -q -e ".[test]"
+"$PY" -m pip install -q -e ".[test,cluster]"
+# The PostgreSQL store's tests start a real server: Debian's postgresql package (its binaries only;
+# the tests run their own server in a temporary folder, nothing is started here).
+if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && ! command -v initdb >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null) \
+      || echo "warning: postgresql could not be installed; the PostgreSQL store tests will be skipped" >&2
+  fi
+fi
 # The HTML report's browser test needs a headless Chromium (Debian's package).
 if [ "${KERNELLOOP_SKIP_BROWSER:-0}" != "1" ] && ! command -v chromium >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1; then

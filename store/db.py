@@ -1,12 +1,14 @@
 """Opening a store: URL resolution, SQLite pragmas, schema versioning.
 
 ``--db`` or ``KERNELLOOP_DB`` names a SQLite file (default ``./kernelloop.db``) or any
-SQLAlchemy URL. Opening an older kernelloop store upgrades it in place, keeping every
+SQLAlchemy URL (``postgresql+psycopg://user@host/db``: the same code and migrations). Opening an older kernelloop store upgrades it in place, keeping every
 row; a store written by a newer kernelloop, or a database that is not a kernelloop store,
 is refused with a message that says which.
 
 One writer: a ``Store`` serialises its write sessions with a lock, and the loop keeps all
-writes in its main process (workers send results back; they never open the store).
+writes in its main process (workers send results back; they never open the store). Several
+drivers may share one PostgreSQL store (each run's rows are its own; migrations run under an
+advisory lock, so drivers opening a new or older store at once upgrade it once).
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from store.migrations import APP_ID, MIGRATIONS, SCHEMA_VERSION
 
 DEFAULT_DB = "kernelloop.db"
+# pg_advisory_xact_lock key held while a PostgreSQL store is checked and upgraded ("klmeta").
+MIGRATION_LOCK = 0x6B6C6D657461
 
 
 class StoreError(Exception):
@@ -49,7 +53,8 @@ def _sqlite_pragmas(dbapi_conn, _record) -> None:
 class Store:
     def __init__(self, db: str | os.PathLike | None = None, upgrade: bool = True):
         self.url = resolve_url(db)
-        self.engine = sa.create_engine(self.url, future=True)
+        sqlite = self.url.startswith("sqlite")
+        self.engine = sa.create_engine(self.url, future=True, **({} if sqlite else {"pool_pre_ping": True}))
         if self.engine.dialect.name == "sqlite":
             event.listen(self.engine, "connect", _sqlite_pragmas)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
@@ -62,6 +67,11 @@ class Store:
 
     def _check_and_upgrade(self, upgrade: bool) -> int:
         with self.engine.begin() as conn:
+            # One upgrader at a time: the others wait here and then find the store current.
+            if conn.dialect.name == "postgresql":   # DDL is transactional there
+                conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": MIGRATION_LOCK})
+            elif conn.dialect.name == "sqlite":     # the file's write lock now, not at the first write
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
             tables = set(sa.inspect(conn).get_table_names())
             if not tables:
                 current = 0

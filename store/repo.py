@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Optional
 
 import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from sandbox.footprint import Footprint, FootprintBook
@@ -29,9 +30,17 @@ def call_fields(c, left_out: Optional[list[str]] = None) -> dict:
 def upsert_task(session: Session, spec: TaskSpec) -> Task:
     task = session.scalar(sa.select(Task).where(Task.sha256 == spec.sha256))
     if task is None:
-        task = Task(name=spec.name, path=spec.path, sha256=spec.sha256, source=spec.source)
-        session.add(task)
-        session.flush()
+        if session.get_bind().dialect.name == "sqlite":   # one writer at a time: no one can race us
+            task = Task(name=spec.name, path=spec.path, sha256=spec.sha256, source=spec.source)
+            session.add(task)
+            session.flush()
+            return task
+        try:        # another driver on the same server may insert the same task at this moment
+            with session.begin_nested():
+                task = Task(name=spec.name, path=spec.path, sha256=spec.sha256, source=spec.source)
+                session.add(task)
+        except IntegrityError:
+            task = session.scalar(sa.select(Task).where(Task.sha256 == spec.sha256))
     return task
 
 

@@ -69,3 +69,28 @@ def sandbox():
     cfg = EvalConfig(trials=2, timed_runs=3, warmup_runs=1, time_compile=False, run_timeout_s=60.0)
     with Sandbox("cpu", cfg, build_slots=1) as sb:
         yield sb
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A real PostgreSQL server for the session (``tests/pgserver.py``); skipped, saying what is
+    missing, where psycopg or the server binaries are not installed (scripts/setup.sh installs both)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import pgserver
+
+    why = pgserver.missing()
+    if why:
+        pytest.skip(why)
+    server = pgserver.PostgresServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A new, empty store's URL: a SQLite file, then a fresh database on the PostgreSQL server."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'kernelloop-test.db'}"
+    return request.getfixturevalue("postgres_server").new_url()
