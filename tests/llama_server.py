@@ -9,6 +9,11 @@ server's own account of each generation:
 - ``stop processing: n_tokens = N, truncated = T`` when a slot finishes a task (``truncated = 1``:
   the answer was stopped because the slot's window was full);
 - ``cancel task, id_task = N`` when a client went away and the server abandoned a generation.
+
+Both strings are llama.cpp's own (``tools/server/server-context.cpp``, ``server_slot::release``;
+``tools/server/server-queue.cpp``, ``server_response_reader::stop``), printed at its default
+verbosity (3). ``truncated`` is set only where the slot's window filled up (without
+``--context-shift``, the server's default) or a context shift dropped tokens.
 """
 from __future__ import annotations
 
@@ -22,6 +27,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Optional
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_ALIAS = "smollm2-135m"
@@ -53,7 +60,7 @@ def _free_port() -> int:
 
 
 class LlamaServer:
-    def __init__(self, log_path: Path, ctx: int, parallel: int, threads: int):
+    def __init__(self, log_path: Path, ctx: int, parallel: int, threads: int, extra: tuple[str, ...] = ()):
         binary, model = server_binary(), model_file()
         assert binary is not None and model is not None, "run scripts/llama_server.sh first"
         self.port = _free_port()
@@ -62,9 +69,13 @@ class LlamaServer:
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [str(binary), "-m", str(model), "--alias", MODEL_ALIAS, "--host", "127.0.0.1", "--port", str(self.port),
-             "-c", str(ctx), "-np", str(parallel), "-t", str(threads), "-tb", str(threads)],
+             "-c", str(ctx), "-np", str(parallel), "-t", str(threads), "-tb", str(threads), *extra],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        self._wait_healthy()
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()             # a server that never became healthy is not left running
+            raise
 
     def _wait_healthy(self, timeout_s: float = 120.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -104,3 +115,19 @@ class LlamaServer:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+
+
+@pytest.fixture
+def llama_server(tmp_path: Path):
+    """Starts llama-servers for a test (``llama_server(ctx=, parallel=, threads=, extra=())``) on free
+    loopback ports, each logging to its own file under the test's directory; stops them all after it."""
+    started: list[LlamaServer] = []
+
+    def start(ctx: int, parallel: int, threads: int, extra: tuple[str, ...] = ()) -> LlamaServer:
+        server = LlamaServer(tmp_path / f"server{len(started)}.log", ctx, parallel, threads, extra)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
