@@ -5,9 +5,13 @@ queueing and speed are its own, and its log is its own account of every generati
 (a) a 4096-token window per slot, max_tokens 1024, two seed tasks, three rounds of two samples:
     the run finishes with every attempt made, no call fails on the window, and the server stopped
     no answer for a full window;
-(b) a slow server (one thread, four slots) with every client setting at its default: the run
-    finishes, no call times out and the server abandons no generation. CI runs a shorter (b)
-    (one task); ``KERNELLOOP_FULL_B=1`` (``scripts/real_server_b.sh``) runs two tasks.
+(b) a slow server (one thread, four slots of 8192 tokens, ``--ignore-eos`` so that every answer runs
+    on to what the window leaves, as a model that writes until max_tokens does) with every client
+    setting at its default: the run finishes, no call fails or times out, the server abandons no
+    generation, and (what makes the test worth its time) at least one call took longer than the
+    old client's 300 s timeout. CI runs a shorter (b): one task, two samples (about 13 minutes on
+    2 cores, longest call about 510 s); ``KERNELLOOP_FULL_B=1`` (``scripts/real_server_b.sh``)
+    runs two tasks.
 
 The server comes from ``scripts/llama_server.sh`` (scripts/test.sh runs it, and sets
 KERNELLOOP_REQUIRE_REAL_SERVER=1 so that a missing server fails instead of skipping).
@@ -15,6 +19,7 @@ KERNELLOOP_REQUIRE_REAL_SERVER=1 so that a missing server fails instead of skipp
 from __future__ import annotations
 
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -23,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from llama_server import MODEL_ALIAS, LlamaServer, model_file, server_binary
+from llama_server import MODEL_ALIAS, LlamaServer, llama_server, model_file, server_binary  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ["seeds/gemm_sigmoid_gemm_logsumexp", "seeds/conv2d_divide_leakyrelu"]
@@ -42,13 +47,23 @@ def _needs_server():
 
 def optimize(server: LlamaServer, db: Path, tasks: list[str], rounds: int, samples: int, *extra: str,
              timeout_s: float = 1800) -> tuple[subprocess.CompletedProcess, float]:
+    """``kernelloop optimize`` against ``server``; a run past ``timeout_s`` is killed and comes back
+    with returncode None, so that its figures can still be read from the store."""
     env = {**os.environ, "OPENAI_BASE_URL": server.base_url, "OPENAI_API_KEY": "sk-local",
            "KERNELLOOP_DB": str(db)}
+    args = [sys.executable, "-m", "kernelloop", "optimize", *tasks, "--model", f"openai:{MODEL_ALIAS}",
+            "--rounds", str(rounds), "--samples", str(samples), "--device", "cpu", *extra]
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "kernelloop", "optimize", *tasks, "--model", f"openai:{MODEL_ALIAS}",
-                           "--rounds", str(rounds), "--samples", str(samples), "--device", "cpu", *extra],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
-    return proc, time.monotonic() - started
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        code, err = None, err + f"\n(killed after {timeout_s:.0f} s)"
+    return subprocess.CompletedProcess(args, code, out, err), time.monotonic() - started
 
 
 def figures(db: Path) -> dict:
@@ -60,13 +75,15 @@ def figures(db: Path) -> dict:
                                 (run[0],)).fetchall()
     return {"status": run[1], "calls": calls, "attempts": attempts,
             "errors": [c[1] for c in calls if c[1]],
-            "prompt_tokens": sum(c[3] or 0 for c in calls), "completion_tokens": sum(c[4] or 0 for c in calls)}
+            "prompt_tokens": sum(c[3] or 0 for c in calls), "completion_tokens": sum(c[4] or 0 for c in calls),
+            "longest_s": max((c[5] or 0 for c in calls), default=0.0)}
 
 
 def report(name: str, wall_s: float, f: dict, server: LlamaServer) -> str:
     line = (f"{name}: wall {wall_s:.0f} s, status {f['status']}, {len(f['attempts'])} attempts, "
             f"{len(f['calls'])} calls, {f['prompt_tokens']} prompt + {f['completion_tokens']} completion tokens, "
-            f"{len(f['errors'])} errors, server finished {len(server.finished())} generations "
+            f"{len(f['errors'])} errors, longest call {f['longest_s']:.0f} s, "
+            f"server finished {len(server.finished())} generations "
             f"({sum(t for _, t in server.finished())} stopped by a full window), "
             f"{len(server.cancelled())} cancelled")
     print(line)
@@ -77,40 +94,46 @@ def report(name: str, wall_s: float, f: dict, server: LlamaServer) -> str:
     return line
 
 
-def test_a_prompts_fit_a_4096_token_window(tmp_path: Path):
-    server = LlamaServer(tmp_path / "server.log", ctx=8192, parallel=2, threads=2)    # 4096 tokens per slot
-    try:
-        assert server.props()["default_generation_settings"]["n_ctx"] == 4096
-        proc, wall = optimize(server, tmp_path / "a.db", TASKS, 3, 2, "--max-tokens", "1024")
-        f = figures(tmp_path / "a.db")
-        line = report("(a)", wall, f, server)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        assert f["status"] == "finished", line
-        # every attempt made: two tasks x three rounds x two samples
-        assert sorted((r, s) for r, s, _ in f["attempts"]) == sorted(
-            [(r, s) for r in range(3) for s in range(2)] * 2), line
-        assert not [e for e in f["errors"] if "context" in e.lower() or "window" in e.lower()], f["errors"]
-        assert not [c for c in f["calls"] if c[2] == "window"], line
-        finished = server.finished()
-        assert len(finished) >= len(f["calls"]), line       # the server's own account of every answer
-        assert not [n for n, truncated in finished if truncated], line
-    finally:
-        server.stop()
+@pytest.mark.timeout(2400)
+def test_a_prompts_fit_a_4096_token_window(tmp_path: Path, llama_server):
+    server = llama_server(ctx=8192, parallel=2, threads=2)     # 4096 tokens per slot
+    assert server.props()["default_generation_settings"]["n_ctx"] == 4096
+    proc, wall = optimize(server, tmp_path / "a.db", TASKS, 3, 2, "--max-tokens", "1024")
+    f = figures(tmp_path / "a.db")
+    line = report("(a)", wall, f, server)
+    assert proc.returncode == 0, line + "\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f["status"] == "finished", line
+    # every attempt made: two tasks x three rounds x two samples
+    assert sorted((r, s) for r, s, _ in f["attempts"]) == sorted(
+        [(r, s) for r in range(3) for s in range(2)] * 2), line
+    assert not [e for e in f["errors"] if "context" in e.lower() or "window" in e.lower()], f["errors"]
+    assert not [c for c in f["calls"] if c[2] == "window"], line
+    finished = server.finished()
+    assert len(finished) >= len(f["calls"]), line       # the server's own account of every answer
+    assert not [n for n, truncated in finished if truncated], line
 
 
-def test_b_a_slow_server_with_default_client_settings(tmp_path: Path):
-    tasks = TASKS if os.environ.get("KERNELLOOP_FULL_B") == "1" else TASKS[:1]
-    server = LlamaServer(tmp_path / "server.log", ctx=16384, parallel=4, threads=1)   # 4096 per slot, one thread
-    try:
-        assert server.props()["total_slots"] == 4
-        proc, wall = optimize(server, tmp_path / "b.db", tasks, 1, 2, timeout_s=3600)
-        f = figures(tmp_path / "b.db")
-        line = report("(b)" if len(tasks) == 2 else "(b, one task)", wall, f, server)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        assert f["status"] == "finished", line
-        assert len(f["attempts"]) == 2 * len(tasks), line
-        assert not f["errors"], f["errors"]                   # no call timed out or failed
-        assert not server.cancelled(), line                   # no generation abandoned
-        assert len(server.finished()) == len(f["calls"]), line   # each call generated once, no retries
-    finally:
-        server.stop()
+# The client's total timeout before issue 25 (300 s a request, retried from scratch up to five times).
+OLD_TIMEOUT_S = 300
+
+
+@pytest.mark.timeout(3600)
+def test_b_a_slow_server_with_default_client_settings(tmp_path: Path, llama_server):
+    """One thread, four slots of 8192 tokens (SmolLM2's own window) and ``--ignore-eos``: every answer
+    runs on to what the window leaves, as a model that writes until max_tokens does, so that a call
+    takes longer than the old client's 300 s. The client runs with every setting at its default."""
+    full = os.environ.get("KERNELLOOP_FULL_B") == "1"
+    tasks = TASKS if full else TASKS[:1]
+    server = llama_server(ctx=4 * 8192, parallel=4, threads=1, extra=("--ignore-eos",))
+    assert server.props()["total_slots"] == 4
+    proc, wall = optimize(server, tmp_path / "b.db", tasks, 1, 2, timeout_s=3300)
+    f = figures(tmp_path / "b.db")
+    line = report("(b)" if full else "(b, one task)", wall, f, server)
+    assert proc.returncode == 0, line + "\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f["status"] == "finished", line
+    assert len(f["attempts"]) == 2 * len(tasks), line
+    assert not f["errors"], f["errors"]                   # no call timed out or failed
+    assert not server.cancelled(), line                   # no generation abandoned
+    assert len(server.finished()) == len(f["calls"]), line   # each call generated once, no retries
+    # What makes this test worth its time: the server was slower than the old timeout.
+    assert f["longest_s"] > OLD_TIMEOUT_S, line
