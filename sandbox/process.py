@@ -3,6 +3,12 @@
 Each worker gets a fresh temporary working directory, its stdout and stderr in files
 (capped when read back), a private socket for requests and replies, its own process
 group (so a kill takes its compilers and ninja with it), and optional memory limits.
+
+Every worker runs under a keeper (``sandbox.keeper``): a process the worker cannot leave behind,
+through which every process the worker starts, detached or not, is found and killed. ``sweep``
+kills a candidate's strays while its worker is idle; ``kill`` kills the whole tree. What either
+killed besides the worker is returned by ``sweep`` and kept in ``strays`` by ``kill`` (the
+evaluation flags both).
 """
 from __future__ import annotations
 
@@ -97,20 +103,105 @@ class WorkerProcess:
                 import resource
 
                 resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        keeper_sock, keeper_child = socket.socketpair()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sandbox.worker", str(child_sock.fileno())],
+            [sys.executable, "-m", "sandbox.keeper", str(keeper_child.fileno()), "--",
+             sys.executable, "-m", "sandbox.worker", str(child_sock.fileno())],
             cwd=self.workdir, stdin=subprocess.DEVNULL, stdout=self._stdout, stderr=self._stderr,
-            pass_fds=(child_sock.fileno(),), env=child_env, start_new_session=True, preexec_fn=preexec)
+            pass_fds=(child_sock.fileno(), keeper_child.fileno()), env=child_env, start_new_session=True,
+            preexec_fn=preexec)
         child_sock.close()
+        keeper_child.close()
         self.conn = Connection(os.dup(parent_sock.fileno()))
         parent_sock.close()
+        self.keeper = Connection(os.dup(keeper_sock.fileno()))
+        keeper_sock.close()
+        self._keeper_lock = threading.Lock()
+        self.worker_pid: Optional[int] = None     # the worker under the keeper (``proc`` is the keeper)
+        self.containment: Optional[str] = None    # cgroup | subreaper | none, once the keeper said
+        self.strays: list[str] = []               # processes killed besides the worker, described
+        self.keeper_lost = False                  # the keeper went away without accounting for the tree
+        self.busy = False                         # a request is in flight (a kill now is mid-request)
         self.started = time.monotonic()
         self.events: list[str] = []     # what the worker said it is doing (sandbox.failures)
         self.oom_kills_at_start = oom_kills()
         with _LIVE_LOCK:
             _LIVE.add(self)
 
+    # ---- the keeper
+    def _keeper_message(self, timeout: float) -> Optional[dict[str, Any]]:
+        """The keeper's next message; None where it said nothing in time or is gone."""
+        try:
+            if not self.keeper.poll(timeout):
+                return None
+            msg = json.loads(self.keeper.recv_bytes().decode())
+        except (EOFError, OSError, ValueError):
+            return None
+        if not isinstance(msg, dict):
+            return None
+        if msg.get("event") == "hello":
+            self.worker_pid, self.containment = msg.get("pid"), msg.get("mode")
+            return self._keeper_message(timeout)
+        return msg
+
+    def _keeper_ask(self, payload: dict[str, Any], timeout: float) -> Optional[dict[str, Any]]:
+        """Ask the keeper; its reply, or None where it is gone (then killed by its group)."""
+        if self.keeper.closed:
+            return None
+        with self._keeper_lock:
+            try:
+                self.keeper.send_bytes(json.dumps(payload).encode())
+            except OSError:
+                return self._keeper_gone()
+            while True:
+                msg = self._keeper_message(timeout)
+                if msg is None:
+                    return self._keeper_gone()
+                if msg.get("event") == "exit":          # the worker died meanwhile: its strays
+                    self.strays.extend(str(k) for k in msg.get("killed") or [])
+                    return {"killed": []}
+                return msg
+
+    def _keeper_gone(self) -> None:
+        """The keeper neither answered nor said the worker exited: it was killed or hangs, and the
+        worker's detached processes may have escaped (the caller kills the keeper's group)."""
+        self.keeper_lost = True
+        return None
+
+    def sweep(self, timeout: float = 30.0) -> list[str]:
+        """Kill every process of this worker's tree but the (idle) worker: the strays it killed."""
+        reply = self._keeper_ask({"op": "sweep"}, timeout)
+        return [str(k) for k in (reply or {}).get("killed") or []]
+
+    def end(self, idle: bool, timeout: float = 10.0) -> None:
+        """Kill the worker and its whole tree (the keeper counts the strays), then the keeper's group."""
+        if self.proc.poll() is None:
+            reply = self._keeper_ask({"op": "end", "idle": idle}, timeout)
+            if reply is not None:
+                self.strays.extend(str(k) for k in reply.get("killed") or [])
+        else:
+            self._read_exit()
+        if self._wait_exit(2.0) is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                self.proc.kill()
+        self._wait_exit(10.0)
+
+    def _read_exit(self) -> None:
+        """The keeper's account of a worker that exited by itself (what it killed after it)."""
+        with self._keeper_lock:
+            while not self.keeper.closed:
+                msg = self._keeper_message(0.5)
+                if msg is None:
+                    break
+                if msg.get("event") == "exit":
+                    self.strays.extend(str(k) for k in msg.get("killed") or [])
+                    break
+
+    # ---- requests
     def send(self, payload: dict[str, Any]) -> None:
+        self.busy = True
         try:
             self.conn.send_bytes(json.dumps(payload).encode())
         except OSError as exc:
@@ -143,6 +234,7 @@ class WorkerProcess:
                 if set(reply) == {"event"}:
                     self.events.append(str(reply["event"]))     # a note, not the answer: wait on
                     continue
+                self.busy = False
                 return reply
             if self.proc.poll() is not None and not self.conn.poll(0):
                 code = self.proc.returncode
@@ -170,12 +262,10 @@ class WorkerProcess:
         return text
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                self.proc.kill()
-            self._wait_exit(10.0)
+        """Kill the worker and every process it started (``strays`` says which besides itself)."""
+        if not self.keeper.closed:
+            self.end(idle=not self.busy)
+            self.keeper.close()
         self.conn.close()
         self._stdout.close()
         self._stderr.close()
