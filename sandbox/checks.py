@@ -1,9 +1,11 @@
 """The checks of a loaded candidate, with its device held: trials against the trusted
-reference, timing of reference and candidate by the same code, spot checks of timed runs, the
-parent's clock cross-check, and the evidence (profiles, roofline floor)."""
+reference, timing of reference and candidate by the same code, a check of every timed run
+(``sandbox.runcheck``) and full spot checks of two, proof of a quiet device (``sandbox.quiet``),
+the parent's clock cross-check, and the evidence (profiles, roofline floor)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 import time
 from typing import Any, Optional
@@ -12,6 +14,7 @@ from sandbox import failures
 from sandbox.compare import fp64_verdict
 from sandbox.phases import Stages
 from sandbox.process import WorkerProcess
+from sandbox.quiet import GpuWatch, IdleWatch, TimingHistory
 from sandbox.reference import Precomputed, ReferenceWorker
 from sandbox.result import EvalConfig, EvalResult, FlagKind, KernelStat, OutputCheck, Status, Timing, Trial
 
@@ -23,8 +26,11 @@ CLOCK_FACTOR = 3.0
 class CandidateChecks:
     """Runs the cascade's trials, timing and evidence stages for one sandbox's config and device."""
 
-    def __init__(self, config: EvalConfig, device: str):
-        self.config, self.device = config, device
+    def __init__(self, config: EvalConfig, device: str, gpu: Optional[str] = None,
+                 history: Optional[TimingHistory] = None):
+        """``gpu``: the slot's GPU (a CUDA_VISIBLE_DEVICES entry, watched through NVML);
+        ``history``: the sandbox's running medians of reference timings (``sandbox.quiet``)."""
+        self.config, self.device, self.gpu, self.history = config, device, gpu, history
 
     def run(self, result: EvalResult, ref: ReferenceWorker, cand: WorkerProcess, stages: Stages,
             first: Optional[Precomputed] = None, gate: Any = None) -> None:
@@ -104,40 +110,56 @@ class CandidateChecks:
                             "no call into the candidate's own compiled extension during a forward")
         result.status = Status.correct
 
-        # ---- timing (same routine, same policy, device held exclusively)
+        # ---- timing (same routine, same policy, device held exclusively): the candidate first,
+        # sampling every timed output (sandbox.runcheck), then the reference on the same inputs,
+        # checking those samples, while the candidate's worker is idle and its strays are gone
         stages.enter("timing")
         timing_seed = secrets.randbits(30)
         timed = {"op": "time", "seed": timing_seed, "warmup": cfg.warmup_runs, "runs": cfg.timed_runs,
                  "flush_l2": cfg.flush_l2}
         # Spot checks: the outputs of the last timed run and of one secret other run are
-        # compared with the reference, so a candidate cannot cache its way through timing.
+        # compared in full with the reference's.
         check_runs = sorted({cfg.timed_runs - 1, secrets.randbelow(cfg.timed_runs)})
+        gpu = GpuWatch(self.gpu) if self.device == "cuda" else None
         with (gate.timing() if gate is not None else contextlib.nullcontext()):
+            result.add_strays(cand.sweep(), "before its timed runs")
+            self._foreign(gpu, result, "before the timed runs")
             w0 = time.monotonic()
-            eager = ref.ask(timed)
+            ct = cand.ask({**timed, "check_runs": check_runs, "sample": True}, cfg.run_timeout_s)
+            cand_wall = time.monotonic() - w0
+            if not ct.get("ok"):
+                _raise_if_infra(ct)
+                result.status = Status.runtime_error
+                result.error_type = ct.get("error_type")
+                result.error_message = f"while timing: {ct.get('error_message')}"
+                result.traceback = ct.get("traceback")
+                return
+            result.candidate_time = Timing(**ct["timing"])
+            outs = cand.ask({"op": "timed_outputs"}, cfg.run_timeout_s)
+            if not outs.get("ok"):
+                _raise_if_infra(outs)
+            result.add_strays(cand.sweep(), "during its timed runs")
+            idle = IdleWatch(cand.worker_pid)
+            w0 = time.monotonic()
+            eager = ref.ask({**timed, "samples_path": outs.get("samples_path"), "config": cfg.model_dump(mode="json")}
+                            if outs.get("samples_path") else timed)
             ref_wall = time.monotonic() - w0
             result.eager_time = Timing(**eager["timing"])
+            self._steady(ref, timed, result)
             if cfg.time_compile:
                 try:
                     comp = ref.ask({**timed, "compiled": True})
                     result.compile_time = Timing(**comp["timing"])
                 except RuntimeError as exc:
                     result.stderr += f"\n[kernelloop] torch.compile of the reference failed: {exc}"
-            w0 = time.monotonic()
-            ct = cand.ask({**timed, "check_runs": check_runs}, cfg.run_timeout_s)
-            cand_wall = time.monotonic() - w0
-        if not ct.get("ok"):
-            _raise_if_infra(ct)
-            result.status = Status.runtime_error
-            result.error_type = ct.get("error_type")
-            result.error_message = f"while timing: {ct.get('error_message')}"
-            result.traceback = ct.get("traceback")
+            busy = idle.busy()
+            self._foreign(gpu, result, "while timing")
+        if busy:
+            result.add_flag(FlagKind.suspicious, busy)
+            result.add_flag(FlagKind.contended, "the candidate's process ran while the reference was timed")
+        if not self._timed_runs(result, eager.get("samples"), outs.get("samples_path")):
             return
-        result.candidate_time = Timing(**ct["timing"])
         stages.enter("spot_checks")
-        outs = cand.ask({"op": "timed_outputs"}, cfg.run_timeout_s)
-        if not outs.get("ok"):
-            _raise_if_infra(outs)
         saved = outs.get("saved") or {}
         if not self._spot_check(ref, saved, check_runs, timing_seed, result):
             return
@@ -167,6 +189,53 @@ class CandidateChecks:
             result.reference_profile = [KernelStat(**row) for row in ref.profile]
         stages.enter("floor")
         self._floor(ref, result)
+
+    def _timed_runs(self, result: EvalResult, samples: Optional[dict], path: Optional[str]) -> bool:
+        """The verdict of the samples of every timed run (sandbox.runcheck): False where one failed."""
+        if samples is None:
+            failed = [[0, "its timed outputs were not sampled" if path is None else "its samples were not checked"]]
+        else:
+            result.timed_runs_checked = int(samples.get("checked") or 0)
+            failed = samples.get("failed") or []
+        if not failed:
+            return True
+        i, why = failed[0]
+        more = f" ({len(failed)} of {self.config.timed_runs} timed runs failed)" if len(failed) > 1 else ""
+        result.trials.append(Trial(index=len(result.trials), candidate_first=False, passed=False,
+                                   reason=f"timed run {i}: {why}{more}"))
+        result.status = Status.incorrect
+        result.error_message = f"timed run {i} returned a wrong output: {why}{more}"
+        result.speedup_eager = result.speedup_compile = None
+        return False
+
+    def _steady(self, ref: ReferenceWorker, timed: dict[str, Any], result: EvalResult) -> None:
+        """A reference eager time off its running median is timed again; still off: ``contended``."""
+        if self.history is None or result.eager_time is None:
+            return
+        key = (result.task_sha256 or result.task, result.device_name, self.config.numerics.label)
+        why = self.history.departure(key, result.eager_time.median_ms, result.eager_time.iqr_ms)
+        if why is not None:
+            result.reference_retimed += 1
+            result.eager_time = Timing(**ref.ask(timed)["timing"])
+            again = self.history.departure(key, result.eager_time.median_ms, result.eager_time.iqr_ms)
+            if again is not None:
+                result.add_flag(FlagKind.contended, f"the reference's eager time departed from its running median "
+                                f"twice: {why}; timed again: {again}")
+        self.history.add(key, result.eager_time.median_ms)
+
+    @staticmethod
+    def _foreign(gpu: Optional[GpuWatch], result: EvalResult, when: str) -> None:
+        """Other processes on the slot's GPU (NVML) make the timing ``contended``."""
+        if gpu is None:
+            return
+        if gpu.note:
+            if gpu.note not in result.stderr:
+                result.stderr += f"\n[kernelloop] {gpu.note}"
+            return
+        found = gpu.foreign(os.getpid())
+        gpu.start()
+        if found:
+            result.add_flag(FlagKind.contended, f"the GPU was not quiet {when}: " + "; ".join(found[:4]))
 
     def _compare(self, ref: ReferenceWorker, index: int, cand_path: str) -> tuple[bool, Optional[str], list[OutputCheck]]:
         """The candidate's saved outputs against the reference's kept ones, compared by the

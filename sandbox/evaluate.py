@@ -35,6 +35,7 @@ from sandbox.footprint import FootprintBook, human_bytes
 from sandbox.harness import cpu_model
 from sandbox.phases import Stages, phase
 from sandbox.pool import DeviceGate, WarmPool
+from sandbox.quiet import TimingHistory
 from sandbox.process import WorkerDied, WorkerProcess, WorkerTimeout, kill_all_workers
 from sandbox.reference import Precomputed, ReferenceWorker
 from sandbox.result import BuildCheck, BuildInfo, EvalConfig, EvalResult, FlagKind, Status
@@ -102,6 +103,7 @@ class Sandbox:
                               warm) if warm > 0 else None
         self.precompute = (warm > 0) if precompute is None else precompute
         self._gates = [DeviceGate() for _ in self.slots]
+        self._history = TimingHistory()     # running medians of reference timings (sandbox.quiet)
 
     # ---------------------------------------------------------------- helpers
     def _slot_env(self, slot: int) -> dict[str, str]:
@@ -227,6 +229,7 @@ class Sandbox:
             return False
         finally:
             worker.kill()
+            contained(result, worker, "after its build")
             stdout, stderr = worker.output("stdout"), worker.output("stderr")
             worker.cleanup()
         builds = reply.get("builds") or []
@@ -361,7 +364,8 @@ class Sandbox:
                     self._slot_locks[slot].acquire()
                 stages = Stages(result)
                 try:
-                    CandidateChecks(cfg, self.device).run(result, ref, cand, stages, first, self._gates[slot])
+                    CandidateChecks(cfg, self.device, self.slots[slot], self._history).run(
+                        result, ref, cand, stages, first, self._gates[slot])
                 finally:
                     stages.enter(None)
                     self._slot_locks[slot].release()
@@ -376,6 +380,7 @@ class Sandbox:
             if first is not None:
                 first.discard()
             cand.kill()
+            contained(result, cand, "after its evaluation")
             result.stdout = cand.output("stdout")
             result.stderr = cand.output("stderr")
             cand.cleanup()
@@ -401,6 +406,15 @@ class Sandbox:
         if reply.get("threads_started"):
             result.add_flag(FlagKind.suspicious, f"started {reply['threads_started']} thread(s) while constructing ModelNew")
         return True
+
+
+def contained(result: EvalResult, worker: WorkerProcess, when: str) -> None:
+    """What the worker's keeper killed besides the worker (the candidate's strays), on the result."""
+    result.containment = worker.containment or result.containment
+    result.add_strays(worker.strays, when)
+    if worker.keeper_lost and "candidate_code" in worker.events:
+        result.add_flag(FlagKind.suspicious, f"the process keeper of its {worker.role} worker was killed: "
+                        "processes it started may have escaped")
 
 
 def evaluate(spec: TaskSpec, source: str, device: str = "cpu", config: Optional[EvalConfig] = None,

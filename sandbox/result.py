@@ -36,6 +36,7 @@ class FlagKind(str, Enum):
     suspicious = "suspicious"               # evidence of tampering with the harness or the timer
     impossible = "impossible"               # faster than the roofline floor allows
     inputs_mutated = "inputs_mutated"
+    contended = "contended"                 # the device (or host) was busy while timing: no speedup to trust
 
 
 class Flag(BaseModel):
@@ -173,6 +174,16 @@ class EvalResult(BaseModel):
     floor_flops: Optional[float] = None                # FLOPs of one forward (FlopCounterMode)
     floor_bytes: Optional[float] = None                # fewest bytes one forward must move
 
+    # Containment (sandbox.keeper): how the candidate's processes were contained, and the processes
+    # it left behind that the sandbox killed (its build's and run's; described as found)
+    containment: Optional[str] = None                  # cgroup | subreaper | none
+    stray_processes_killed: int = 0
+    stray_processes: list[str] = []
+    # sandbox.runcheck: timed runs whose outputs were checked (a secret sample of each against the reference)
+    timed_runs_checked: int = 0
+    # sandbox.quiet: how often the reference was timed again because its time jumped
+    reference_retimed: int = 0
+
     @property
     def correct(self) -> bool:
         return self.status is Status.correct
@@ -186,7 +197,7 @@ class EvalResult(BaseModel):
     def clean(self) -> bool:
         """Correct and carrying no flag that casts doubt on the verdict or the timing."""
         bad = {FlagKind.suspicious, FlagKind.impossible, FlagKind.no_custom_kernel,
-               FlagKind.fallback, FlagKind.inputs_mutated, FlagKind.inaccurate}
+               FlagKind.fallback, FlagKind.inputs_mutated, FlagKind.inaccurate, FlagKind.contended}
         return self.correct and not any(f.kind in bad for f in self.flags)
 
     @property
@@ -199,6 +210,15 @@ class EvalResult(BaseModel):
 
     def add_flag(self, kind: FlagKind | str, reason: str) -> None:
         self.flags.append(Flag(kind=FlagKind(kind), reason=reason))
+
+    def add_strays(self, strays: list[str], when: str) -> None:
+        """Processes the candidate left running, killed by the sandbox: counted, named, flagged."""
+        if not strays:
+            return
+        self.stray_processes_killed += len(strays)
+        self.stray_processes = (self.stray_processes + list(strays))[:10]
+        self.add_flag(FlagKind.suspicious, f"left {len(strays)} process(es) running {when}, killed by the sandbox: "
+                      + "; ".join(strays[:3])[:300])
 
     def first_failed_trial(self) -> Optional[Trial]:
         return next((t for t in self.trials if not t.passed), None)

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from sandbox import timing
+from sandbox import runcheck, timing  # noqa: F401 - runcheck binds its entropy source before candidate code
 from sandbox.harness import flatten_outputs, is_plain_tensor, make_inputs, make_model
 from sandbox.numerics import Numerics
 from sandbox.tasks import TaskSpec, exec_source, load_task
@@ -431,6 +431,17 @@ class Worker:
         threads_before = threading.active_count()
         check = {int(i) for i in req.get("check_runs", [])}
         self.kept = {}
+        self.timing_seed = int(req["seed"])
+        # Every timed run checked (sandbox.runcheck): the candidate samples its outputs, the
+        # reference checks those samples against its own outputs of the same runs.
+        self.sampler = runcheck.Sampler(self.device) if self.role == "candidate" and req.get("sample") else None
+        checker = None
+        if self.role == "reference" and req.get("samples_path"):
+            from sandbox.result import EvalConfig
+
+            self.step = "reading the candidate's samples"
+            checker = runcheck.SampleCheck(str(req["samples_path"]), self.device, int(req["runs"]),
+                                           EvalConfig.model_validate(req["config"]))
 
         def keep(i: int, out: Any) -> None:
             # Copied on the device now, written out on the next request, so the parent's clock
@@ -439,17 +450,28 @@ class Worker:
                 flat = flatten_outputs(out)
                 if all(is_plain_tensor(x) for x in flat):
                     self.kept[i] = [x.detach().clone() for x in flat]
+            if self.sampler is not None:
+                self.sampler(i, out)
+            if checker is not None:
+                checker(i, out)
 
         try:
-            t = _time_runs(fn, self._make_args(int(req["seed"])), self.device, int(req["warmup"]),
-                           int(req["runs"]), bool(req.get("flush_l2", True)), on_output=keep if check else None)
+            t = _time_runs(fn, self._make_args(self.timing_seed), self.device, int(req["warmup"]),
+                           int(req["runs"]), bool(req.get("flush_l2", True)),
+                           on_output=keep if (check or self.sampler or checker) else None)
         except BaseException as exc:  # noqa: BLE001
+            if checker is not None:
+                raise                   # the trusted reference failed: the harness's failure
             return {"ok": False, **_exc_payload(exc)}
         finally:
             if self.device == "cuda":
                 torch.cuda.empty_cache()
-        return {"ok": True, "timing": t.model_dump(), "tampered": _tampered(),
-                "threads_started": threading.active_count() - threads_before}
+        reply = {"ok": True, "timing": t.model_dump(), "tampered": _tampered(),
+                 "threads_started": threading.active_count() - threads_before}
+        if checker is not None:
+            self.step = "rechecking timed runs"
+            reply["samples"] = checker.finish(self)
+        return reply
 
     def timed_outputs(self, req: dict[str, Any]) -> dict[str, Any]:
         saved: dict[str, str] = {}
@@ -460,7 +482,15 @@ class Worker:
             saved[str(i)] = str(self._save_outputs([x.to("cpu").contiguous() for x in flat],
                                                    f"{self.role}_timed_{i}.pt"))
         self.kept = {}
-        return {"ok": True, "saved": saved}
+        reply: dict[str, Any] = {"ok": True, "saved": saved}
+        sampler = getattr(self, "sampler", None)
+        if sampler is not None:
+            self.step = "saving the samples of timed runs"
+            path = self.out_dir / f"{self.role}_samples.pt"
+            sampler.save(path, _save_to)
+            reply["samples_path"] = str(path)
+            self.sampler = None
+        return reply
 
     def profile(self, req: dict[str, Any]) -> dict[str, Any]:
         from sandbox.profiling import profile_forward

@@ -1,0 +1,142 @@
+"""Proof that the device was quiet while timing, or a ``contended`` flag.
+
+Three observations around each evaluation's timing (``sandbox.checks``):
+
+* **the candidate's processes**: before the reference is timed the candidate's worker tree is
+  swept (``sandbox.keeper``: every process but the idle worker is killed and counted), and the
+  worker's own CPU time is read before and after the reference's timing window: an idle worker
+  uses none, so one that ran while the reference was timed (threads of its own, loading the CPU
+  or the device) is ``suspicious``;
+* **the GPU** (``cuda`` only, through NVML: ``nvidia-ml-py``, optional): before and after each
+  timed window, compute processes on the slot's GPU that are not this sandbox's own, and
+  processes of other pids that used the GPU's SMs during the window, make the timing
+  ``contended``;
+* **a running median** per task, device and timing kind: a reference eager median that departs
+  from its running median by more than the measured spread is timed again; if it stays off,
+  the evaluation is ``contended``. A contended timing never yields a clean speedup
+  (``EvalResult.clean``).
+"""
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections import deque
+from typing import Any, Optional
+
+from sandbox.containment import descendants, process_table, tree_cpu_seconds
+
+HISTORY = 15                   # medians kept per task, device and kind
+MIN_HISTORY = 3                # medians needed before a departure is judged
+REL_FLOOR = 0.10               # a departure below this fraction of the running median is never one
+IDLE_CPU_S = 0.10              # CPU seconds an idle worker may use while the reference is timed ...
+IDLE_CPU_SHARE = 0.10          # ... or this share of the reference's timing wall time, if more
+
+
+class TimingHistory:
+    """Running medians of reference timings, per (task, device, kind). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._medians: dict[tuple[str, str, str], deque[float]] = {}
+
+    def departure(self, key: tuple[str, str, str], median_ms: float, iqr_ms: float) -> Optional[str]:
+        """Why ``median_ms`` is off its running median (None where it is not, or too few are known)."""
+        with self._lock:
+            seen = list(self._medians.get(key, ()))
+        if len(seen) < MIN_HISTORY:
+            return None
+        centre = statistics.median(seen)
+        mad = statistics.median(abs(x - centre) for x in seen)
+        spread = max(3.0 * mad, iqr_ms, REL_FLOOR * centre)
+        if abs(median_ms - centre) <= spread:
+            return None
+        return (f"median {median_ms:.4g} ms, running median {centre:.4g} ms over {len(seen)} evaluations "
+                f"(spread {spread:.3g} ms)")
+
+    def add(self, key: tuple[str, str, str], median_ms: float) -> None:
+        with self._lock:
+            self._medians.setdefault(key, deque(maxlen=HISTORY)).append(median_ms)
+
+
+class IdleWatch:
+    """The CPU time a worker (and its tree) uses over a window in which it should be idle."""
+
+    def __init__(self, pid: Optional[int]):
+        self.pid = pid
+        self.t0 = time.monotonic()
+        self.cpu0 = tree_cpu_seconds(pid) if pid else 0.0
+
+    def busy(self) -> Optional[str]:
+        if not self.pid:
+            return None
+        used = tree_cpu_seconds(self.pid) - self.cpu0
+        wall = time.monotonic() - self.t0
+        if used <= max(IDLE_CPU_S, IDLE_CPU_SHARE * wall):
+            return None
+        return f"its worker used {used:.2f} s of CPU during the {wall:.2f} s the reference was timed (it should be idle)"
+
+
+# ---------------------------------------------------------------- the GPU, through NVML
+_NVML: Any = None
+_NVML_LOCK = threading.Lock()
+
+
+def _nvml() -> Any:
+    """pynvml (nvidia-ml-py) initialised, or None where it is not installed or no driver answers."""
+    global _NVML
+    with _NVML_LOCK:
+        if _NVML is None:
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                _NVML = pynvml
+            except Exception:  # noqa: BLE001 - optional: the check is then skipped, and said so
+                _NVML = False
+        return _NVML or None
+
+
+class GpuWatch:
+    """One slot's GPU: foreign compute processes and foreign SM use over a timed window."""
+
+    def __init__(self, gpu: Optional[str]):
+        self.nvml = _nvml()
+        self.handle = None
+        self.note: Optional[str] = None
+        if self.nvml is None:
+            self.note = "NVML unavailable (nvidia-ml-py not installed or no driver): the GPU was not watched"
+            return
+        try:
+            ident = (gpu or "0").strip()
+            self.handle = (self.nvml.nvmlDeviceGetHandleByIndex(int(ident)) if ident.isdigit()
+                           else self.nvml.nvmlDeviceGetHandleByUUID(ident))
+        except Exception as exc:  # noqa: BLE001
+            self.note = f"NVML could not open GPU {gpu!r} ({type(exc).__name__}): the GPU was not watched"
+        self.since = 0
+
+    def start(self) -> None:
+        if self.handle is not None:
+            self.since = int(time.time() * 1e6)
+
+    def foreign(self, own_root: int) -> list[str]:
+        """Compute processes on this GPU that are neither this sandbox nor below it, and other
+        processes' SM use since ``start``; each described. Empty where NVML is unavailable."""
+        if self.handle is None:
+            return []
+        nv = self.nvml
+        ours = {own_root} | descendants(own_root, process_table())
+        found: list[str] = []
+        try:
+            for p in nv.nvmlDeviceGetComputeRunningProcesses(self.handle):
+                if p.pid not in ours:
+                    found.append(f"pid {p.pid} holds {int(p.usedGpuMemory or 0) >> 20} MiB on the GPU")
+        except Exception:  # noqa: BLE001
+            pass
+        try:
+            for s in nv.nvmlDeviceGetProcessUtilization(self.handle, self.since):
+                if s.pid not in ours and s.smUtil > 0:
+                    found.append(f"pid {s.pid} used {s.smUtil}% of the SMs")
+        except Exception:  # noqa: BLE001 - not supported, or no sample since `since`
+            pass
+        return found

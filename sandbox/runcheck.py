@@ -1,0 +1,201 @@
+"""Every timed run checked: a secret sample of each timed output against the reference's.
+
+A candidate that skips its work on some timed runs (returns its previous output, or a cheap
+decoy) moves the median while passing the trials; the full comparisons of two timed runs
+(``sandbox.checks``' spot checks) catch it only by luck. So every timed run is checked, at a
+cost far below a second timing:
+
+* in the candidate's worker, after each timed run's clock stopped, ``Sampler`` draws
+  ``SAMPLE`` positions of every output from fresh OS entropy (bound before the candidate's code
+  ran; the positions do not exist before the output does, so a candidate cannot know which
+  elements will be read) and gathers them on the device: ``SAMPLE`` elements per output and run,
+  nothing copied through host memory until the timing is over;
+* the candidate is timed before the reference; the trusted reference worker reads the positions
+  and the candidate's values (``weights_only``), and while the reference is timed on the same
+  inputs (the same secret seeds), ``SampleCheck`` gathers the reference's outputs at those
+  positions after each run's clock stopped and compares them with ``sandbox.compare``'s rule and
+  the run's ``Numerics`` tolerance (``sandbox.numerics`` is where tolerances come from);
+* a run whose sample fails the tolerance is looked at again with the float64 rule (the reference
+  run of that seed in float32 and float64, as in a trial), so an honest kernel is not failed for
+  elements the float64 rule accepts; a run that still fails makes the candidate ``incorrect``.
+
+Neither worker does more forward calls than before except for such a recheck.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from sandbox.harness import flatten_outputs, is_plain_tensor
+
+SAMPLE = 1024                      # elements per output and timed run
+MAX_RECHECKS = 20                  # runs rechecked with the float64 rule before giving up on the candidate
+
+_urandom = os.urandom              # bound before candidate code runs (sandbox.worker imports this first)
+_randint = torch.randint
+_arange = torch.arange
+_Generator = torch.Generator
+
+
+class Sampler:
+    """Candidate side: a secret sample of every output of every timed run, kept on the device."""
+
+    def __init__(self, device: str, sample: int = SAMPLE):
+        self.device, self.sample = device, sample
+        self.gen = _Generator(device=device)
+        self.runs: dict[int, list[list[torch.Tensor]]] = {}
+        self.bad: dict[int, str] = {}
+
+    def positions(self, numel: int, device: torch.device) -> torch.Tensor:
+        if numel <= self.sample:
+            return _arange(numel, device=device)
+        self.gen.manual_seed(int.from_bytes(_urandom(8), "little") >> 1)
+        return _randint(0, numel, (self.sample,), generator=self.gen, device=device)
+
+    def __call__(self, i: int, out: Any) -> None:
+        flat = flatten_outputs(out)
+        if not all(is_plain_tensor(x) for x in flat):
+            self.bad[i] = "the output is not a plain torch.Tensor"
+            return
+        kept = []
+        for x in flat:
+            if x.device.type != torch.device(self.device).type:
+                self.bad[i] = f"an output is on {x.device}, not {self.device}"
+                return
+            pos = self.positions(x.numel(), x.device)
+            kept.append([pos, x.detach().reshape(-1)[pos].clone()])
+        self.runs[i] = kept
+
+    def save(self, path: Path, save: Callable[[Any, Any], None]) -> None:
+        data = {"runs": {i: [[p.cpu(), v.cpu()] for p, v in outs] for i, outs in self.runs.items()},
+                "bad": dict(self.bad)}
+        save(data, path)
+        self.runs, self.bad = {}, {}
+
+
+class SampleCheck:
+    """Reference side: the candidate's samples of ``runs`` timed runs, checked against the
+    reference's outputs of the same runs as its own timed runs produce them."""
+
+    def __init__(self, path: str, device: str, runs: int, config: Any):
+        self.runs, self.config, self.device = runs, config, device
+        self.failed: dict[int, str] = {}
+        self.checked: set[int] = set()
+        self.recheck: dict[int, list[tuple[torch.Tensor, torch.Tensor, Any]]] = {}
+        self.samples, why = _load(path, device)
+        if self.samples is None:
+            self.failed = {i: why for i in range(runs)}
+            return
+        runs_, bad = self.samples
+        for i in range(runs):
+            if i in bad:
+                self.failed[i] = bad[i]
+            elif i not in runs_:
+                self.failed[i] = "no sample of its output was taken"
+
+    def __call__(self, i: int, out: Any) -> None:
+        from sandbox.compare import compare_tensor
+
+        if self.samples is None or i in self.failed or i >= self.runs:
+            return
+        flat = flatten_outputs(out)
+        cand = self.samples[0][i]
+        self.checked.add(i)
+        if len(cand) != len(flat):
+            self.failed[i] = f"{len(cand)} output(s), the reference {len(flat)}"
+            return
+        for j, (r, (pos, vals)) in enumerate(zip(flat, cand)):
+            if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= r.numel()):
+                self.failed[i] = f"output {j} has another size than the reference's ({r.numel()} elements)"
+                return
+            ref_vals = r.detach().reshape(-1)[pos]
+            if vals.dtype != ref_vals.dtype or vals.shape != ref_vals.shape:
+                self.failed[i] = f"output {j} has dtype {vals.dtype}, the reference {ref_vals.dtype}"
+                return
+            check = compare_tensor(j, ref_vals, vals, self.config)
+            if check.nan_count or check.inf_count or check.mismatched:
+                self.recheck.setdefault(i, []).append((pos, vals, check))
+
+    def finish(self, worker: Any) -> dict[str, Any]:
+        """Recheck the runs whose samples failed the tolerance with the float64 rule (``worker`` is
+        the reference ``sandbox.worker.Worker``: its task, model and float64 copy); the verdict."""
+        for n, (i, outs) in enumerate(sorted(self.recheck.items())):
+            if n >= MAX_RECHECKS:
+                self.failed[i] = _why(outs[0][2], self.config, rechecked=False)
+                continue
+            why = self._recheck(worker, i, outs)
+            if why:
+                self.failed[i] = why
+        checked = len(self.checked - set(self.failed))
+        return {"checked": checked, "failed": [[i, why] for i, why in sorted(self.failed.items())]}
+
+    def _recheck(self, worker: Any, i: int, outs: list[tuple[torch.Tensor, torch.Tensor, Any]]) -> Optional[str]:
+        from sandbox.compare import Fp64Bound, compare_tensor, fp64_bounds
+
+        first = outs[0][2]
+        numerics = self.config.numerics
+        if not numerics.fp64_check or first.nan_count or first.inf_count:
+            return _why(first, self.config, rechecked=False)
+        from sandbox.harness import make_inputs
+
+        inputs = make_inputs(worker.task, worker.timing_seed + i, self.device, worker.numerics)
+        with torch.no_grad():
+            ref = [x.detach() for x in flatten_outputs(worker.model(*inputs))]
+        ref64, _ = worker._run_fp64(worker._inputs64(inputs))
+        if ref64 is None:
+            return _why(first, self.config, rechecked=False)
+        bounds = fp64_bounds(ref, ref64, numerics)
+        for pos, vals, check in outs:
+            bound = bounds[check.index] if check.index < len(bounds) else None
+            if bound is None:
+                return _why(check, self.config, rechecked=False)
+            sampled = Fp64Bound(bound.ref64[pos], bound.ref_max_abs, numerics)
+            again = compare_tensor(check.index, ref[check.index].reshape(-1)[pos], vals, self.config, sampled)
+            if again.mismatched or again.nan_count or again.inf_count:
+                return _why(again, self.config, rechecked=True)
+        return None
+
+
+def _why(check: Any, config: Any, rechecked: bool) -> str:
+    tol = config.numerics.tolerance
+    if check.nan_count or check.inf_count:
+        return f"output {check.index}: {check.nan_count} NaN and {check.inf_count} Inf where the reference is finite"
+    rule = " and farther from float64 than the float64 rule allows" if rechecked else ""
+    return (f"output {check.index}: {check.mismatched} of {check.numel} sampled elements outside "
+            f"atol={tol.atol:g}, rtol={tol.rtol:g}{rule} (max abs error {check.max_abs_err:.3g})")
+
+
+def _load(path: str, device: str) -> tuple[Optional[tuple[dict, dict]], str]:
+    """The candidate's samples file, validated: ({run: [(positions, values)]}, {run: why bad})."""
+    try:
+        data = torch.load(path, map_location=device, weights_only=True)
+    except Exception as exc:  # noqa: BLE001
+        return None, f"its samples could not be read ({type(exc).__name__})"
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    ok = isinstance(data, dict) and isinstance(data.get("runs"), dict) and isinstance(data.get("bad"), dict)
+    runs: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    if ok:
+        for i, outs in data["runs"].items():
+            if not isinstance(i, int) or not isinstance(outs, list):
+                ok = False
+                break
+            pairs = []
+            for pair in outs:
+                if not (isinstance(pair, list) and len(pair) == 2 and all(type(t) is torch.Tensor for t in pair)
+                        and pair[0].dtype == torch.int64 and pair[0].dim() == 1 and pair[1].dim() == 1
+                        and pair[0].numel() == pair[1].numel() <= SAMPLE):
+                    ok = False
+                    break
+                pairs.append((pair[0], pair[1]))
+            runs[i] = pairs
+    if not ok:
+        return None, "its samples are malformed"
+    bad = {int(i): str(why)[:300] for i, why in data["bad"].items() if isinstance(i, int)}
+    return (runs, bad), ""
