@@ -1,0 +1,351 @@
+"""Issue 15: nothing a candidate starts outlives its evaluation; every timed run is checked; a
+disturbed timing is flagged.
+
+Unit tests of the process table, the keeper (with real processes, under both containment
+modes), the timed-run samples (``sandbox.runcheck``) and the quiet-device checks
+(``sandbox.quiet``); the adversarial suite (tests/test_sandbox_adversarial.py) runs the whole
+sandbox on the candidates that attack these.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import pytest
+import torch
+
+from sandbox import containment
+from sandbox.containment import descendants, kill_tree, read_stat
+from sandbox.quiet import GpuWatch, IdleWatch, TimingHistory
+from sandbox.result import EvalConfig, EvalResult, Flag, FlagKind, Status
+from sandbox.runcheck import SAMPLE, SampleCheck, Sampler
+
+ROOT = Path(__file__).resolve().parent.parent
+MODES = ["subreaper", pytest.param("cgroup", marks=pytest.mark.skipif(
+    containment.own_cgroup() is None, reason="no writable cgroup v2 here"))]
+
+
+def _alive(pid: int) -> bool:
+    st = read_stat(pid)
+    return st is not None and st[1] not in ("Z", "X")
+
+
+def _wait_gone(pids, timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = [p for p in pids if _alive(p)]
+        if not left:
+            return []
+        time.sleep(0.05)
+    return [p for p in pids if _alive(p)]
+
+
+# ---------------------------------------------------------------- the process table
+def test_descendants_walks_the_tree_and_leaves_out_the_rest():
+    table = {10: 1, 11: 10, 12: 11, 13: 10, 20: 1, 21: 20}
+    assert descendants(10, table) == {11, 12, 13}
+    assert descendants(12, table) == set()
+    assert descendants(99, table) == set()
+
+
+def test_read_stat_survives_a_name_with_spaces_and_parentheses():
+    # the name sits in parentheses in /proc/PID/stat; a candidate may choose one that fools a naive split
+    code = "import ctypes, sys, time; ctypes.CDLL(None).prctl(15, b'a) (Z 1 2', 0, 0, 0); print('ok', flush=True); time.sleep(30)"
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        assert p.stdout.readline().strip() == b"ok"
+        st = read_stat(p.pid)
+        assert st is not None and st[0] == os.getpid() and st[1] in "RSD" and st[3] == os.getsid(0)
+        assert "a) (Z 1 2" in containment.describe(p.pid)
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_unknown_containment_mode_is_refused(monkeypatch):
+    monkeypatch.setenv(containment.ENV, "chroot")
+    with pytest.raises(ValueError, match="auto, cgroup, subreaper"):
+        containment.requested_mode()
+
+
+# ---------------------------------------------------------------- the keeper, with real processes
+# A worker that starts a detached helper (setsid, double fork, renamed) and tells its pid, then idles.
+DETACH = textwrap.dedent("""
+    import ctypes, os, sys, time
+    r, w = os.pipe()
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            ctypes.CDLL(None).prctl(15, b"kltest-helper", 0, 0, 0)
+            os.write(w, str(os.getpid()).encode().ljust(16))
+            time.sleep(300)
+        os._exit(0)
+    helper = int(os.read(r, 16))
+    print(helper, flush=True)
+    {after}
+""")
+
+
+class Kept:
+    """A keeper started as the sandbox starts one, around ``code`` run by Python."""
+
+    def __init__(self, code: str, mode: str):
+        ours, theirs = socket.socketpair()
+        env = {**os.environ, containment.ENV: mode, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "sandbox.keeper", str(theirs.fileno()), "--",
+                                      sys.executable, "-c", code], pass_fds=(theirs.fileno(),), env=env,
+                                     stdout=subprocess.PIPE, start_new_session=True, cwd=ROOT)
+        theirs.close()
+        self.conn = Connection(os.dup(ours.fileno()))
+        ours.close()
+        hello = self.recv()
+        assert hello["event"] == "hello", hello
+        self.worker, self.mode = hello["pid"], hello["mode"]
+
+    def recv(self, timeout: float = 30.0) -> dict:
+        assert self.conn.poll(timeout), "the keeper said nothing"
+        return json.loads(self.conn.recv_bytes().decode())
+
+    def ask(self, payload: dict) -> dict:
+        self.conn.send_bytes(json.dumps(payload).encode())
+        return self.recv()
+
+    def line(self) -> str:
+        return self.proc.stdout.readline().decode().strip()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+        self.conn.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sweep_kills_a_detached_helper_and_spares_the_idle_worker(mode):
+    k = Kept(DETACH.format(after="time.sleep(300)"), mode)
+    try:
+        assert k.mode == mode
+        helper = int(k.line())
+        assert _alive(helper) and os.getsid(helper) != os.getsid(k.worker)      # it left the session
+        reply = k.ask({"op": "sweep"})
+        assert any(str(helper) in line and "kltest-helper" in line for line in reply["killed"]), reply
+        assert _wait_gone([helper]) == []
+        assert _alive(k.worker)
+        assert k.ask({"op": "sweep"})["killed"] == []            # nothing left to find
+        assert k.ask({"op": "end", "idle": True}) == {"killed": []}
+        assert k.proc.wait(10) == 0
+        assert _wait_gone([k.worker]) == []
+    finally:
+        k.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_worker_that_exits_leaves_nothing_and_its_exit_is_mirrored(mode):
+    k = Kept(DETACH.format(after="os._exit(3)"), mode)
+    try:
+        helper = int(k.line())
+        msg = k.recv()
+        assert msg["event"] == "exit" and any(str(helper) in line for line in msg["killed"]), msg
+        assert k.proc.wait(10) == 3                      # the worker's exit code, through the keeper
+        assert _wait_gone([helper]) == []
+    finally:
+        k.close()
+
+
+def test_a_worker_killed_by_a_signal_reads_as_killed_by_that_signal():
+    k = Kept("import os, signal; os.kill(os.getpid(), signal.SIGTERM)", "subreaper")
+    try:
+        assert k.recv()["event"] == "exit"
+        assert k.proc.wait(10) == -signal.SIGTERM
+    finally:
+        k.close()
+
+
+def test_when_the_parent_goes_away_the_whole_tree_dies():
+    k = Kept(DETACH.format(after="time.sleep(300)"), "subreaper")
+    helper = int(k.line())
+    k.conn.close()                                       # the sandbox is gone
+    assert k.proc.wait(10) == 0
+    assert _wait_gone([helper, k.worker]) == []
+
+
+def test_a_fork_loop_is_stopped_and_killed_to_the_last_process():
+    code = textwrap.dedent("""
+        import os, time
+        if os.fork() == 0:
+            os.setsid()
+            for _ in range(300):                         # keeps forking short-lived sleepers
+                if os.fork() == 0:
+                    time.sleep(60)
+                    os._exit(0)
+                time.sleep(0.002)
+            time.sleep(300)
+        print("go", flush=True)
+        time.sleep(300)
+    """)
+    k = Kept(code, "subreaper")
+    try:
+        assert k.line() == "go"
+        time.sleep(0.2)
+        killed = k.ask({"op": "sweep"})["killed"]
+        assert len(killed) >= 2
+        assert descendants(k.proc.pid) == {k.worker}     # the sweep left nothing but the worker
+    finally:
+        k.close()
+
+
+def test_end_mid_request_counts_only_processes_that_left_the_session():
+    # a worker killed mid-request (a timeout) may have honest children (a compiler): killed, not counted
+    code = DETACH.format(after="import subprocess; subprocess.Popen(['sleep', '300']); print('child', flush=True); time.sleep(300)")
+    k = Kept(code, "subreaper")
+    try:
+        helper = int(k.line())
+        assert k.line() == "child"
+        child = next(p for p in descendants(k.worker) if p != helper and os.getsid(p) == os.getsid(k.worker))
+        killed = k.ask({"op": "end", "idle": False})["killed"]
+        assert len(killed) == 1 and str(helper) in killed[0]
+        assert _wait_gone([helper, child, k.worker]) == []
+    finally:
+        k.close()
+
+
+def test_kill_tree_spares_only_what_it_is_told_to():
+    p = subprocess.Popen([sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sleep(300)"])
+    try:
+        deadline = time.monotonic() + 30
+        while not descendants(p.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (grandchild,) = descendants(p.pid)
+        killed = kill_tree(os.getpid(), spare={p.pid} | (descendants(os.getpid()) - {p.pid, grandchild}))
+        assert [k.pid for k in killed] == [grandchild]
+        assert _wait_gone([grandchild]) == [] and p.poll() is None
+    finally:
+        p.kill()
+        p.wait()
+
+
+# ---------------------------------------------------------------- every timed run checked
+CONFIG = EvalConfig()
+
+
+def _samples(outputs: dict[int, list[torch.Tensor]], path: Path) -> Sampler:
+    s = Sampler("cpu")
+    for i, outs in outputs.items():
+        s(i, outs if len(outs) > 1 else outs[0])
+    s.save(path, torch.save)
+    return s
+
+
+def test_samples_of_small_outputs_are_whole_and_of_large_ones_secret():
+    s = Sampler("cpu")
+    small = s.positions(10, torch.device("cpu"))
+    assert small.tolist() == list(range(10))
+    a, b = s.positions(1 << 20, torch.device("cpu")), s.positions(1 << 20, torch.device("cpu"))
+    assert a.numel() == SAMPLE and int(a.min()) >= 0 and int(a.max()) < 1 << 20
+    assert not torch.equal(a, b)                         # fresh entropy per run: not a fixed pattern
+
+
+def test_honest_timed_runs_pass_and_are_counted(tmp_path):
+    refs = {i: [torch.randn(64, 80), torch.randn(3)] for i in range(5)}
+    _samples(refs, tmp_path / "s.pt")
+    check = SampleCheck(str(tmp_path / "s.pt"), "cpu", 5, CONFIG)
+    for i in range(5):
+        check(i, tuple(refs[i]))
+    assert check.finish(worker=None) == {"checked": 5, "failed": []}
+    assert not (tmp_path / "s.pt").exists()              # read once, then removed
+
+
+def test_a_stale_output_on_one_timed_run_fails_that_run(tmp_path):
+    refs = {i: [torch.randn(4096)] for i in range(5)}
+    cand = dict(refs)
+    cand[2] = refs[1]                                    # run 2 returned run 1's output
+    _samples(cand, tmp_path / "s.pt")
+    check = SampleCheck(str(tmp_path / "s.pt"), "cpu", 5, CONFIG.model_copy(update={"numerics": CONFIG.numerics.model_copy(update={"fp64_check": False})}))
+    for i in range(5):
+        check(i, refs[i][0])
+    verdict = check.finish(worker=None)
+    assert verdict["checked"] == 4
+    assert [i for i, _ in verdict["failed"]] == [2] and "sampled elements outside" in verdict["failed"][0][1]
+
+
+def test_missing_malformed_and_resized_samples_fail(tmp_path):
+    refs = {i: [torch.randn(2000)] for i in range(3)}
+    _samples({0: refs[0], 2: refs[2]}, tmp_path / "s.pt")          # run 1 never sampled
+    check = SampleCheck(str(tmp_path / "s.pt"), "cpu", 3, CONFIG)
+    for i in range(3):
+        check(i, refs[i][0])
+    assert dict(check.finish(None)["failed"]) == {1: "no sample of its output was taken"}
+
+    torch.save({"runs": {0: "x"}, "bad": {}}, tmp_path / "m.pt")
+    check = SampleCheck(str(tmp_path / "m.pt"), "cpu", 2, CONFIG)
+    assert [why for _, why in check.finish(None)["failed"]] == ["its samples are malformed"] * 2
+
+    _samples({0: [torch.randn(4000)]}, tmp_path / "r.pt")           # a bigger output than the reference's
+    check = SampleCheck(str(tmp_path / "r.pt"), "cpu", 1, CONFIG)
+    check(0, torch.randn(100))
+    assert "another size" in check.finish(None)["failed"][0][1]
+
+
+def test_a_run_whose_output_was_not_a_plain_tensor_fails(tmp_path):
+    class Sub(torch.Tensor):
+        pass
+
+    s = Sampler("cpu")
+    s(0, torch.randn(5).as_subclass(Sub))
+    s(1, torch.randn(5))
+    s.save(tmp_path / "s.pt", torch.save)
+    check = SampleCheck(str(tmp_path / "s.pt"), "cpu", 2, CONFIG)
+    assert dict(check.finish(None)["failed"]) == {0: "the output is not a plain torch.Tensor"}
+
+
+# ---------------------------------------------------------------- a quiet device
+def test_running_median_judges_only_with_history_and_beyond_the_spread():
+    h, key = TimingHistory(), ("task", "cpu", "fp32/default")
+    assert h.departure(key, 100.0, 0.1) is None          # nothing known yet
+    for m in (1.00, 1.02, 0.98, 1.01):
+        h.add(key, m)
+    assert h.departure(key, 1.05, 0.01) is None          # within 10% of the running median
+    why = h.departure(key, 2.5, 0.01)
+    assert why is not None and "running median 1.005 ms" in why
+    assert h.departure(("other", "cpu", "fp32/default"), 2.5, 0.01) is None
+
+
+def test_idle_watch_sees_a_worker_that_burns_cpu_and_not_one_that_sleeps():
+    burn = ("import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 1.0: pass\n"
+            "print('done', flush=True)\ntime.sleep(60)")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    busy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)\n" + burn], stdout=subprocess.PIPE)
+    try:
+        quiet, loud = IdleWatch(sleeper.pid), IdleWatch(busy.pid)
+        assert busy.stdout.readline().strip() == b"done"    # 1 s of CPU used since the watch began
+        assert quiet.busy() is None
+        assert "of CPU during" in (loud.busy() or "")
+    finally:
+        for p in (sleeper, busy):
+            p.kill()
+            p.wait()
+
+
+def test_gpu_watch_without_nvml_says_so_and_finds_nothing(monkeypatch):
+    import sandbox.quiet as quiet
+
+    monkeypatch.setattr(quiet, "_NVML", False)
+    w = GpuWatch("0")
+    assert w.note and "not watched" in w.note and w.foreign(os.getpid()) == []
+
+
+def test_contended_and_stray_processes_are_never_clean():
+    r = EvalResult(status=Status.correct, task="t", device="cpu")
+    assert r.clean
+    r.add_strays(["123 'sleep'"], "after its evaluation")
+    assert not r.clean and r.stray_processes_killed == 1 and r.stray_processes == ["123 'sleep'"]
+    c = EvalResult(status=Status.correct, task="t", device="cpu", flags=[Flag(kind=FlagKind.contended, reason="x")])
+    assert not c.clean
