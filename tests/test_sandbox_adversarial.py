@@ -2,7 +2,10 @@
 right verdict (incorrect, an error status, or correct *but flagged*), never a clean pass.
 
 Each file under tests/adversarial/<device>/ states what it expects in its first lines:
-``# expect-status: incorrect|flagged`` and ``# expect-flag: suspicious``.
+``# expect-status: incorrect|flagged`` and ``# expect-flag: suspicious``; optionally
+``# expect-strays: yes`` (processes it left running were found and killed) and
+``# expect-reason: WORD`` (a word of the failing trial's reason). After every evaluation no
+process a candidate started may be alive (the helpers in these files name themselves ``kladv-*``).
 """
 from __future__ import annotations
 
@@ -24,6 +27,40 @@ def _expectations(path: Path) -> tuple[set[str], str]:
     status = re.search(r"^# expect-status: (\S+)", text, re.M).group(1)
     flag = re.search(r"^# expect-flag: ?(\S*)", text, re.M).group(1)
     return set(status.split("|")), flag
+
+
+def _extra(path: Path) -> dict[str, str]:
+    return dict(re.findall(r"^# expect-(strays|reason): ?(\S*)", path.read_text(), re.M))
+
+
+def leftover_helpers() -> list[str]:
+    """Live processes named like the adversarial helpers (``kladv-*``): none may outlive its evaluation."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "comm").read_text().startswith("kladv"):
+                if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                    found.append(entry.name)
+        except OSError:
+            continue
+    return found
+
+
+def check_containment(name: str, result, extra: dict[str, str]) -> None:
+    detail = (f"{name}: strays={result.stray_processes_killed} {result.stray_processes} "
+              f"containment={result.containment} checked={result.timed_runs_checked}")
+    assert not leftover_helpers(), "a candidate's process outlived its evaluation: " + detail
+    assert result.containment in ("cgroup", "subreaper"), detail
+    if extra.get("strays") == "yes":
+        assert result.stray_processes_killed >= 1 and result.has_flag("suspicious"), detail
+        assert any("left" in f.reason and "process" in f.reason for f in result.flags), detail
+    else:
+        assert result.stray_processes_killed == 0, detail
+    if extra.get("reason"):
+        failed = result.first_failed_trial()
+        assert failed is not None and extra["reason"] in (failed.reason or ""), detail
+    if name == "honest":
+        assert result.timed_runs_checked == result.config.timed_runs, detail
 
 
 def check_verdict(name: str, result, expected: set[str], flag: str) -> None:
@@ -59,8 +96,11 @@ def cpu_sandbox():
 def test_cpu_exploit_verdict(cpu_sandbox, path):
     expected, flag = _expectations(path)
     result = cpu_sandbox.evaluate(read_spec(TASK, name="adversarial/task_small"), path.read_text())
-    print(f"VERDICT {path.stem}: {result.status.value} flags={sorted(f.kind.value for f in result.flags)}")
+    print(f"VERDICT {path.stem}: {result.status.value} flags={sorted(f.kind.value for f in result.flags)} "
+          f"strays={result.stray_processes_killed} checked={result.timed_runs_checked} "
+          f"speedup={result.speedup_eager}")
     check_verdict(path.stem, result, expected, flag)
+    check_containment(path.stem, result, _extra(path))
 
 
 CUDA_CASES = sorted((HERE / "cuda").glob("*.py"))
@@ -81,8 +121,10 @@ def test_cuda_exploit_verdict(cuda_sandbox, path, record_property):
     result = cuda_sandbox.evaluate(read_spec(TASK, name="adversarial/task_small"), path.read_text())
     record_property("verdict", f"{result.status.value} {sorted(f.kind.value for f in result.flags)}")
     print(f"VERDICT {path.stem}: {result.status.value} flags={sorted(f.kind.value for f in result.flags)} "
-          f"error={(result.error_message or '')[:100]!r}")
+          f"strays={result.stray_processes_killed} checked={result.timed_runs_checked} "
+          f"speedup={result.speedup_eager} error={(result.error_message or '')[:100]!r}")
     check_verdict(path.stem, result, expected, flag)
+    check_containment(path.stem, result, _extra(path))
 
 
 def test_suite_covers_every_known_exploit():
@@ -90,7 +132,8 @@ def test_suite_covers_every_known_exploit():
     for required in ("stale_empty", "cache_by_data_ptr", "cache_by_id", "cache_constant", "return_input",
                      "mutate_inputs", "background_thread", "lazy_subclass", "patched_timer", "patched_harness",
                      "forged_stdout", "sys_exit", "os_exit", "seed_predict", "lowered_precision",
-                     "try_except_fallback", "calls_reference", "only_torch_ops", "truncated_mantissa"):
+                     "try_except_fallback", "calls_reference", "only_torch_ops", "truncated_mantissa",
+                     "detached_sleeper", "detached_load", "skipped_runs"):
         assert required in names
     cuda_names = {p.stem for p in CUDA_CASES}
     assert names - {"segfault"} <= cuda_names | {"segfault"}
