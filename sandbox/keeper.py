@@ -5,7 +5,7 @@ Run as ``python -m sandbox.keeper CTRL_FD -- WORKER_ARGV...`` (``sandbox.process
 a new session). It makes itself a child subreaper, puts the worker in a cgroup of its own where
 the host allows (``KERNELLOOP_CONTAINMENT``), starts the worker and waits. It never runs candidate
 code and imports neither torch nor the harness. On its control socket (JSON messages) it says
-``{"event": "hello", "pid", "mode"}`` once, then serves:
+``{"event": "hello", "pid", "mode", "cgroup"}`` once, then serves:
 
 * ``{"op": "sweep"}``: kill every process below the worker's keeper but the worker itself (the
   worker is idle: any other process is the candidate's stray); reply ``{"killed": [...]}``.
@@ -119,7 +119,9 @@ class Keeper:
         signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         self.start()
-        _send(self.conn, {"event": "hello", "pid": self.worker, "mode": self.contained_by()})
+        mode = self.contained_by()
+        _send(self.conn, {"event": "hello", "pid": self.worker, "mode": mode,
+                          "cgroup": str(self.cgroup.path) if mode == "cgroup" else None})
         ctrl = self.conn.fileno()
         while True:
             for pid, status in reap():

@@ -119,6 +119,7 @@ class WorkerProcess:
         self._keeper_lock = threading.Lock()
         self.worker_pid: Optional[int] = None     # the worker under the keeper (``proc`` is the keeper)
         self.containment: Optional[str] = None    # cgroup | subreaper | none, once the keeper said
+        self.cgroup_path: Optional[str] = None    # the worker's cgroup, where it has one
         self.strays: list[str] = []               # processes killed besides the worker, described
         self.keeper_lost = False                  # the keeper went away without accounting for the tree
         self.busy = False                         # a request is in flight (a kill now is mid-request)
@@ -141,6 +142,7 @@ class WorkerProcess:
             return None
         if msg.get("event") == "hello":
             self.worker_pid, self.containment = msg.get("pid"), msg.get("mode")
+            self.cgroup_path = msg.get("cgroup")
             return self._keeper_message(timeout)
         return msg
 
@@ -187,6 +189,13 @@ class WorkerProcess:
             except (ProcessLookupError, PermissionError):
                 self.proc.kill()
         self._wait_exit(10.0)
+        if self.keeper_lost and self.cgroup_path:
+            # the keeper could not clean up after itself: its cgroup still holds whatever escaped
+            from sandbox.containment import Cgroup
+
+            group = Cgroup(Path(self.cgroup_path))
+            group.kill()
+            group.remove()
 
     def _read_exit(self) -> None:
         """The keeper's account of a worker that exited by itself (what it killed after it)."""
@@ -194,6 +203,7 @@ class WorkerProcess:
             while not self.keeper.closed:
                 msg = self._keeper_message(0.5)
                 if msg is None:
+                    self.keeper_lost = True     # gone without its account: killed
                     break
                 if msg.get("event") == "exit":
                     self.strays.extend(str(k) for k in msg.get("killed") or [])

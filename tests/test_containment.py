@@ -311,11 +311,16 @@ def test_running_median_judges_only_with_history_and_beyond_the_spread():
     h, key = TimingHistory(), ("task", "cpu", "fp32/default")
     assert h.departure(key, 100.0, 0.1) is None          # nothing known yet
     for m in (1.00, 1.02, 0.98, 1.01):
-        h.add(key, m)
+        h.add(key, m, 0.02)
     assert h.departure(key, 1.05, 0.01) is None          # within 10% of the running median
     why = h.departure(key, 2.5, 0.01)
     assert why is not None and "running median 1.005 ms" in why
+    assert h.departure(key, 2.5, 2.0) is None            # this timing's own runs spread as far
     assert h.departure(("other", "cpu", "fp32/default"), 2.5, 0.01) is None
+    noisy = ("noisy", "cpu", "fp32/default")
+    for m in (1.0, 1.0, 1.0):
+        h.add(noisy, m, 5.0)                             # runs that usually spread by 5 ms
+    assert h.departure(noisy, 4.0, 0.01) is None
 
 
 def test_idle_watch_sees_a_worker_that_burns_cpu_and_not_one_that_sleeps():
@@ -349,3 +354,93 @@ def test_contended_and_stray_processes_are_never_clean():
     assert not r.clean and r.stray_processes_killed == 1 and r.stray_processes == ["123 'sleep'"]
     c = EvalResult(status=Status.correct, task="t", device="cpu", flags=[Flag(kind=FlagKind.contended, reason="x")])
     assert not c.clean
+
+
+# ---------------------------------------------------------------- the sandbox's side (sandbox.process)
+SPAWNS_HELPER = textwrap.dedent("""
+    import ctypes, os, time
+    import torch.nn as nn
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            ctypes.CDLL(None).prctl(15, b"kltest-helper", 0, 0, 0)
+            time.sleep(300)
+        os._exit(0)
+    time.sleep(0.2)
+
+    class ModelNew(nn.Module):
+        def __init__(self, in_features, out_features, scale):
+            super().__init__()
+            self.linear = nn.Linear(in_features, out_features)
+
+        def forward(self, x):
+            return self.linear(x)
+""")
+
+
+def _candidate_worker(mode: str, monkeypatch):
+    from sandbox.process import WorkerProcess
+    from sandbox.tasks import read_spec
+
+    monkeypatch.setenv(containment.ENV, mode)
+    spec = read_spec(ROOT / "tests" / "adversarial" / "task_small.py", name="t")
+    w = WorkerProcess("candidate")
+    reply = w.ask({"role": "candidate", "device": "cpu", "out_dir": str(w.out_dir), "task": spec.__dict__,
+                   "source": SPAWNS_HELPER, "init_seed": 0, "profile": False}, 120)
+    assert reply.get("ok"), reply
+    helpers = [p for p in descendants(w.proc.pid) if p != w.worker_pid] if w.worker_pid else []
+    return w, helpers
+
+
+def _helpers_alive() -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "comm").read_text().startswith("kltest-helper") and _alive(int(entry.name)):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_candidate_worker_sweep_and_kill_leave_nothing(mode, monkeypatch):
+    w, _ = _candidate_worker(mode, monkeypatch)
+    try:
+        killed = w.sweep()
+        assert len(killed) >= 1 and any("kltest-helper" in k for k in killed), killed
+        assert w.containment == mode and _helpers_alive() == []
+        w.kill()
+        assert w.strays == [] and not w.keeper_lost and w.proc.returncode is not None
+    finally:
+        w.kill()
+        w.cleanup()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_candidate_worker_killed_at_the_end_counts_its_strays(mode, monkeypatch):
+    w, _ = _candidate_worker(mode, monkeypatch)
+    try:
+        assert _helpers_alive() != []
+        w.kill()
+        assert any("kltest-helper" in k for k in w.strays), w.strays
+        assert _wait_gone(_helpers_alive()) == []
+    finally:
+        w.kill()
+        w.cleanup()
+
+
+@pytest.mark.skipif(containment.own_cgroup() is None, reason="no writable cgroup v2 here")
+def test_a_killed_keeper_is_noticed_and_its_cgroup_still_kills_what_escaped(monkeypatch):
+    w, _ = _candidate_worker("cgroup", monkeypatch)
+    try:
+        os.kill(w.proc.pid, signal.SIGKILL)              # what only a candidate could do
+        w.proc.wait(10)
+        assert _helpers_alive() != []                    # re-parented away from the dead keeper
+        w.kill()
+        assert w.keeper_lost
+        assert _wait_gone(_helpers_alive()) == []
+        assert not Path(w.cgroup_path).exists()
+    finally:
+        w.kill()
+        w.cleanup()
