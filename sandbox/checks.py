@@ -221,7 +221,7 @@ class CandidateChecks:
             if again is not None:
                 result.add_flag(FlagKind.contended, f"the reference's eager time departed from its running median "
                                 f"twice: {why}; timed again: {again}")
-        self.history.add(key, result.eager_time.median_ms)
+        self.history.add(key, result.eager_time.median_ms, result.eager_time.iqr_ms)
 
     @staticmethod
     def _foreign(gpu: Optional[GpuWatch], result: EvalResult, when: str) -> None:

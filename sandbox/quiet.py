@@ -38,25 +38,28 @@ class TimingHistory:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._medians: dict[tuple[str, str, str], deque[float]] = {}
+        self._medians: dict[tuple[str, str, str], deque[tuple[float, float]]] = {}
 
     def departure(self, key: tuple[str, str, str], median_ms: float, iqr_ms: float) -> Optional[str]:
-        """Why ``median_ms`` is off its running median (None where it is not, or too few are known)."""
+        """Why ``median_ms`` is off its running median (None where it is not, or too few are known).
+        The spread allowed is the largest of: 3 median absolute deviations of the medians seen, the
+        typical IQR of the runs seen, this timing's own IQR, and ``REL_FLOOR`` of the running median."""
         with self._lock:
             seen = list(self._medians.get(key, ()))
         if len(seen) < MIN_HISTORY:
             return None
-        centre = statistics.median(seen)
-        mad = statistics.median(abs(x - centre) for x in seen)
-        spread = max(3.0 * mad, iqr_ms, REL_FLOOR * centre)
+        medians = [m for m, _ in seen]
+        centre = statistics.median(medians)
+        mad = statistics.median(abs(x - centre) for x in medians)
+        spread = max(3.0 * mad, statistics.median(q for _, q in seen), iqr_ms, REL_FLOOR * centre)
         if abs(median_ms - centre) <= spread:
             return None
         return (f"median {median_ms:.4g} ms, running median {centre:.4g} ms over {len(seen)} evaluations "
                 f"(spread {spread:.3g} ms)")
 
-    def add(self, key: tuple[str, str, str], median_ms: float) -> None:
+    def add(self, key: tuple[str, str, str], median_ms: float, iqr_ms: float = 0.0) -> None:
         with self._lock:
-            self._medians.setdefault(key, deque(maxlen=HISTORY)).append(median_ms)
+            self._medians.setdefault(key, deque(maxlen=HISTORY)).append((median_ms, iqr_ms))
 
 
 class IdleWatch:
