@@ -179,11 +179,23 @@ def m005_model_call_reasoning_and_limits(conn: sa.Connection) -> None:
         conn.execute(sa.text(f"ALTER TABLE model_calls ADD COLUMN {name} {type_.compile(dialect=conn.dialect)}"))
 
 
+def m006_evaluation_containment(conn: sa.Connection) -> None:
+    """Each evaluation says how many processes its candidate left running that the sandbox killed
+    (stray_processes_killed), how many timed runs had their outputs checked (timed_runs_checked)
+    and whether its timing was contended (issue 15). Rows from before were judged without
+    containment or a check of every timed run: NULL, and never reused as a cached verdict."""
+    columns = [("stray_processes_killed", sa.Integer()), ("timed_runs_checked", sa.Integer()),
+               ("contended", sa.Boolean())]
+    for name, type_ in columns:
+        conn.execute(sa.text(f"ALTER TABLE evaluations ADD COLUMN {name} {type_.compile(dialect=conn.dialect)}"))
+
+
 MIGRATIONS: list[Callable[[sa.Connection], None]] = [
     m001_tasks_and_baselines,
     m002_runs_calls_attempts_evaluations_analyses,
     m003_numerics,
     m004_task_footprints,
     m005_model_call_reasoning_and_limits,
+    m006_evaluation_containment,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -151,6 +151,10 @@ class Evaluation(Base):
     reused_from: Mapped[Optional[int]] = mapped_column(ForeignKey("evaluations.id"))
     result: Mapped[dict[str, Any]] = mapped_column(JSON)      # EvalResult.model_dump(mode="json")
     numerics: Mapped[Optional[str]] = mapped_column(String(32))  # precision/math mode, e.g. fp32/default
+    # issue 15 (m006): NULL on rows judged before processes were contained and every timed run checked
+    stray_processes_killed: Mapped[Optional[int]] = mapped_column(Integer)
+    timed_runs_checked: Mapped[Optional[int]] = mapped_column(Integer)
+    contended: Mapped[Optional[bool]] = mapped_column(Boolean)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)
     attempt: Mapped[Optional[Attempt]] = relationship(back_populates="evaluations")
 

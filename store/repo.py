@@ -46,13 +46,15 @@ def upsert_task(session: Session, spec: TaskSpec) -> Task:
 
 def cached_evaluation(session: Session, sha256: str, task_key: str, device_name: str,
                       torch_version: str, config: EvalConfig) -> Optional[Evaluation]:
-    """An earlier evaluation of the same candidate on the same device, torch and config."""
+    """An earlier evaluation of the same candidate on the same device, torch and config, judged with
+    its processes contained and every timed run checked (rows from before m006 are not reused)."""
     return session.scalar(
         sa.select(Evaluation)
         .where(Evaluation.candidate_sha256 == sha256, Evaluation.task_key == task_key,
                Evaluation.device_name == device_name, Evaluation.torch_version == torch_version,
                Evaluation.config_hash == config.hash(), Evaluation.reused_from.is_(None),
-               Evaluation.status != "infra_error")     # a harness failure is no verdict to reuse
+               Evaluation.status != "infra_error",     # a harness failure is no verdict to reuse
+               Evaluation.stray_processes_killed.is_not(None))
         .order_by(Evaluation.id).limit(1))
 
 
@@ -67,7 +69,9 @@ def evaluation_row(result: EvalResult, task_key: str, attempt_id: Optional[int],
         eager_ms=result.eager_time.median_ms if result.eager_time else None,
         compile_ms=result.compile_time.median_ms if result.compile_time else None,
         speedup_eager=result.speedup_eager, speedup_compile=result.speedup_compile,
-        reused_from=reused_from, result=result.model_dump(mode="json"), numerics=result.config.numerics.label)
+        reused_from=reused_from, result=result.model_dump(mode="json"), numerics=result.config.numerics.label,
+        stray_processes_killed=result.stray_processes_killed, timed_runs_checked=result.timed_runs_checked,
+        contended=result.has_flag("contended"))
 
 
 def eval_result(evaluation: Evaluation) -> EvalResult:
