@@ -35,8 +35,9 @@ MAX_MESSAGE_CHARS = 600        # an error message or log excerpt quoted as evide
 # Failures that got further tell more; used to order failures of the same round.
 _DEPTH = {"flagged": 0, Status.incorrect.value: 1, Status.runtime_error.value: 2, Status.timeout.value: 3,
           Status.load_error.value: 4, Status.compile_error.value: 5, "parse": 6}
+# (stray processes a candidate left running are `suspicious`; `contended`: its timing was disturbed)
 _DOUBTFUL = {FlagKind.suspicious, FlagKind.impossible, FlagKind.no_custom_kernel, FlagKind.fallback,
-             FlagKind.inputs_mutated, FlagKind.inaccurate}
+             FlagKind.inputs_mutated, FlagKind.inaccurate, FlagKind.contended}
 
 
 # ---------------------------------------------------------------- rendering
@@ -265,6 +266,9 @@ def evidence(a: AttemptView) -> list[str]:
                 lines.extend(_output_lines(o))
     if r.correct:
         lines.extend(_timing_lines(r))
+    if r.stray_processes_killed:
+        lines.append(f"it left {r.stray_processes_killed} process(es) running, which the sandbox killed: start no "
+                     f"process or thread that outlives forward")
     for f in r.flags:
         lines.append(f"flag {f.kind.value}: {cap_text(f.reason, 300)}")
     return lines

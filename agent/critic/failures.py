@@ -312,6 +312,9 @@ def flag_causes(a: AttemptView, r: EvalResult, d: Diagnosis) -> None:
             d.short += "; inaccurate"
         elif f.kind is FlagKind.suspicious:
             cause = f"Flagged suspicious: {code_span(f.reason)}; its verdict and timing are not to be trusted."
+            if r.stray_processes_killed:
+                cause += (f" It left {r.stray_processes_killed} process(es) running after its code returned; "
+                          f"the sandbox killed them.")
             d.step(2, "suspicious", f"flagged suspicious ({code_span(f.reason, 160)}): do all of the work inside "
                                     f"`forward`, on the timed stream, with nothing left running or patched "
                                     f"afterwards, so the harness can trust the timing.")
@@ -322,6 +325,12 @@ def flag_causes(a: AttemptView, r: EvalResult, d: Diagnosis) -> None:
             d.step(2, "impossible", "faster than the roofline floor allows: compute every output on every call "
                                     "(no caching across calls, no skipped work).")
             d.short += "; impossible timing"
+        elif f.kind is FlagKind.contended:
+            cause = (f"Flagged contended: the device was not quiet while it was timed ({code_span(f.reason)}); "
+                     f"its timing, and any speedup, are not to be trusted.")
+            d.step(2, "contended", "the timing was disturbed; if the candidate started nothing that runs beside "
+                                   "the harness, evaluate it again on a quiet device.")
+            d.short += "; contended timing"
         elif f.kind is FlagKind.inputs_mutated:
             cause = (f"Flagged inputs mutated: the candidate changed its input tensors in place "
                      f"({code_span(f.reason)}); the caller's data is not preserved.")

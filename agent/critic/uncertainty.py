@@ -53,6 +53,13 @@ def speed_claim(r: Any, baseline: str = "eager") -> Optional[SpeedClaim]:
         return None
     label = printed_label(iv)
     numbers: dict[str, Any] = {"speedup": iv.point, "low": iv.low, "high": iv.high, "level": iv.level}
+    contended = [f.reason for f in getattr(r, "flags", []) if getattr(f.kind, "value", f.kind) == "contended"]
+    if contended:
+        # the sandbox saw the device busy while timing (sandbox.quiet): no speed claim either way
+        why = f"the device was not quiet while timing ({contended[0][:200]})"
+        sentence = (f"Inconclusive against {words}: {why}, so the measured {fmt_x(iv.point)} is no evidence "
+                    f"of its speed")
+        return SpeedClaim(baseline, "inconclusive", iv, sentence, [why], numbers)
     if label == "faster":
         sentence = f"Faster than {words}: {fmt_x(iv.point)} ({interval_text(iv)})"
         return SpeedClaim(baseline, label, iv, sentence, numbers=numbers)
