@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
-for pkg in pydantic pydantic-core annotated-types typing-inspection typing-extensions sqlalchemy greenlet tenacity openai distro jiter sniffio anyio httpx2 httpcore2 h11 certifi idna truststore; do
+for pkg in pydantic pydantic-core annotated-types typing-inspection typing-extensions sqlalchemy greenlet tenacity openai distro jiter sniffio anyio httpx2 httpcore2 h11 certifi idna truststore nvidia-ml-py; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${PLATFORMS[@]}" -d .whl "$pkg" || python3 -m pip download -q --no-deps -d .whl "$pkg"
 done

@@ -9,6 +9,10 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==2.13.0"
 fi
 "$PY" -m pip install -q -e ".[test,cluster]"
+# On a GPU host, NVML for the quiet-device check (sandbox/quiet.py); the CPU target does not use it.
+if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  "$PY" -m pip install -q -e ".[gpu]"
+fi
 # The PostgreSQL store's tests start a real server: Debian's postgresql package (its binaries only;
 # the tests run their own server in a temporary folder, nothing is started here).
 if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && ! command -v initdb >/dev/null 2>&1; then
