@@ -38,16 +38,14 @@ from sandbox import runcheck, timing  # noqa: F401 - runcheck binds its entropy 
 from sandbox.harness import flatten_outputs, is_plain_tensor, make_inputs, make_model
 from sandbox.numerics import Numerics
 from sandbox.tasks import TaskSpec, exec_source, load_task
+from sandbox.worker_util import _PREWARMED, _equal_nan, _memory_held, _save_to, warm_up
 
 # Reference outputs precomputed for trials to come (each a full set of outputs on the device).
 MAX_PRECOMPUTED = 3
 PRECOMPUTE_BUDGET = int(os.environ.get("KERNELLOOP_PRECOMPUTE_BYTES", 4 << 30))
-_PREWARMED: dict[str, bool] = {}
 
 _time_runs = timing.time_runs
 _tampered = timing.tampered_functions
-_save = torch.save
-_equal = torch.equal
 
 
 def _send(conn: Connection, payload: dict[str, Any]) -> None:
@@ -61,30 +59,6 @@ def _recv(conn: Connection) -> dict[str, Any]:
 def _exc_payload(exc: BaseException) -> dict[str, Any]:
     return {"error_type": type(exc).__name__, "error_message": str(exc)[:4000],
             "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-8000:]}
-
-
-def _memory_held(device: str) -> int:
-    """Bytes this process holds where the harness's buffers live (the device's, else host RSS)."""
-    if device == "cuda":
-        return int(torch.cuda.memory_reserved())
-    try:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def _save_to(obj: Any, path: Path) -> None:
-    # Through a Python file object: a full file system then raises OSError(ENOSPC), where
-    # torch.save(obj, str) raises an "unexpected pos" RuntimeError that names no cause.
-    # The zip writer's own clean-up then raises a RuntimeError over it: the OSError is its context.
-    try:
-        with open(path, "wb") as f:
-            _save(obj, f)
-    except RuntimeError as exc:
-        cause = exc.__context__ or exc.__cause__
-        if isinstance(cause, OSError):
-            raise cause from None
-        raise
 
 
 class Worker:
@@ -512,35 +486,6 @@ class Worker:
         except BaseException as exc:  # noqa: BLE001
             return {"ok": False, **_exc_payload(exc)}
         return {"ok": True, "counts": counts.to_dict()}
-
-
-def _equal_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype.is_floating_point or a.dtype.is_complex:
-        return bool(torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0))
-                    and torch.equal(torch.isnan(a), torch.isnan(b)))
-    return bool(_equal(a, b))
-
-
-def warm_up(init: dict[str, Any]) -> dict[str, Any]:
-    """What every candidate worker pays before its candidate matters: the build hook's imports,
-    the device's context, the profiler's first session. Best effort: a failure here shows again,
-    and is reported, when the candidate loads."""
-    import time
-
-    t0 = time.monotonic()
-    device = str(init.get("device", "cpu"))
-    import sandbox.build  # noqa: F401 - torch.utils.cpp_extension and the hook
-    try:
-        torch.zeros(1, device=device).add_(1)
-        timing.device_sync(device)
-        if init.get("profile"):
-            from sandbox.profiling import warm_up as profiler_warm_up
-
-            profiler_warm_up(device)
-            _PREWARMED[device] = True
-    except Exception as exc:  # noqa: BLE001
-        return {"ok": True, "warm_error": f"{type(exc).__name__}: {exc}"[:500], "pid": os.getpid()}
-    return {"ok": True, "pid": os.getpid(), "seconds": round(time.monotonic() - t0, 3)}
 
 
 def serve(conn: Connection) -> None:

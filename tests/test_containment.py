@@ -444,3 +444,46 @@ def test_a_killed_keeper_is_noticed_and_its_cgroup_still_kills_what_escaped(monk
     finally:
         w.kill()
         w.cleanup()
+
+
+class _FakeReference:
+    """What SampleCheck's float64 recheck reads of the reference worker: its task, seed, model and
+    float64 run (here a fixed output ``out`` and a float64 "truth" ``out64`` close to it)."""
+
+    def __init__(self, out: torch.Tensor, out64: torch.Tensor):
+        from sandbox.numerics import Numerics
+        from sandbox.tasks import load_task, read_spec
+
+        self.task = load_task(read_spec(ROOT / "tests" / "adversarial" / "task_small.py", name="t"), validate=False)
+        self.numerics, self.timing_seed = Numerics(), 0
+        self.model = lambda *inputs: out
+        self.out64 = out64
+        self.rechecks = 0
+
+    def _inputs64(self, inputs):
+        return inputs
+
+    def _run_fp64(self, inputs64):
+        self.rechecks += 1
+        return [self.out64], None
+
+
+def test_a_sampled_miss_that_the_float64_rule_accepts_passes_and_a_wrong_one_does_not(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    out64 = torch.randn(50_000, dtype=torch.float64, generator=gen)
+    ref = (out64 + 1e-3).float()                         # the float32 reference is 1e-3 off the truth
+    better = out64.float()                               # a kernel closer to float64 than the reference
+    wrong = ref + 0.5
+
+    for cand, passes in ((better, True), (wrong, False)):
+        _samples({0: [cand]}, tmp_path / "s.pt")
+        check = SampleCheck(str(tmp_path / "s.pt"), "cpu", 1, CONFIG)
+        check(0, ref)
+        assert 0 in check.recheck                        # outside atol = rtol = 1e-4 of the reference
+        fake = _FakeReference(ref, out64)
+        verdict = check.finish(fake)
+        assert fake.rechecks == 1
+        if passes:
+            assert verdict == {"checked": 1, "failed": []}
+        else:
+            assert "float64 rule" in verdict["failed"][0][1], verdict

@@ -1,0 +1,73 @@
+"""Helpers of the sandbox worker (``sandbox.worker``), imported before any candidate code runs:
+the functions they call are bound here at import, so a candidate that patches ``torch.save`` or
+``torch.equal`` later does not change what the harness calls."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sandbox import timing
+
+# devices whose profiler was warmed up in this worker (before its candidate was known)
+_PREWARMED: dict[str, bool] = {}
+
+_save = torch.save
+_equal = torch.equal
+
+
+def _memory_held(device: str) -> int:
+    """Bytes this process holds where the harness's buffers live (the device's, else host RSS)."""
+    if device == "cuda":
+        return int(torch.cuda.memory_reserved())
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _save_to(obj: Any, path: Path) -> None:
+    # Through a Python file object: a full file system then raises OSError(ENOSPC), where
+    # torch.save(obj, str) raises an "unexpected pos" RuntimeError that names no cause.
+    # The zip writer's own clean-up then raises a RuntimeError over it: the OSError is its context.
+    try:
+        with open(path, "wb") as f:
+            _save(obj, f)
+    except RuntimeError as exc:
+        cause = exc.__context__ or exc.__cause__
+        if isinstance(cause, OSError):
+            raise cause from None
+        raise
+
+
+def _equal_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype.is_floating_point or a.dtype.is_complex:
+        return bool(torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0))
+                    and torch.equal(torch.isnan(a), torch.isnan(b)))
+    return bool(_equal(a, b))
+
+
+def warm_up(init: dict[str, Any]) -> dict[str, Any]:
+    """What every candidate worker pays before its candidate matters: the build hook's imports,
+    the device's context, the profiler's first session. Best effort: a failure here shows again,
+    and is reported, when the candidate loads."""
+    import time
+
+    t0 = time.monotonic()
+    device = str(init.get("device", "cpu"))
+    import sandbox.build  # noqa: F401 - torch.utils.cpp_extension and the hook
+    try:
+        torch.zeros(1, device=device).add_(1)
+        timing.device_sync(device)
+        if init.get("profile"):
+            from sandbox.profiling import warm_up as profiler_warm_up
+
+            profiler_warm_up(device)
+            _PREWARMED[device] = True
+    except Exception as exc:  # noqa: BLE001
+        return {"ok": True, "warm_error": f"{type(exc).__name__}: {exc}"[:500], "pid": os.getpid()}
+    return {"ok": True, "pid": os.getpid(), "seconds": round(time.monotonic() - t0, 3)}
+
+
