@@ -123,6 +123,7 @@ class WorkerProcess:
         self.strays: list[str] = []               # processes killed besides the worker, described
         self.keeper_lost = False                  # the keeper went away without accounting for the tree
         self.busy = False                         # a request is in flight (a kill now is mid-request)
+        self._hello()
         self.started = time.monotonic()
         self.events: list[str] = []     # what the worker said it is doing (sandbox.failures)
         self.oom_kills_at_start = oom_kills()
@@ -130,6 +131,20 @@ class WorkerProcess:
             _LIVE.add(self)
 
     # ---- the keeper
+    def _hello(self, timeout: float = 60.0) -> None:
+        """The keeper's first message: the worker's pid and how it is contained. A keeper that
+        fails to start says nothing; the worker's death is then read as before."""
+        with self._keeper_lock:
+            try:
+                if not self.keeper.poll(timeout):
+                    return
+                msg = json.loads(self.keeper.recv_bytes().decode())
+            except (EOFError, OSError, ValueError):
+                return
+            if isinstance(msg, dict) and msg.get("event") == "hello":
+                self.worker_pid, self.containment = msg.get("pid"), msg.get("mode")
+                self.cgroup_path = msg.get("cgroup")
+
     def _keeper_message(self, timeout: float) -> Optional[dict[str, Any]]:
         """The keeper's next message; None where it said nothing in time or is gone."""
         try:
