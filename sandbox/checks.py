@@ -123,7 +123,7 @@ class CandidateChecks:
         gpu = GpuWatch(self.gpu) if self.device == "cuda" else None
         with (gate.timing() if gate is not None else contextlib.nullcontext()):
             result.add_strays(cand.sweep(), "before its timed runs")
-            self._foreign(gpu, result, "before the timed runs")
+            self._foreign(gpu, result, "before the timed runs", None)
             w0 = time.monotonic()
             ct = cand.ask({**timed, "check_runs": check_runs, "sample": True}, cfg.run_timeout_s)
             cand_wall = time.monotonic() - w0
@@ -139,6 +139,7 @@ class CandidateChecks:
             if not outs.get("ok"):
                 _raise_if_infra(outs)
             result.add_strays(cand.sweep(), "during its timed runs")
+            self._foreign(gpu, result, "while the candidate was timed", cand.worker_pid)
             idle = IdleWatch(cand.worker_pid)
             w0 = time.monotonic()
             eager = ref.ask({**timed, "samples_path": outs.get("samples_path"), "config": cfg.model_dump(mode="json")}
@@ -153,7 +154,10 @@ class CandidateChecks:
                 except RuntimeError as exc:
                     result.stderr += f"\n[kernelloop] torch.compile of the reference failed: {exc}"
             busy = idle.busy()
-            self._foreign(gpu, result, "while timing")
+            busy_gpu = self._foreign(gpu, result, "while the reference was timed",
+                                     ref.proc.worker_pid if ref.proc is not None else None)
+            if cand.worker_pid in busy_gpu:
+                busy = (busy + "; " if busy else "") + "its worker used the GPU while the reference was timed"
         if busy:
             result.add_flag(FlagKind.suspicious, busy)
             result.add_flag(FlagKind.contended, "the candidate's process ran while the reference was timed")
@@ -209,8 +213,12 @@ class CandidateChecks:
         return False
 
     def _steady(self, ref: ReferenceWorker, timed: dict[str, Any], result: EvalResult) -> None:
-        """A reference eager time off its running median is timed again; still off: ``contended``."""
-        if self.history is None or result.eager_time is None:
+        """A reference eager time off its running median is timed again; still off: ``contended``.
+        On ``cuda`` only: a shared CPU host's timings jump by themselves (on 2 shared cores the
+        suite's reference medians moved between 0.3 and 15 ms from one evaluation to the next), so
+        there it would flag honest candidates; on ``cpu`` the candidate's processes are swept and
+        its worker watched instead, and ``host_load`` records the host's load."""
+        if self.history is None or result.eager_time is None or self.device != "cuda":
             return
         key = (result.task_sha256 or result.task, result.device_name, self.config.numerics.label)
         why = self.history.departure(key, result.eager_time.median_ms, result.eager_time.iqr_ms)
@@ -224,18 +232,19 @@ class CandidateChecks:
         self.history.add(key, result.eager_time.median_ms, result.eager_time.iqr_ms)
 
     @staticmethod
-    def _foreign(gpu: Optional[GpuWatch], result: EvalResult, when: str) -> None:
-        """Other processes on the slot's GPU (NVML) make the timing ``contended``."""
+    def _foreign(gpu: Optional[GpuWatch], result: EvalResult, when: str, timed: Optional[int]) -> set[int]:
+        """Other processes on the slot's GPU (NVML) than the worker being ``timed`` make the timing
+        ``contended``; the pids found."""
         if gpu is None:
-            return
+            return set()
         if gpu.note:
             if gpu.note not in result.stderr:
                 result.stderr += f"\n[kernelloop] {gpu.note}"
-            return
-        found = gpu.foreign(os.getpid())
-        gpu.start()
+            return set()
+        found = gpu.foreign(os.getpid(), [timed])
         if found:
-            result.add_flag(FlagKind.contended, f"the GPU was not quiet {when}: " + "; ".join(found[:4]))
+            result.add_flag(FlagKind.contended, f"the GPU was not quiet {when}: " + "; ".join(t for _, t in found[:4]))
+        return {pid for pid, _ in found}
 
     def _compare(self, ref: ReferenceWorker, index: int, cand_path: str) -> tuple[bool, Optional[str], list[OutputCheck]]:
         """The candidate's saved outputs against the reference's kept ones, compared by the

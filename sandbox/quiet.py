@@ -8,12 +8,13 @@ Three observations around each evaluation's timing (``sandbox.checks``):
   uses none, so one that ran while the reference was timed (threads of its own, loading the CPU
   or the device) is ``suspicious``;
 * **the GPU** (``cuda`` only, through NVML: ``nvidia-ml-py``, optional): before and after each
-  timed window, compute processes on the slot's GPU that are not this sandbox's own, and
-  processes of other pids that used the GPU's SMs during the window, make the timing
-  ``contended``;
-* **a running median** per task, device and timing kind: a reference eager median that departs
-  from its running median by more than the measured spread is timed again; if it stays off,
-  the evaluation is ``contended``. A contended timing never yields a clean speedup
+  timed window, compute processes on the slot's GPU that are not this sandbox's own, and any
+  process but the worker being timed that used the GPU's SMs during the window (another
+  candidate loading on the slot included), make the timing ``contended``; the candidate's worker
+  using the SMs while the reference is timed is also ``suspicious``;
+* **a running median** per task, device and numerics (``cuda`` only: a shared CPU host's
+  timings jump by themselves): a reference eager median that departs from its running median by
+  more than the measured spread is timed again; if it stays off, the evaluation is ``contended``. A contended timing never yields a clean speedup
   (``EvalResult.clean``).
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from sandbox.containment import descendants, process_table, tree_cpu_seconds
 
@@ -116,30 +117,33 @@ class GpuWatch:
                            else self.nvml.nvmlDeviceGetHandleByUUID(ident))
         except Exception as exc:  # noqa: BLE001
             self.note = f"NVML could not open GPU {gpu!r} ({type(exc).__name__}): the GPU was not watched"
-        self.since = 0
+        self.since = int(time.time() * 1e6)         # SM use is judged from here on, window by window
 
     def start(self) -> None:
         if self.handle is not None:
             self.since = int(time.time() * 1e6)
 
-    def foreign(self, own_root: int) -> list[str]:
-        """Compute processes on this GPU that are neither this sandbox nor below it, and other
-        processes' SM use since ``start``; each described. Empty where NVML is unavailable."""
+    def foreign(self, own_root: int, allowed: Iterable[Optional[int]] = ()) -> list[tuple[int, str]]:
+        """Compute processes on this GPU that are neither this sandbox nor below it, and SM use
+        since ``start`` by any process but the ``allowed`` pids (the worker being timed); each
+        ``(pid, description)``. Empty where NVML is unavailable. Starts the next window."""
         if self.handle is None:
             return []
         nv = self.nvml
         ours = {own_root} | descendants(own_root, process_table())
-        found: list[str] = []
+        allowed = {p for p in allowed if p}
+        found: list[tuple[int, str]] = []
         try:
             for p in nv.nvmlDeviceGetComputeRunningProcesses(self.handle):
                 if p.pid not in ours:
-                    found.append(f"pid {p.pid} holds {int(p.usedGpuMemory or 0) >> 20} MiB on the GPU")
+                    found.append((p.pid, f"pid {p.pid} holds {int(p.usedGpuMemory or 0) >> 20} MiB on the GPU"))
         except Exception:  # noqa: BLE001
             pass
         try:
             for s in nv.nvmlDeviceGetProcessUtilization(self.handle, self.since):
-                if s.pid not in ours and s.smUtil > 0:
-                    found.append(f"pid {s.pid} used {s.smUtil}% of the SMs")
+                if s.pid not in allowed and s.smUtil > 0:
+                    found.append((s.pid, f"pid {s.pid} used {s.smUtil}% of the SMs"))
         except Exception:  # noqa: BLE001 - not supported, or no sample since `since`
             pass
+        self.start()
         return found

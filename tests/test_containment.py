@@ -487,3 +487,84 @@ def test_a_sampled_miss_that_the_float64_rule_accepts_passes_and_a_wrong_one_doe
             assert verdict == {"checked": 1, "failed": []}
         else:
             assert "float64 rule" in verdict["failed"][0][1], verdict
+
+
+def test_gpu_watch_flags_foreign_processes_and_sm_use_but_the_timed_worker(monkeypatch):
+    """NVML faked (no GPU here): what the watch makes of the device's process list and SM samples."""
+    import types
+
+    import sandbox.quiet as quiet
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])   # below this process
+    try:
+        calls = []
+
+        def procs(handle):
+            return [types.SimpleNamespace(pid=child.pid, usedGpuMemory=1 << 30),   # ours: an idle worker
+                    types.SimpleNamespace(pid=999_999, usedGpuMemory=2 << 30)]     # someone else's job
+
+        def util(handle, since):
+            calls.append(since)
+            return [types.SimpleNamespace(pid=child.pid, smUtil=40),                # the worker being timed
+                    types.SimpleNamespace(pid=4242, smUtil=0),
+                    types.SimpleNamespace(pid=777, smUtil=12)]                      # another process computing
+
+        fake = types.SimpleNamespace(nvmlDeviceGetHandleByIndex=lambda i: f"gpu{i}",
+                                     nvmlDeviceGetComputeRunningProcesses=procs,
+                                     nvmlDeviceGetProcessUtilization=util)
+        monkeypatch.setattr(quiet, "_NVML", fake)
+        w = GpuWatch("1")
+        assert w.note is None and w.handle == "gpu1"
+        found = dict(w.foreign(os.getpid(), [child.pid]))
+        assert set(found) == {999_999, 777}
+        assert "2048 MiB" in found[999_999] and "12% of the SMs" in found[777]
+        assert child.pid in dict(w.foreign(os.getpid(), [777]))   # the candidate computing while the reference is timed
+        assert calls[1] >= calls[0] > 0                   # each window starts where the last ended
+    finally:
+        child.kill()
+        child.wait()
+
+
+def _timing(median: float, iqr: float = 0.01) -> dict:
+    return {"median_ms": median, "iqr_ms": iqr, "mean_ms": median, "min_ms": median, "max_ms": median,
+            "runs": 20, "clock": "cuda_event"}
+
+
+class _Ref:
+    """A reference worker that answers time requests with the medians given, in order."""
+
+    def __init__(self, medians):
+        self.medians, self.asked = list(medians), 0
+
+    def ask(self, payload):
+        self.asked += 1
+        return {"ok": True, "timing": _timing(self.medians.pop(0))}
+
+
+@pytest.mark.parametrize("again, contended", [(2.5, True), (1.0, False)])
+def test_a_reference_time_off_its_running_median_is_timed_again_then_flagged(again, contended):
+    from sandbox.checks import CandidateChecks
+    from sandbox.result import Timing
+
+    history = TimingHistory()
+    checks = CandidateChecks(EvalConfig(), "cuda", "0", history)
+    for m in (1.0, 1.01, 0.99):
+        r = EvalResult(status=Status.correct, task="t", device="cuda", eager_time=Timing(**_timing(m)))
+        checks._steady(_Ref([]), {}, r)                # history builds; nothing is timed again
+    r = EvalResult(status=Status.correct, task="t", device="cuda", eager_time=Timing(**_timing(2.5)))
+    ref = _Ref([again])
+    checks._steady(ref, {}, r)
+    assert ref.asked == 1 and r.reference_retimed == 1 and r.eager_time.median_ms == again
+    assert r.has_flag("contended") is contended and r.clean is not contended
+
+
+def test_on_cpu_the_running_median_does_not_judge():
+    from sandbox.checks import CandidateChecks
+    from sandbox.result import Timing
+
+    checks = CandidateChecks(EvalConfig(), "cpu", None, TimingHistory())
+    for m in (1.0, 1.0, 1.0, 50.0):
+        r = EvalResult(status=Status.correct, task="t", device="cpu", eager_time=Timing(**_timing(m)))
+        ref = _Ref([])
+        checks._steady(ref, {}, r)
+        assert ref.asked == 0 and not r.has_flag("contended")
