@@ -46,10 +46,19 @@ def print_result(r) -> None:
     if r.candidate_time:
         console.print(f"[{r.config.numerics.label}] candidate {_ms(r.candidate_time)} · eager {_ms(r.eager_time)} · torch.compile "
                       f"{_ms(r.compile_time)}", highlight=False)
-        console.print(f"speedup vs eager {r.speedup_eager:.3f}x"
-                      + (f", vs torch.compile {r.speedup_compile:.3f}x" if r.speedup_compile else "")
-                      + (f"; roofline floor {r.floor_ms:.4g} ms ({r.floor_fraction:.1%} of it reached)"
-                         if r.floor_ms else ""), highlight=False)
+        if r.speedup_eager is not None:     # none where a timed run failed its check
+            console.print(f"speedup vs eager {r.speedup_eager:.3f}x"
+                          + (f", vs torch.compile {r.speedup_compile:.3f}x" if r.speedup_compile else "")
+                          + (f"; roofline floor {r.floor_ms:.4g} ms ({r.floor_fraction:.1%} of it reached)"
+                             if r.floor_ms else ""), highlight=False)
+    if r.timed_runs_checked:
+        console.print(f"timed runs checked: {r.timed_runs_checked} of {r.config.timed_runs} (a secret sample of "
+                      f"each output against the reference)"
+                      + (f"; reference timed again {r.reference_retimed}x (its time jumped)" if r.reference_retimed else ""),
+                      highlight=False)
+    if r.containment:
+        console.print(f"containment: {r.containment}; processes it left running, killed: {r.stray_processes_killed}"
+                      + (f" ({'; '.join(r.stray_processes[:3])})" if r.stray_processes else ""), highlight=False)
     for f in r.flags:
         console.print(f"[yellow]flag {f.kind.value}[/]: {f.reason}", highlight=False)
     if r.profile:
