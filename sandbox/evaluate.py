@@ -11,11 +11,16 @@
    math mode, tolerance, the float64 rules); in trial 0 the reference also runs in float64, and
    an output further from that than the reference's (``Numerics.rms_factor``) is flagged
    ``inaccurate``;
-5. timing of reference eager, reference torch.compile and candidate by the same code,
-   with the device held exclusively, and a parent-side clock cross-check;
+5. timing of candidate, reference eager and reference torch.compile by the same code, with
+   the device held exclusively, and a parent-side clock cross-check; every timed run's output
+   checked on a secret sample (``sandbox.runcheck``); the candidate's strays swept before each
+   timing and its worker watched while the reference is timed, the GPU watched through NVML
+   (``sandbox.quiet``);
 6. profiler evidence and the roofline floor.
 
-A crash, hang, CUDA error or cheat ends in a status or a flag for this candidate only.
+A crash, hang, CUDA error or cheat ends in a status or a flag for this candidate only. Every
+worker runs under a keeper (``sandbox.keeper``): whatever processes the candidate started are
+killed when its workers end, counted on the result and flagged.
 """
 from __future__ import annotations
 
