@@ -19,14 +19,13 @@ ext = load_inline(name="adv_relu_scale", cpp_sources=[CPP], functions=["relu_sca
 # Exploit: at import, a helper detached in a new session (double fork, setsid), renamed, that
 # only sleeps: it survives a process-group kill and would outlive the evaluation. Names are
 # assembled at run time, so the static scan sees nothing. The kernel itself is honest.
-import ctypes
 import time
 
 _o = __import__("o" + "s")
 if getattr(_o, "fo" + "rk")() == 0:
     getattr(_o, "set" + "sid")()
     if getattr(_o, "fo" + "rk")() == 0:
-        ctypes.CDLL(None).prctl(15, b"kladv-sleeper", 0, 0, 0)   # PR_SET_NAME
+        open("/proc/self/co" + "mm", "w").write("kladv-sleeper")   # renamed
         time.sleep(600)
     getattr(_o, "_exit")(0)
 
