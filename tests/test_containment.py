@@ -568,3 +568,31 @@ def test_on_cpu_the_running_median_does_not_judge():
         ref = _Ref([])
         checks._steady(ref, {}, r)
         assert ref.asked == 0 and not r.has_flag("contended")
+
+
+# ---------------------------------------------------------------- what the model and the critic are told
+def _timed(median: float) -> "Timing":
+    from sandbox.result import Timing
+
+    return Timing(median_ms=median, iqr_ms=0.001, mean_ms=median, min_ms=median, max_ms=median, runs=20,
+                  clock="cuda_event", samples_ms=[median] * 20)
+
+
+def test_contended_and_strays_are_doubtful_in_feedback_and_give_no_speed_claim():
+    from agent.critic.uncertainty import speed_claim
+    from agent.prompts import failure_kind
+    from agent.types import AttemptView
+
+    fast = EvalResult(status=Status.correct, task="t", device="cuda", eager_time=_timed(3.0),
+                      candidate_time=_timed(1.0), speedup_eager=3.0)
+    assert speed_claim(fast).label == "faster"
+    assert failure_kind(AttemptView(1, 0, 0, "ok", "src", fast)) == "correct"
+
+    fast.add_flag(FlagKind.contended, "pid 777 used 12% of the SMs")
+    claim = speed_claim(fast)
+    assert claim.label == "inconclusive" and "not quiet" in claim.sentence and "interval" not in claim.sentence
+    assert failure_kind(AttemptView(1, 0, 0, "ok", "src", fast)) == "flagged"
+
+    strays = EvalResult(status=Status.correct, task="t", device="cuda")
+    strays.add_strays(["9 'kladv'"], "after its evaluation")
+    assert failure_kind(AttemptView(2, 0, 0, "ok", "src", strays)) == "flagged"

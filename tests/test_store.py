@@ -142,3 +142,30 @@ def test_two_stores_adding_the_same_task_at_once_keep_one_row(store_url):
     assert len(rows) == 1 and ids == [rows[0], rows[0]]
     a.close()
     b.close()
+
+
+def test_evaluations_judged_before_containment_are_not_reused(store_url):
+    """m006: an evaluation row from before issue 15 (no stray count: judged without containment or a
+    check of every timed run) is no cached verdict; one judged now is, and keeps its new columns."""
+    from sandbox.result import EvalConfig, EvalResult, Status
+    from store.models import Evaluation
+    from store.repo import cached_evaluation, evaluation_row
+
+    store = Store(store_url)
+    config = EvalConfig()
+    result = EvalResult(status=Status.correct, task="t/a", candidate_sha256="c" * 64, device="cpu",
+                        device_name="cpu0", torch_version="2.x", config=config, timed_runs_checked=20)
+    result.add_strays(["1 'sleep'"], "after its evaluation")
+    with store.session() as s:
+        old = evaluation_row(result, "key", None, None)
+        old.stray_processes_killed = old.timed_runs_checked = old.contended = None     # as m006 leaves old rows
+        s.add(old)
+    with store.reader() as s:
+        assert cached_evaluation(s, "c" * 64, "key", "cpu0", "2.x", config) is None
+    with store.session() as s:
+        s.add(evaluation_row(result, "key", None, None))
+    with store.reader() as s:
+        hit = cached_evaluation(s, "c" * 64, "key", "cpu0", "2.x", config)
+        assert hit is not None and (hit.stray_processes_killed, hit.timed_runs_checked, hit.contended) == (1, 20, False)
+        assert len(s.scalars(sa.select(Evaluation)).all()) == 2
+    store.close()
