@@ -58,6 +58,7 @@ class Keeper:
         self.worker = 0
         self.session = os.getsid(0)
         self.status: Optional[int] = None
+        self.keep_fds: set[int] = set()
 
     def contained_by(self) -> str:
         if self.cgroup is not None and self.worker in self.cgroup.pids():
@@ -89,9 +90,25 @@ class Keeper:
         joined = os.read(ready_r, 1) == b"1"
         os.close(ready_r)
         self.worker = pid
+        self._close_inherited(keep={self.conn.fileno(), *self.keep_fds})
         if not joined and self.cgroup is not None:
             self.cgroup.remove()
             self.cgroup = None
+
+    @staticmethod
+    def _close_inherited(keep: set[int]) -> None:
+        """Close what the keeper inherited for the worker (its socket): the worker's death is then
+        seen at once on that socket, not only when the keeper exits."""
+        try:
+            fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
+        except OSError:
+            return
+        for fd in fds:
+            if fd > 2 and fd not in keep:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
     def sweep(self, count_all: bool, spare_worker: bool) -> list[Killed]:
         """Kill the worker's strays (and the worker unless spared); what counts as a stray."""
@@ -116,6 +133,7 @@ class Keeper:
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_w, False)
         os.set_blocking(wake_r, False)
+        self.keep_fds = {wake_r, wake_w}
         signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         self.start()

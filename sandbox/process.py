@@ -94,6 +94,10 @@ class WorkerProcess:
             child_env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
         if hide_gpu:
             child_env["CUDA_VISIBLE_DEVICES"] = ""
+        if role in ("build", "candidate"):
+            # inductor compiles in-process: a pool of compile workers would be processes left
+            # running by a candidate that uses torch.compile, which the keeper kills as strays
+            child_env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
         child_env.update(env or {})
         preexec = None
         if memory_limit_mb:
