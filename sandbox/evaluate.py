@@ -27,9 +27,10 @@ from typing import Any, Optional
 
 import torch
 
-from sandbox import anticheat, failures
+from sandbox import failures
 from sandbox.admission import MemoryGate, TaskTooLarge
-from sandbox.build import cuda_arch_list, first_compiler_error
+from sandbox.backends import backend_for
+from sandbox.build import cuda_arch_list
 from sandbox.checks import CandidateChecks
 from sandbox.footprint import FootprintBook, human_bytes
 from sandbox.harness import cpu_model
@@ -80,6 +81,8 @@ class Sandbox:
             raise ValueError("no CUDA GPU is visible and neither KERNELLOOP_CUDA_ARCH nor TORCH_CUDA_ARCH_LIST is "
                              "set: name the architecture to build CUDA candidates for (e.g. --arch 9.0a)")
         self.config = config or EvalConfig()
+        # what candidates are written in: the cascade asks it, never which one it is
+        self.backend = backend_for(self.config.backend, device)
         cores = usable_cores()
         self.build_jobs = max(2, min(8, cores // max(1, build_slots or 1)))
         self._build_sem = threading.Semaphore(build_slots or max(1, cores // 4))
@@ -211,7 +214,8 @@ class Sandbox:
         worker = WorkerProcess("build", hide_gpu=True, env=self._build_env())
         try:
             reply = worker.ask({"role": "build", "device": self.device, "out_dir": str(worker.out_dir),
-                                "task": spec.__dict__, "source": source, "init_seed": 0}, cfg.build_timeout_s)
+                                "task": spec.__dict__, "source": source, "init_seed": 0,
+                                "backend": cfg.backend}, cfg.build_timeout_s)
         except WorkerTimeout:
             result.status = Status.timeout
             result.error_type = "BuildTimeout"
@@ -239,7 +243,7 @@ class Sandbox:
         if reply.get("stage") == "build":
             full_log = log + "\n" + (reply.get("error_message") or "") + "\n" + stdout + "\n" + stderr
             info.log = full_log[-20_000:]
-            info.first_error, info.first_error_line = first_compiler_error(
+            info.first_error, info.first_error_line = self.backend.first_error(
                 full_log, source, [b["directory"] for b in builds])
             result.status = Status.compile_error
             result.error_type = reply.get("error_type")
@@ -253,7 +257,7 @@ class Sandbox:
                             candidate_sha256=sha256_text(source), device=self.device,
                             device_name=self.device_name, torch_version=self.torch_version,
                             config=self.config)
-        result.flags.extend(anticheat.scan(source))
+        result.flags.extend(self.backend.scan(source))
         return result
 
     def evaluate(self, spec: TaskSpec, source: str) -> EvalResult:
@@ -388,7 +392,7 @@ class Sandbox:
             fraction = min(1.0, (cfg.memory_limit_mb << 20) / total)
         reply = cand.ask({"role": "candidate", "device": self.device, "out_dir": str(cand.out_dir),
                           "task": spec.__dict__, "source": source, "init_seed": self.init_seed,
-                          "memory_fraction": fraction, "profile": cfg.profile,
+                          "memory_fraction": fraction, "profile": cfg.profile, "backend": cfg.backend,
                           "numerics": cfg.numerics.model_dump(mode="json")},
                          cfg.build_timeout_s + cfg.run_timeout_s)
         if not reply.get("ok"):
@@ -397,6 +401,15 @@ class Sandbox:
             result.error_type = reply.get("error_type")
             result.error_message = reply.get("error_message")
             result.traceback = reply.get("traceback")
+            if stage == "build":
+                # a compile on first use (the backend's warm-up) failed: the build's verdict, at its line
+                builds = reply.get("builds") or []
+                log = "\n".join(b.get("log", "") for b in builds if b.get("log")) + "\n" + (result.error_message or "")
+                info = result.build or BuildInfo(ok=False)
+                info.ok, info.log = False, log[-20_000:]
+                info.first_error, info.first_error_line = self.backend.first_error(log, source, [])
+                result.build = info
+                result.error_message = (info.first_error or result.error_message or "")[:2000]
             return False
         if reply.get("threads_started"):
             result.add_flag(FlagKind.suspicious, f"started {reply['threads_started']} thread(s) while constructing ModelNew")
