@@ -1,0 +1,161 @@
+"""The triton backend (``sandbox.backends``): verdicts of Triton candidates on the CPU, through
+Triton's interpreter, with every check of the CUDA backend: correct, incorrect, compile error at
+the candidate's line (Triton's own front end lowers each kernel for sm_90), no custom kernel,
+lowered precision (the float64 rule). Each candidate under tests/triton_cases/ states its expected
+status and flag in its first lines."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from sandbox.backends import BackendError, backend_for, resolve_backend
+from sandbox.result import EvalConfig, FlagKind
+
+HERE = Path(__file__).parent / "triton_cases"
+TASK = HERE / "task_ew.py"
+
+
+# ---------------------------------------------------------------- the seam (no Triton needed)
+
+def test_backend_names_resolve_per_device():
+    assert resolve_backend(None, "cuda") == "cuda"
+    assert resolve_backend(None, "cpu") == "cpu"
+    assert resolve_backend("triton", "cpu") == "triton"
+    assert resolve_backend("triton", "cuda") == "triton"
+    with pytest.raises(BackendError, match="needs --device cuda"):
+        resolve_backend("cuda", "cpu")
+    with pytest.raises(BackendError, match="no backend 'tilelang'"):
+        resolve_backend("tilelang", "cuda")
+
+
+def test_load_inline_backends_keep_their_config_hash():
+    # the hashes of EvalConfig before backends existed (main at c3437e2): stored evaluation keys stay valid
+    assert EvalConfig().hash() == "07f01a175102029f"
+    assert EvalConfig(trials=3, timed_runs=5).hash() == "99918dd706a890fe"
+    assert EvalConfig(backend="triton").hash() != EvalConfig().hash()
+
+
+def _kinds(backend: str, source: str) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for f in backend_for(backend, "cpu").scan(source):
+        out.setdefault(f.kind.value, []).append(f.reason)
+    return out
+
+
+@pytest.mark.parametrize("snippet,reason", [
+    ("acc += tl.dot(a, b)", "TF32 unless"),                                   # Triton's default for fp32
+    ("acc += tl.dot(a, b, input_precision='tf32')", "TF32"),
+    ("acc = tl.dot(a, b, allow_tf32=True)", "TF32"),
+    ("x = tl.load(p).to(tl.float16)", "half types"),
+    ("y = tl.load(p, dtype=tl.bfloat16)", "half types"),
+    ("os.environ['TRITON_F32_DEFAULT'] = 'tf32'", "default float32 dot"),
+])
+def test_triton_scan_names_its_ways_to_lower_precision(snippet, reason):
+    kinds = _kinds("triton", snippet)
+    assert any(reason in r for r in kinds.get("precision", [])), kinds
+
+
+def test_triton_scan_leaves_full_precision_dots_alone():
+    assert "precision" not in _kinds("triton", "acc += tl.dot(a, b, input_precision='ieee')\n"
+                                               "acc += tl.dot(a, b, input_precision=\"tf32x3\")\n"
+                                               "acc += tl.dot(a, b, allow_tf32=False)\n")
+    # the load_inline backends' scan is unchanged: a tl.dot there is nothing it knows
+    assert "precision" not in _kinds("cpu", "acc += tl.dot(a, b)")
+
+
+def test_triton_scan_flags_patching_triton():
+    assert "suspicious" in _kinds("triton", "import triton\ntriton.jit = lambda f: f\n")
+    assert "suspicious" not in _kinds("cpu", "import triton\ntriton.jit = lambda f: f\n")
+
+
+def test_triton_first_error_is_the_candidate_line():
+    be = backend_for("triton", "cpu")
+    assert be.first_error("x\ncandidate.py:13: error: CompilationError: arange's arguments\n", "", []) == (
+        "candidate.py:13: error: CompilationError: arange's arguments", 13)
+    text, line = be.first_error('Traceback\n  File "candidate.py", line 7, in <module>\nNameError: name "q"\n', "", [])
+    assert line == 7 and "NameError" in text
+
+
+# ---------------------------------------------------------------- verdicts through the interpreter
+
+def _expect(path: Path) -> tuple[set[str], str]:
+    text = path.read_text()
+    status = re.search(r"^# expect-status: (\S+)", text, re.M).group(1)
+    flag = re.search(r"^# expect-flag: ?(\S*)", text, re.M).group(1)
+    return set(status.split("|")), flag
+
+
+@pytest.fixture(scope="module")
+def triton_sandbox():
+    from sandbox.evaluate import Sandbox
+
+    config = EvalConfig(trials=3, timed_runs=3, warmup_runs=1, time_compile=False, profile=True,
+                        run_timeout_s=120.0, backend="triton")
+    with Sandbox("cpu", config, build_slots=1, warm_workers=0) as sb:
+        yield sb
+
+
+def _evaluate(sb, name: str, source: str | None = None):
+    from sandbox.tasks import read_spec
+
+    return sb.evaluate(read_spec(TASK, name="triton/task_ew"), source or (HERE / f"{name}.py").read_text())
+
+
+CASES = ["correct", "incorrect", "compile_error", "no_custom_kernel", "lowered_precision", "half_cast"]
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("name", CASES)
+def test_triton_candidate_verdict(triton_sandbox, name):
+    result = _evaluate(triton_sandbox, name)
+    expected, flag = _expect(HERE / f"{name}.py")
+    flags = {f.kind.value for f in result.flags}
+    detail = f"{name}: {result.status.value} {sorted(flags)} {result.error_message!r}"
+    print("VERDICT", detail)
+    if name == "correct":
+        assert result.clean, detail
+        # its own kernel ran: counted launches, and the profiler's row for it marked its own
+        assert result.custom_calls_per_forward >= 1, detail
+        assert any(k.own and k.name == "kernelloop_ext::add_relu_scale_kernel" for k in result.profile), detail
+        return
+    assert not result.clean, detail
+    if result.status.value == "correct":
+        assert "flagged" in expected and flag in flags, detail
+    else:
+        assert result.status.value in expected, detail
+    if name == "compile_error":
+        # the interpreter would have run it: Triton's front end refused it, at the candidate's line
+        assert result.build.first_error_line == 13, result.build
+        assert "tl.constexpr" in result.build.first_error
+    if name == "no_custom_kernel":
+        assert result.custom_calls_per_forward == 0
+    if name == "lowered_precision":
+        assert FlagKind.precision.value not in flags        # no static pattern: measured
+        assert FlagKind.inaccurate.value in flags, detail
+
+
+@pytest.mark.triton
+def test_triton_syntax_error_is_a_compile_error_at_its_line(triton_sandbox):
+    source = (HERE / "correct.py").read_text().replace("    mask = offs < n\n", "    mask = offs < n +\n")
+    line = source.splitlines().index("    mask = offs < n +") + 1
+    result = _evaluate(triton_sandbox, "syntax", source)
+    assert result.status.value == "compile_error", result.error_message
+    assert result.build.first_error_line == line
+
+
+@pytest.mark.triton
+def test_each_candidate_has_its_own_triton_cache_removed_with_its_worker(triton_sandbox):
+    source = (HERE / "correct.py").read_text().replace(
+        "        return out", "        import os\n        print('CACHE', os.environ['TRITON_CACHE_DIR'])\n        return out")
+    dirs = []
+    for _ in range(2):
+        result = _evaluate(triton_sandbox, "cache", source)
+        assert result.clean, result.error_message
+        found = set(re.findall(r"^CACHE (\S+)$", result.stdout, re.M))
+        assert len(found) == 1, result.stdout[-500:]
+        dirs.append(Path(found.pop()))
+    assert dirs[0] != dirs[1]
+    assert all(d.name == "triton-cache" and d.parent.name.startswith("kl-candidate-") for d in dirs), dirs
+    assert not any(d.exists() for d in dirs)        # gone with the worker's temporary directory
