@@ -11,6 +11,8 @@ from typing import Callable
 
 import sqlalchemy as sa
 
+from store.migration_backend import m007_backend
+
 APP_ID = "kernelloop"
 
 
@@ -185,5 +187,6 @@ MIGRATIONS: list[Callable[[sa.Connection], None]] = [
     m003_numerics,
     m004_task_footprints,
     m005_model_call_reasoning_and_limits,
+    m007_backend,          # store/migration_backend.py (named 7 so a parallel m006 never collides)
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
