@@ -159,3 +159,138 @@ def test_each_candidate_has_its_own_triton_cache_removed_with_its_worker(triton_
     assert dirs[0] != dirs[1]
     assert all(d.name == "triton-cache" and d.parent.name.startswith("kl-candidate-") for d in dirs), dirs
     assert not any(d.exists() for d in dirs)        # gone with the worker's temporary directory
+
+
+# ---------------------------------------------------------------- prompts, answers, runs
+
+def _first_prompt(backend, device="cpu"):
+    from agent.prompts import build_proposal_messages
+    from agent.types import DeviceFacts
+    from sandbox.tasks import read_spec
+
+    facts = DeviceFacts(device=device, name="a device", torch_version="2.13.0")
+    _, messages, sha = build_proposal_messages(read_spec(HERE / "task_add_relu.py", name="triton/add_relu"), facts, 0,
+                                               [], None, None, backend=backend)
+    return messages, sha
+
+
+def test_triton_prompt_has_its_own_contract_and_worked_example():
+    messages, sha = _first_prompt("triton")
+    system, user = messages[0]["content"], messages[-1]["content"]
+    assert "Triton kernels (`@triton.jit`)" in system and "load_inline" not in user
+    assert "launched from `forward` as `kernel[grid](...)`" in user
+    assert 'input_precision="ieee"' in user                    # the contract names tl.dot's TF32 default
+    assert "Triton's interpreter" in user                      # said on a CPU target only
+    assert "interpreter" not in _first_prompt("triton", "cuda")[0][-1]["content"]
+    assert "add_relu_kernel[(triton.cdiv(n, 1024),)]" in user  # the worked example
+    cpu_messages, cpu_sha = _first_prompt(None)
+    assert cpu_sha != sha and "load_inline" in cpu_messages[-1]["content"]
+    assert _first_prompt("cpu")[1] == cpu_sha                  # None is the device's own backend
+
+
+def _example_answer(user: str) -> str:
+    from agent.parse import parse_answer
+
+    parsed = parse_answer(user[user.index("Example."):])
+    assert parsed.ok, parsed.error
+    return parsed.source
+
+
+def test_a_triton_answer_parses():
+    source = _example_answer(_first_prompt("triton")[0][-1]["content"])
+    assert "@triton.jit" in source and "class ModelNew" in source
+
+
+@pytest.mark.triton
+def test_the_worked_example_is_a_correct_candidate(triton_sandbox):
+    from sandbox.tasks import read_spec
+
+    source = _example_answer(_first_prompt("triton")[0][-1]["content"])
+    result = triton_sandbox.evaluate(read_spec(HERE / "task_add_relu.py", name="triton/add_relu"), source)
+    assert result.clean, (result.status, result.flags, result.error_message)
+
+
+def test_cli_backend_option_resolves_per_device():
+    import typer
+
+    from kernelloop.cli_common import resolve_kernel_backend
+
+    assert resolve_kernel_backend(None, "cuda") is None
+    assert resolve_kernel_backend("cuda", "cuda") is None          # the device's own: stored as before
+    assert resolve_kernel_backend("cuda", "cpu") is None           # CUDA's place on the CPU target is C++
+    assert resolve_kernel_backend("triton", "cpu") == "triton"
+    assert resolve_kernel_backend(None, "cpu", "triton") == "triton"   # a stored run's, kept
+    with pytest.raises((SystemExit, typer.Exit)):
+        resolve_kernel_backend("tilelang", "cuda")
+
+
+def test_runs_of_older_stores_get_their_devices_backend(tmp_path):
+    import sqlalchemy as sa
+
+    from store import Store
+    from store.migrations import MIGRATIONS
+
+    path = tmp_path / "v5.db"
+    engine = sa.create_engine(f"sqlite:///{path}")
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE kernelloop_meta (key VARCHAR(64) PRIMARY KEY, value TEXT NOT NULL)"))
+        conn.execute(sa.text("INSERT INTO kernelloop_meta VALUES ('app', 'kernelloop'), ('schema_version', '5')"))
+        for m in MIGRATIONS[:5]:
+            m(conn)
+        for device in ("cuda", "cpu"):
+            conn.execute(sa.text("INSERT INTO runs (kind, status, model, critic, device, device_name, torch_version, "
+                                 "code_version, config, started_at) VALUES ('optimize', 'finished', 'builtin', "
+                                 "'grounded', :d, 'x', '2.13', 'v', '{}', '2026-01-01 00:00:00')"), {"d": device})
+    engine.dispose()
+    store = Store(path)
+    try:
+        from store.models import Run
+
+        with store.reader() as s:
+            assert [(r.device, r.backend) for r in s.scalars(sa.select(Run).order_by(Run.id))] == [
+                ("cuda", "cuda"), ("cpu", "cpu")]
+    finally:
+        store.close()
+
+
+# ---------------------------------------------------------------- the builtin proposer
+
+def _spec(name: str):
+    from sandbox.tasks import discover, read_spec, with_device_sizes
+
+    return with_device_sizes(read_spec(discover([name])[0]), "cpu")
+
+
+def test_builtin_writes_triton_for_elementwise_groups():
+    from agent.builtin import propose
+
+    cand = propose(_spec("seeds/conv2d_divide_leakyrelu"), "cpu", 0, 0, [], backend="triton")
+    assert cand.choices["backend"] == "triton" and cand.covered_ops == ["add", "div", "leaky_relu"]
+    assert "@triton.jit" in cand.source and "load_inline" not in cand.source
+    assert "torch.conv2d(" in cand.source                        # the library operator stays on PyTorch
+    # the samples of a round differ (block size, warps), and what history holds is not proposed again
+    second = propose(_spec("seeds/conv2d_divide_leakyrelu"), "cpu", 0, 1, [], backend="triton")
+    assert second.source != cand.source
+
+    class Seen:
+        source = cand.source
+    assert propose(_spec("seeds/conv2d_divide_leakyrelu"), "cpu", 1, 0, [Seen()], backend="triton").source != cand.source
+
+
+def test_builtin_triton_leaves_operators_without_a_triton_form_to_pytorch():
+    from agent.builtin.triton_gen import tl_expr
+
+    assert "tl.exp" in tl_expr("sigmoid", ["x"], {})
+    with pytest.raises(KeyError):
+        tl_expr("softplus", ["x"], {"beta": 1.0, "threshold": 20.0})     # log1p: no interpreter form in 3.9
+
+
+@pytest.mark.triton
+def test_builtin_triton_candidate_is_correct(triton_sandbox):
+    from agent.builtin import propose
+
+    spec = _spec("seeds/conv2d_divide_leakyrelu")
+    cand = propose(spec, "cpu", 0, 0, [], backend="triton")
+    result = triton_sandbox.evaluate(spec, cand.source)
+    assert result.clean, (result.status, result.flags, result.error_message)
+    assert result.custom_calls_per_forward == 1
