@@ -112,7 +112,7 @@ class Sandbox:
         return {"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {}
 
     def _build_env(self) -> dict[str, str]:
-        env = {"KERNELLOOP_BUILD_JOBS": str(self.build_jobs)}
+        env = {"KERNELLOOP_BUILD_JOBS": str(self.build_jobs), **self.backend.worker_env()}
         if self.arch:
             env["KERNELLOOP_CUDA_ARCH"] = self.arch
         return env

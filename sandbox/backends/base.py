@@ -53,3 +53,7 @@ class Backend(Protocol):
 
     def hook(self, max_jobs: Optional[int] = None) -> BuildHook:
         """A fresh build hook for one worker."""
+
+    def worker_env(self) -> dict[str, str]:
+        """Environment of the build and candidate workers, set before they import anything
+        (the reference worker never gets it)."""

@@ -39,3 +39,6 @@ class InlineBackend:
 
     def hook(self, max_jobs: Optional[int] = None) -> InlineHook:
         return InlineHook(max_jobs=max_jobs)
+
+    def worker_env(self) -> dict[str, str]:
+        return {}

@@ -88,6 +88,12 @@ class TritonBackend:
         last = next((ln for ln in reversed(log.strip().splitlines()) if ln.strip()), None)
         return (last[:500] if last else None), (int(lines[-1]) if lines else None)
 
+    def worker_env(self) -> dict[str, str]:
+        """On the CPU the interpreter, before anything imports Triton: ``triton.language``'s own jit
+        functions are interpreted ones only if it is set when Triton is first imported (torch's
+        profiler and compiler import Triton where it is installed)."""
+        return {"TRITON_INTERPRET": "1"} if self.device != "cuda" else {}
+
     def hook(self, max_jobs: Optional[int] = None):
         from sandbox.backends.triton_hook import TritonHook
 

@@ -4,6 +4,7 @@ defined, counts and labels their launches, warms them up, and turns compile fail
 failed builds at the candidate's line."""
 from __future__ import annotations
 
+import json
 import linecache
 import os
 import time
@@ -41,8 +42,8 @@ class TritonHook:
         self.source = ""
         self.interpret = device != "cuda"
         self.cache_dir = ""
-        self.front_end_checked: set[tuple] = set()
-        self._jits: dict[int, Any] = {}         # id(interpreted kernel) -> its JITFunction for the front end
+        self.launches: dict[str, dict[str, Any]] = {}   # launch signatures seen under the interpreter
+        self.checked: set[str] = set()                     # ... and lowered by Triton's front end
         self.notes: list[str] = []
         self._t0 = time.perf_counter()
 
@@ -72,9 +73,9 @@ class TritonHook:
         for cls in (JITFunction, interpreter.InterpretedFunction):
             self._instrument(cls)
         self._tf32_dots(interpreter)
-        self.notes.append("Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1); each was also lowered to "
-                          "TTIR for sm_90" if self.interpret else "Triton kernels compiled on first launch, "
-                          "in a warm-up forward before the trials")
+        self.notes.append("Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1); those of the warm-up "
+                          "forward were also lowered to TTIR for sm_90 by Triton's front end" if self.interpret else
+                          "Triton kernels compiled on first launch, in a warm-up forward before the trials")
 
     def import_failed(self, exc: BaseException) -> None:
         line = self._line_of(exc)
@@ -96,7 +97,8 @@ class TritonHook:
             if _is_compilation_error(exc):
                 self._fail(exc, self._line_of(exc))
                 return exc
-        return None
+        # under the interpreter: what ran (or began to) lowered by Triton's front end, as a GPU would
+        return self._front_end() if self.interpret else None
 
     # ---- instrumentation -----------------------------------------------------------
     def _instrument(self, cls: type) -> None:
@@ -117,7 +119,7 @@ class TritonHook:
             import torch
 
             if hook.interpret:
-                hook._front_end(self, args, kwargs)
+                hook._record(fn, args, kwargs)
             hook.counter.calls += 1
             hook.counter.by_function[fn.__name__] = hook.counter.by_function.get(fn.__name__, 0) + 1
             with torch.profiler.record_function(f"kernelloop_ext::{fn.__name__}"):
@@ -126,29 +128,40 @@ class TritonHook:
         counted_run._kernelloop = True  # type: ignore[attr-defined]
         cls.__init__, cls.run = registering_init, counted_run
 
-    def _front_end(self, kernel: Any, args: tuple, kwargs: dict) -> None:
-        """Under the interpreter: the first launch per signature is lowered by Triton's front end."""
-        from sandbox.backends.triton_frontend import as_jit, lower, signature_of
+    def _record(self, py_fn: Any, args: tuple, kwargs: dict) -> None:
+        """Under the interpreter: the launch's signature, for Triton's front end after the warm-up."""
+        from sandbox.backends.triton_frontend import signature_of
 
-        jit = self._jits.get(id(kernel))
-        if jit is None:
-            jit = self._jits[id(kernel)] = as_jit(kernel)
         try:
-            sig = signature_of(jit, args, kwargs)
+            sig = signature_of(py_fn, args, kwargs)
         except TypeError:
             return                  # the launch itself fails the same way in the interpreter
         if sig is None:
+            self.notes.append(f"{py_fn.__name__}: an argument of a type the CPU's front-end check does not know")
             return
-        key = (kernel.fn.__name__, tuple(sorted(sig[0].items())), tuple(sorted((k, repr(v)) for k, v in sig[1].items())))
-        if key in self.front_end_checked:
-            return
-        self.front_end_checked.add(key)
-        try:
-            lower(jit, *sig)
-        except Exception as exc:  # noqa: BLE001
-            if _is_compilation_error(exc):
-                raise
-            self.notes.append(f"{kernel.fn.__name__}: not lowered to TTIR on the CPU ({type(exc).__name__}: {exc})"[:300])
+        key = json.dumps([py_fn.__name__, sig[0], sig[1]], sort_keys=True, default=repr)
+        if key not in self.launches:
+            self.launches[key] = {"kernel": py_fn.__name__, "signature": sig[0], "constexprs": sig[1]}
+
+    def _front_end(self) -> Optional[BaseException]:
+        """The launches recorded so far lowered by Triton's front end (``triton_frontend``); its
+        compile error, if any."""
+        from sandbox.backends.triton_frontend import check
+
+        todo = [v for k, v in self.launches.items() if k not in self.checked]
+        if not todo:
+            return None
+        self.checked.update(self.launches)
+        answer = check(self.source, todo, self.cache_dir and str(Path(self.cache_dir).parent))
+        self.notes.extend(answer.get("notes", []))
+        err = answer.get("error")
+        if not err:
+            return None
+        exc = TritonCompileError(f"{err['type']} in {err['kernel']}: {err['message']}")
+        start = _def_line(self.source, self.kernels[err["kernel"]]) if err["kernel"] in self.kernels else None
+        line = start + err["lineno"] - 1 if start is not None and err.get("lineno") else None
+        self._fail(exc, line)
+        return exc
 
     def _tf32_dots(self, interpreter: Any) -> None:
         """The interpreter's ``tl.dot`` computes float32 exactly; the GPU rounds float32 operands to
@@ -201,6 +214,10 @@ class TritonHook:
         self.failures.append(BuildRecord("triton", "triton", self.cache_dir, round(time.perf_counter() - self._t0, 3),
                                          False, False, log[-20_000:], self.device == "cuda", self.kernel_names(),
                                          list(self.notes)))
+
+
+class TritonCompileError(Exception):
+    """Triton's front end refused a kernel that the interpreter ran (``triton_frontend``)."""
 
 
 def _is_compilation_error(exc: BaseException) -> bool:
