@@ -95,6 +95,10 @@ def tl_expr(op: str, args: list[str], params: dict[str, Any]) -> str:
     raise KeyError(op)
 
 
+class Untranslatable(KeyError):
+    """One operator of a group has no Triton form here: it alone is left to PyTorch."""
+
+
 class TritonGroup:
     """One elementwise fusion group as a Triton kernel and its Python launcher."""
 
@@ -137,7 +141,10 @@ class TritonGroup:
             loads[k] = name
         for n in kg.nodes:
             info = kg.plan.infos[n]
-            lines.append(f"{kg.var(n)} = {tl_expr(info.op, [self._operand(o, loads) for o in info.operands], info.params)}")
+            try:
+                lines.append(f"{kg.var(n)} = {tl_expr(info.op, [self._operand(o, loads) for o in info.operands], info.params)}")
+            except KeyError as exc:
+                raise Untranslatable(n.name) from exc
         lines.append(f"tl.store(out_ptr + offs, {kg.var(kg.out_node)}, mask=mask)")
         return lines
 
@@ -198,12 +205,15 @@ def plan_groups(traced: Any, excluded: set[str]) -> tuple[Any, list[TritonGroup]
         for g in plan.groups:
             try:
                 groups.append(TritonGroup(KernelGroup(plan, g)))
+            except Untranslatable as exc:
+                bad = {exc.args[0]}         # the operator alone; its neighbours stay fused
+                break
             except (KeyError, ValueError):
-                bad = g
+                bad = {n.name for n in g.nodes}
                 break
         if bad is None:
             return plan, groups, excluded
-        excluded |= {n.name for n in bad.nodes}
+        excluded |= bad
     raise RuntimeError("no plan without untranslatable groups")
 
 
