@@ -131,6 +131,7 @@ def test_triton_candidate_verdict(triton_sandbox, name):
         assert "tl.constexpr" in result.build.first_error
     if name == "no_custom_kernel":
         assert result.custom_calls_per_forward == 0
+        assert any("@triton.jit kernels" in f.reason for f in result.flags if f.kind == FlagKind.no_custom_kernel)
     if name == "lowered_precision":
         assert FlagKind.precision.value not in flags        # no static pattern: measured
         assert FlagKind.inaccurate.value in flags, detail

@@ -28,6 +28,8 @@ class InlineHook(HookedBuilder):
 
 
 class InlineBackend:
+    no_call_reason = "no call into the candidate's own compiled extension during a forward"
+
     def __init__(self, name: str, device: str):
         self.name, self.device = name, device
 

@@ -70,6 +70,8 @@ def _tf32_dots(source: str) -> bool:
 
 
 class TritonBackend:
+    no_call_reason = "no launch of the candidate's own @triton.jit kernels during a forward"
+
     def __init__(self, name: str, device: str):
         self.name, self.device = name, device
 

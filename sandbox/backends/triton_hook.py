@@ -52,7 +52,7 @@ class TritonHook:
     def records(self) -> list[BuildRecord]:
         ok = BuildRecord("triton", "triton", self.cache_dir, round(time.perf_counter() - self._t0, 3), False, True,
                          "", self.device == "cuda", self.kernel_names(), list(self.notes))
-        return [ok, *self.failures] if not self.failures else list(self.failures)
+        return list(self.failures) if self.failures else [ok]
 
     def install(self, source: str = "") -> None:
         """Before ``import triton`` in the candidate: the interpreter on the CPU, a cache of this
@@ -78,9 +78,11 @@ class TritonHook:
                           "Triton kernels compiled on first launch, in a warm-up forward before the trials")
 
     def import_failed(self, exc: BaseException) -> None:
-        line = self._line_of(exc)
-        if line is not None or isinstance(exc, SyntaxError) or _is_compilation_error(exc):
-            self._fail(exc, line)
+        """A syntax error (the kernels are Python: it is their compile error) or a Triton compile
+        error while the module ran is a failed build; any other error at import stays a load error,
+        as for every backend."""
+        if isinstance(exc, SyntaxError) or _is_compilation_error(exc):
+            self._fail(exc, self._line_of(exc))
 
     def kernel_names(self) -> list[str]:
         return sorted(self.kernels)
