@@ -49,14 +49,16 @@ def resolve_kernel_backend(name: Optional[str], device: str, base: Optional[str]
     """``--backend`` on ``device`` as stored in ``EvalConfig.backend``: None for the device's own
     ``load_inline`` backend (``cuda`` names the C++ one on ``--device cpu``, as CUDA's sources
     become C++ there), else the backend's name; unset: ``base`` (a stored run's)."""
-    from sandbox.backends import BackendError, resolve_backend
+    from sandbox.backends import BackendError, backend_for, resolve_backend
 
-    if name is None:
-        return base
+    if name is None and base is None:
+        return None
+    name = base if name is None else name
     if name == "cuda" and device == "cpu":
         name = "cpu"
     try:
         resolved = resolve_backend(name, device)
+        backend_for(resolved, device)           # one that cannot run here says why now, not per candidate
     except BackendError as exc:
         fail(str(exc))
     return None if resolved == device else resolved

@@ -44,6 +44,7 @@ def _kinds(backend: str, source: str) -> dict[str, list[str]]:
     return out
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("snippet,reason", [
     ("acc += tl.dot(a, b)", "TF32 unless"),                                   # Triton's default for fp32
     ("acc += tl.dot(a, b, input_precision='tf32')", "TF32"),
@@ -57,6 +58,7 @@ def test_triton_scan_names_its_ways_to_lower_precision(snippet, reason):
     assert any(reason in r for r in kinds.get("precision", [])), kinds
 
 
+@pytest.mark.triton
 def test_triton_scan_leaves_full_precision_dots_alone():
     assert "precision" not in _kinds("triton", "acc += tl.dot(a, b, input_precision='ieee')\n"
                                                "acc += tl.dot(a, b, input_precision=\"tf32x3\")\n"
@@ -65,11 +67,13 @@ def test_triton_scan_leaves_full_precision_dots_alone():
     assert "precision" not in _kinds("cpu", "acc += tl.dot(a, b)")
 
 
+@pytest.mark.triton
 def test_triton_scan_flags_patching_triton():
     assert "suspicious" in _kinds("triton", "import triton\ntriton.jit = lambda f: f\n")
     assert "suspicious" not in _kinds("cpu", "import triton\ntriton.jit = lambda f: f\n")
 
 
+@pytest.mark.triton
 def test_triton_first_error_is_the_candidate_line():
     be = backend_for("triton", "cpu")
     assert be.first_error("x\ncandidate.py:13: error: CompilationError: arange's arguments\n", "", []) == (
@@ -219,10 +223,25 @@ def test_cli_backend_option_resolves_per_device():
     assert resolve_kernel_backend(None, "cuda") is None
     assert resolve_kernel_backend("cuda", "cuda") is None          # the device's own: stored as before
     assert resolve_kernel_backend("cuda", "cpu") is None           # CUDA's place on the CPU target is C++
-    assert resolve_kernel_backend("triton", "cpu") == "triton"
-    assert resolve_kernel_backend(None, "cpu", "triton") == "triton"   # a stored run's, kept
     with pytest.raises((SystemExit, typer.Exit)):
         resolve_kernel_backend("tilelang", "cuda")
+
+
+@pytest.mark.triton
+def test_cli_triton_backend_is_stored_by_name():
+    from kernelloop.cli_common import resolve_kernel_backend
+
+    assert resolve_kernel_backend("triton", "cpu") == "triton"
+    assert resolve_kernel_backend(None, "cpu", "triton") == "triton"   # a stored run's, kept
+
+
+def test_triton_backend_without_triton_says_so_before_any_candidate(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    with pytest.raises(BackendError, match="needs the triton package"):
+        backend_for("triton", "cpu")
 
 
 def test_runs_of_older_stores_get_their_devices_backend(tmp_path):

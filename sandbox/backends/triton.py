@@ -73,6 +73,13 @@ class TritonBackend:
     no_call_reason = "no launch of the candidate's own @triton.jit kernels during a forward"
 
     def __init__(self, name: str, device: str):
+        import importlib.util
+
+        from sandbox.backends import BackendError
+
+        if importlib.util.find_spec("triton") is None:
+            raise BackendError("the triton backend needs the triton package (pip install 'triton>=3.9,<3.10'; "
+                               "CUDA builds of torch bring it)")
         self.name, self.device = name, device
 
     def scan(self, source: str) -> list[Flag]:
