@@ -19,6 +19,7 @@ A crash, hang, CUDA error or cheat ends in a status or a flag for this candidate
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import secrets
 import threading
@@ -358,7 +359,10 @@ class Sandbox:
                 first.discard()
             raise
         try:
-            with phase(result, "load"):
+            # a backend that runs a warm-up forward while loading (Triton compiles on first launch)
+            # keeps it off the device while another candidate on this slot is timed
+            warm = self._gates[slot].background() if self.backend.warms_up_on_device else contextlib.nullcontext()
+            with phase(result, "load"), warm:
                 loaded = self._load_candidate(spec, source, result, cand)
             if loaded:
                 with phase(result, "device_wait"):
