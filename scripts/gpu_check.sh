@@ -73,17 +73,7 @@ case "$stage" in
       | tee "$OUT/optimize_${BACKEND:-triton}_${PREC:-fp32}.txt"
     ;;
   triton-table)
-    # the last run of each (backend, precision), per task: eager and torch.compile (the fastest of the run's
-    # measurements), best (the fastest clean candidate) and the roofline floor, side by side
-    sqlite3 -header -column "$KERNELLOOP_DB" "select r.id run, r.backend, json_extract(r.config, '$.eval.numerics.precision') prec,
-        t.name task, printf('%.3f', min(json_extract(e.result, '$.eager_time.median_ms'))) eager_ms,
-        printf('%.3f', min(json_extract(e.result, '$.compile_time.median_ms'))) compile_ms,
-        printf('%.3f', min(case when e.status = 'correct' and json_array_length(json_extract(e.result, '$.flags')) = 0
-                                then json_extract(e.result, '$.candidate_time.median_ms') end)) best_ms,
-        printf('%.3f', min(json_extract(e.result, '$.floor_ms'))) floor_ms
-      from runs r join attempts a on a.run_id = r.id join tasks t on t.id = a.task_id join evaluations e on e.attempt_id = a.id
-      where r.id in (select max(id) from runs where kind = 'optimize' group by backend, json_extract(config, '$.eval.numerics.precision'))
-      group by r.id, t.name order by t.name, prec, r.backend" | tee "$OUT/triton_table.txt"
+    python3 scripts/backend_table.py "$KERNELLOOP_DB" | tee "$OUT/triton_table.md"
     ;;
   *)
     echo "unknown stage $stage (judge, build, loop, post, triton, triton-loop, triton-table)"; exit 2
