@@ -314,3 +314,55 @@ def test_builtin_triton_candidate_is_correct(triton_sandbox):
     result = triton_sandbox.evaluate(spec, cand.source)
     assert result.clean, (result.status, result.flags, result.error_message)
     assert result.custom_calls_per_forward == 1
+
+
+# ---------------------------------------------------------------- the GPU's compile errors, mapped on the CPU
+
+_GPU_MAPPING = r"""
+import json, os, sys
+os.chdir(sys.argv[2])
+from sandbox.backends.triton_hook import TritonHook
+from sandbox.tasks import exec_source
+source = open(sys.argv[1]).read()
+hook = TritonHook("cuda")              # compiled mode: Triton's JIT, no interpreter
+hook.install(source)
+ns = exec_source(source, "candidate.py", module_name="kernelloop_candidate")
+import torch
+from triton._C.libtriton import ir
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
+from sandbox.backends.triton_frontend import signature_of
+kernel = ns["add_relu_scale_kernel"]
+x = torch.randn(8)
+sig = signature_of(kernel.fn, (x, x, x, 8, 1.5), {"BLOCK": 1024})
+target = GPUTarget("cuda", 90, 32)
+backend = make_backend(target)
+options = backend.parse_options({})
+context = ir.context(); ir.load_dialects(context); backend.load_dialects(context)
+try:   # what the JIT does at a kernel's first launch on a GPU
+    ASTSource(kernel, *sig).make_ir(target, options, backend.get_codegen_implementation(options),
+                                    backend.get_module_map(), context)
+    print(json.dumps({"compiled": True}))
+except Exception as exc:
+    print(json.dumps({"kernels": hook.kernel_names(), "line": hook._line_of(exc), "type": type(exc).__name__,
+                      "cache": os.environ["TRITON_CACHE_DIR"]}))
+"""
+
+
+@pytest.mark.triton
+def test_a_gpu_compile_error_maps_to_the_candidate_line(tmp_path):
+    """Without a GPU, Triton's JIT in compiled mode (the hook as a GPU worker installs it) meets the
+    non-constexpr tl.arange bound at the kernel's first compile: the hook maps its error to line 13."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", _GPU_MAPPING, str(HERE / "compile_error.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    answer = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert answer == {"kernels": ["add_relu_scale_kernel"], "line": 13, "type": "CompilationError",
+                      "cache": str(tmp_path / "triton-cache")}, proc.stderr[-2000:]
