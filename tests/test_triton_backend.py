@@ -366,3 +366,26 @@ def test_a_gpu_compile_error_maps_to_the_candidate_line(tmp_path):
     answer = json.loads(proc.stdout.strip().splitlines()[-1])
     assert answer == {"kernels": ["add_relu_scale_kernel"], "line": 13, "type": "CompilationError",
                       "cache": str(tmp_path / "triton-cache")}, proc.stderr[-2000:]
+
+
+def test_the_llm_critic_reviews_triton_attempts_as_triton():
+    from agent.critic.base import get_critic
+    from agent.types import AttemptView, DeviceFacts
+    from sandbox.result import BuildInfo, EvalResult, Status
+    from sandbox.tasks import read_spec
+
+    task = read_spec(TASK, name="triton/task_ew")
+    gpu = DeviceFacts(device="cuda", name="NVIDIA H100 80GB HBM3", torch_version="2.13.0")
+
+    def system(backend):
+        res = EvalResult(status=Status.incorrect, task=task.name, device="cuda", build=BuildInfo(ok=True),
+                         config=EvalConfig(backend=backend))
+        view = AttemptView(attempt_id=1, round=0, sample=0, parse_status="ok", source="x = 1\n", result=res,
+                           evaluation_id=101)
+        class Model:                    # the critic only renders its prompt here
+            def chat(self, messages):
+                raise AssertionError("not called")
+        return get_critic("llm", backend=Model()).messages(task, [view], gpu)[0]["content"]
+
+    assert "custom Triton kernels" in system("triton")
+    assert "custom CUDA kernels" in system(None)
