@@ -292,9 +292,30 @@ def test_builtin_writes_triton_for_elementwise_groups():
     second = propose(_spec("seeds/conv2d_divide_leakyrelu"), "cpu", 0, 1, [], backend="triton")
     assert second.source != cand.source
 
-    class Seen:
-        source = cand.source
-    assert propose(_spec("seeds/conv2d_divide_leakyrelu"), "cpu", 1, 0, [Seen()], backend="triton").source != cand.source
+    assert propose(_spec("seeds/conv2d_divide_leakyrelu"), "cpu", 1, 0, [_attempt(cand.source, None)],
+                   backend="triton").source != cand.source
+
+
+def _attempt(source, result):
+    from agent.types import AttemptView
+
+    return AttemptView(attempt_id=1, round=0, sample=0, parse_status="ok", source=source, result=result)
+
+
+def test_builtin_triton_narrows_a_group_that_failed():
+    from agent.builtin import propose
+    from sandbox.result import BuildInfo, EvalResult, Status
+
+    spec = _spec("seeds/conv2d_divide_leakyrelu")
+    first = propose(spec, "cpu", 0, 0, [], backend="triton")
+    assert [g["ops"] for g in first.choices["groups"]] == [["add", "div", "leaky_relu"]]
+    # a compile error at a line inside kl_g0's kernel: that group is halved next round
+    line = next(i for i, text in enumerate(first.source.splitlines(), 1) if "tl.where(" in text)
+    failed = EvalResult(status=Status.compile_error, task=spec.name, device="cpu",
+                        build=BuildInfo(ok=False, first_error="candidate.py:%d: error: ..." % line, first_error_line=line))
+    second = propose(spec, "cpu", 1, 0, [_attempt(first.source, failed)], backend="triton")
+    assert [g["ops"] for g in second.choices["groups"]] == [["add", "div"], ["leaky_relu"]], second.choices
+    assert second.choices["cuts"]
 
 
 def test_builtin_triton_leaves_operators_without_a_triton_form_to_pytorch():

@@ -157,13 +157,14 @@ class TritonGroup:
         strides = [f"st{k}_{d}" for k in self._strided() for d in range(self.rank)]
         params = ", ".join([*ins, "out_ptr", "n", *sizes, *strides, "BLOCK: tl.constexpr"])
         body = ["offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)", "mask = offs < n", *self.body]
-        return "\n".join(["@triton.jit", f"def {self.kernel_name}({params}):", *("    " + b for b in body)])
+        return "\n".join([f"# ---- {self.kg.name} begin", "@triton.jit", f"def {self.kernel_name}({params}):",
+                          *("    " + b for b in body), f"# ---- {self.kg.name} end"])
 
     def launcher(self, block: int, warps: int) -> str:
         kg = self.kg
         args = [f"t{i.index}" for i in kg.inputs]
         space = ", ".join(f"t{k}.shape" for k in kg.space_inputs)
-        lines = [f"def _{kg.name}({', '.join(args)}):",
+        lines = [f"# ---- {kg.name} begin", f"def _{kg.name}({', '.join(args)}):",
                  f'    """{kg.describe()}"""',
                  f"    sp = torch.broadcast_shapes({space}{',' if len(kg.space_inputs) == 1 else ''})",
                  f"    out = torch.empty(sp, device=t{kg.space_inputs[0]}.device, dtype={kg.out_dtype})",
@@ -182,6 +183,7 @@ class TritonGroup:
         lines.append(f"    {self.kernel_name}[(triton.cdiv(n, {block}),)]({', '.join([*call, 'out', 'n', *extra])}, "
                      f"BLOCK={block}, num_warps={warps})")
         lines.append("    return out")
+        lines.append(f"# ---- {kg.name} end")
         return "\n".join(lines)
 
     def python_call(self) -> list[str]:
@@ -195,12 +197,13 @@ class TritonCandidate:
     groups: list[TritonGroup]
 
 
-def plan_groups(traced: Any, excluded: set[str]) -> tuple[Any, list[TritonGroup], set[str]]:
-    """The elementwise plan and its Triton groups; a group with an operator this generator cannot
-    write is left to PyTorch (its nodes excluded) and the plan made again."""
+def plan_groups(traced: Any, excluded: set[str], cuts: set[str] = frozenset()) -> tuple[Any, list[TritonGroup], set[str]]:
+    """The elementwise plan (``cuts`` and ``excluded`` from the history: ``feedback.read_history``)
+    and its Triton groups; an operator this generator cannot write is left to PyTorch and the plan
+    made again."""
     excluded = set(excluded)
     for _ in range(64):
-        plan = make_plan(traced, "elementwise", (), excluded)
+        plan = make_plan(traced, "elementwise", cuts, excluded)
         groups, bad = [], None
         for g in plan.groups:
             try:
@@ -218,13 +221,14 @@ def plan_groups(traced: Any, excluded: set[str]) -> tuple[Any, list[TritonGroup]
 
 
 def render_triton(traced: Any, plan: Any, groups: list[TritonGroup], device: str, block: int, warps: int,
-                  excluded: set[str], math_mode: Optional[str]) -> TritonCandidate:
+                  excluded: set[str], math_mode: Optional[str], cuts: set[str] = frozenset()) -> TritonCandidate:
     infos = plan.infos
     header = {"v": 1, "generator": "builtin", "backend": "triton", "device": device, "task": traced.spec.name,
               "precision": traced.precision, **({"math": math_mode} if math_mode else {}),
               "knobs": {"block": block, "warps": warps},
-              "groups": [{"name": t.kg.name, "kind": t.kg.kind, "ops": t.kg.ops, "nodes": [n.name for n in t.kg.nodes]}
-                         for t in groups],
+              "groups": [{"name": t.kg.name, "kind": t.kg.kind, "ops": t.kg.ops, "nodes": [n.name for n in t.kg.nodes],
+                          "kinds": [infos[n].kind for n in t.kg.nodes]} for t in groups],
+              "cuts": sorted(cuts),
               "excluded": sorted(excluded), "library": [infos[n].op for n in infos if infos[n].kind == "library"],
               "uncovered": sorted({infos[n].op for n in infos if infos[n].kind == "other"})}
     summary = [f"{t.kg.name}: Triton kernel fusing {t.kg.describe()} (nodes {', '.join(n.name for n in t.kg.nodes)})"
@@ -244,18 +248,25 @@ def render_triton(traced: Any, plan: Any, groups: list[TritonGroup], device: str
 
 
 def propose_triton(traced: Any, device: str, sample: int, history: list[Any], math_mode: Optional[str]) -> TritonCandidate:
-    """The ``sample``-th variant not yet in ``history`` (all tried: the first, marked a repeat)."""
-    plan, groups, excluded = plan_groups(traced, set())
-    seen = {body_hash(a.source) for a in history if getattr(a, "source", None)}
+    """The ``sample``-th variant not yet in ``history`` (all tried: the first, marked a repeat).
+    The history is read as the C++/CUDA generator reads it (``feedback.read_history``): a group of
+    a failed attempt that no correct attempt ran is narrowed (an elementwise chain halved, a single
+    operator left to PyTorch), the one a compiler error's line or an error message names first."""
+    from agent.builtin.feedback import read_history
+
+    fb = read_history(history, device, traced.precision, math_mode)
+    plan, groups, excluded = plan_groups(traced, set(fb.excluded), set(fb.cuts))
+    seen = set(fb.seen)
+    cuts = set(fb.cuts)
     fresh: list[TritonCandidate] = []
     for block, warps in VARIANTS:
-        cand = render_triton(traced, plan, groups, device, block, warps, excluded, math_mode)
+        cand = render_triton(traced, plan, groups, device, block, warps, excluded, math_mode, cuts)
         h = body_hash(cand.source)
         if h not in seen and h not in {body_hash(c.source) for c in fresh}:
             fresh.append(cand)
     if len(fresh) > sample:
         return fresh[sample]
-    cand = render_triton(traced, plan, groups, device, *VARIANTS[0], excluded, math_mode)
+    cand = render_triton(traced, plan, groups, device, *VARIANTS[0], excluded, math_mode, cuts)
     cand.header["repeat"] = True
     lines = cand.source.split("\n")
     lines[0] = HEADER_PREFIX + json.dumps(cand.header, sort_keys=True, separators=(",", ":"))
