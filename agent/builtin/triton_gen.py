@@ -25,7 +25,6 @@ from torch.fx import Node
 from agent.builtin import pysource
 from agent.builtin.codegen import HEADER_PREFIX, body_hash, emit_forward, render
 from agent.builtin.kernels import KernelGroup
-from agent.builtin.ops import ModuleAttr
 from agent.builtin.plan import make_plan
 
 # (BLOCK, num_warps): the samples of a round, in order
