@@ -73,8 +73,8 @@ class TritonHook:
         for cls in (JITFunction, interpreter.InterpretedFunction):
             self._instrument(cls)
         self._tf32_dots(interpreter)
-        self.notes.append("Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1); those of the warm-up "
-                          "forward were also lowered to TTIR for sm_90 by Triton's front end" if self.interpret else
+        self.notes.append("Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1); the kernels a warm-up "
+                          "forward launches before the trials are also lowered to TTIR for sm_90 by Triton's front end" if self.interpret else
                           "Triton kernels compiled on first launch, in a warm-up forward before the trials")
 
     def import_failed(self, exc: BaseException) -> None:
