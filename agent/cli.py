@@ -10,8 +10,8 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
-from kernelloop.cli_common import (DbOption, DeviceOption, MathOption, PrecisionOption, SetOption, console, err_console,
-                                   fail, open_store, resolve_device, resolve_numerics)
+from kernelloop.cli_common import (BackendOption, DbOption, DeviceOption, MathOption, PrecisionOption, SetOption, console,
+                                   err_console, fail, open_store, resolve_device, resolve_kernel_backend, resolve_numerics)
 from kernelloop.cli_executor import ExecutorOption, RayAddressOption, resolve_executor_device
 
 
@@ -106,6 +106,7 @@ def optimize_command(
     set_: Optional[list[str]] = SetOption,
     precision: Optional[str] = PrecisionOption,
     math: Optional[str] = MathOption,
+    kernel_backend: Optional[str] = BackendOption,
     resume: Optional[int] = typer.Option(None, "--resume", help="continue run RUN where it stopped"),
     executor: str = ExecutorOption,
     ray_address: Optional[str] = RayAddressOption,
@@ -137,6 +138,9 @@ def optimize_command(
         if (precision or math) and resolve_numerics(precision, math, cfg.eval.numerics) != cfg.eval.numerics:
             fail(f"run {resume} was started under {cfg.eval.numerics.label}: --resume keeps its numerics "
                  f"(drop --precision/--math, or start a new run)")
+        if kernel_backend and resolve_kernel_backend(kernel_backend, cfg.device) != cfg.eval.backend:
+            fail(f"run {resume} was started with --backend {cfg.eval.backend or cfg.device}: --resume keeps its "
+                 f"backend (drop --backend, or start a new run)")
     else:
         dev = resolve_executor_device(device, executor)
         try:
@@ -152,7 +156,8 @@ def optimize_command(
         cfg = LoopConfig(model=model, device=dev, rounds=rounds, samples=samples, critic=critic,
                          target_speedup=target_speedup, patience=patience,
                          eval=EvalConfig(trials=trials, timed_runs=timed_runs, time_compile=not no_compile,
-                                         numerics=resolve_numerics(precision, math)),
+                                         numerics=resolve_numerics(precision, math),
+                                         backend=resolve_kernel_backend(kernel_backend, dev)),
                          backend_options=options)
     if cfg.critic not in (None, "grounded", "llm"):
         fail(f"--critic must be grounded or llm, not {cfg.critic!r}")
@@ -177,7 +182,7 @@ def optimize_command(
             s.get(Run, run_id).status = "running"
     console.print(f"run {run_id}: {len(specs)} task(s), {cfg.rounds} round(s) x {cfg.samples} sample(s), "
                   f"model {cfg.model}, device {cfg.device} ({facts.name}), store {store.url}")
-    console.print(f"numerics {cfg.eval.numerics.describe()}", highlight=False)
+    console.print(f"numerics {cfg.eval.numerics.describe()}; backend {cfg.eval.backend or cfg.device}", highlight=False)
     status = "finished"
     previous = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -332,6 +337,8 @@ def replay_command(run: int = typer.Argument(..., help="the stored run whose can
                    precision: Optional[str] = typer.Option(None, "--precision",
                                                            help="fp32 | fp16 | bf16 [default: the stored run's]"),
                    math: Optional[str] = typer.Option(None, "--math", help="default | strict [default: the stored run's]"),
+                   kernel_backend: Optional[str] = typer.Option(None, "--backend",
+                                                                help="cuda | triton [default: the stored run's]"),
                    executor: str = ExecutorOption,
                    ray_address: Optional[str] = RayAddressOption,
                    db: Optional[str] = DbOption) -> None:
@@ -367,14 +374,16 @@ def replay_command(run: int = typer.Argument(..., help="the stored run whose can
     if not rows:
         fail(f"run {run} has no attempts" + (f" for {', '.join(tasks)}" if tasks else ""))
     numerics = resolve_numerics(precision, math, cfg.eval.numerics)
+    backend_name = resolve_kernel_backend(kernel_backend, dev, cfg.eval.backend)     # unset: the stored run's
     eval_cfg = cfg.eval.model_copy(update={"time_compile": cfg.eval.time_compile and not no_compile,
-                                           "numerics": numerics})
+                                           "numerics": numerics, "backend": backend_name})
     if numerics != cfg.eval.numerics:
         err_console.print(f"[yellow]note:[/] run {run} was measured under {cfg.eval.numerics.label}, this replay under "
                           f"{numerics.label}: verdicts and speedups are not comparable one for one", highlight=False)
     sandbox = open_cli_executor(executor, dev, eval_cfg, store, ray_address)
     with store.session() as s:
         new = Run(kind="replay", status="running", model=f"replay:{run}", critic="grounded", device=dev,
+                  backend=backend_name or dev,
                   device_name=sandbox.device_name, torch_version=sandbox.torch_version, code_version=code_version(),
                   config={**old.config, "device": dev, "eval": eval_cfg.model_dump(mode="json")}, parent_run_id=run)
         s.add(new)

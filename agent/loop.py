@@ -119,7 +119,8 @@ class OptimizeLoop:
                   kind: str = "optimize") -> int:
         with self.store.session() as s:
             run = Run(kind=kind, status="running", model=self.config.model, critic=self.critic_name,
-                      device=self.config.device, device_name=self.device.name,
+                      device=self.config.device, backend=self.config.eval.backend or self.config.device,
+                      device_name=self.device.name,
                       torch_version=self.device.torch_version, code_version=code_version,
                       config={**self.config.to_json(),
                               "tasks": [{"name": sp.name, "path": sp.path, "sha256": sp.sha256} for sp in specs],
@@ -290,11 +291,12 @@ class OptimizeLoop:
             # this task's error, naming the sizes).
             budget, count = budget_of(self.backend)
             template, messages, sha, left_out = fit_proposal_messages(
-                eval_spec, self.device, rnd, history, analysis, floor, self.config.eval.numerics, budget, count)
+                eval_spec, self.device, rnd, history, analysis, floor, self.config.eval.numerics, budget, count,
+                self.config.eval.backend)
             return ProposalRequest(task=eval_spec, device=self.device, round=rnd, samples=self.config.samples,
                                    messages=messages, template=template, prompt_sha256=sha, history=history,
                                    analysis=analysis, run_id=run_id, numerics=self.config.eval.numerics,
-                                   left_out=left_out)
+                                   left_out=left_out, kernel_backend=self.config.eval.backend)
 
         request = build()
         parents = choose_parents(history)

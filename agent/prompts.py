@@ -105,6 +105,8 @@ def render(template_name: str, system_template: Optional[str] = SYSTEM,
     """``[system, user]`` messages (no system message when ``system_template`` is None) and their sha256."""
     ctx.setdefault("left_out", [])          # what was left out to fit the window (fit_proposal_messages)
     ctx.setdefault("include_example", True)
+    if "device" in ctx:                     # what kernels are written in: the device's load_inline backend unless told
+        ctx.setdefault("backend", getattr(ctx["device"], "device", None))
     messages: list[dict[str, str]] = []
     if system_template:
         messages.append({"role": "system", "content": render_text(system_template, **ctx)})
@@ -416,12 +418,15 @@ def build_proposal_messages(task: TaskSpec, device: DeviceFacts, round: int, his
                             max_source_chars: int = MAX_SOURCE_CHARS,
                             numerics: Optional[Numerics] = None, max_analysis_chars: int = MAX_ANALYSIS_CHARS,
                             include_example: bool = True,
-                            left_out: Optional[list[str]] = None) -> tuple[str, list[dict[str, str]], str]:
+                            left_out: Optional[list[str]] = None,
+                            backend: Optional[str] = None) -> tuple[str, list[dict[str, str]], str]:
     """(template name, messages, sha256) for one round of one task: ``propose_first`` when
     ``history`` is empty, else ``propose_refine``; ``numerics`` is the run's convention.
     ``max_source_chars`` 0 shows no sources, ``max_analysis_chars`` 0 no analysis; ``left_out``
-    is said in the prompt (see ``fit_proposal_messages``)."""
+    is said in the prompt (see ``fit_proposal_messages``); ``backend`` what the kernels are written in
+    (``sandbox.backends``; None: the device's load_inline backend)."""
     ctx: dict[str, Any] = {"task": task, "device": device, "round": round, "floor_ms": floor_ms,
+                           "backend": backend or device.device,
                            "numerics": numerics or Numerics(), "left_out": list(left_out or []),
                            "include_example": include_example}
     if not history:
@@ -473,7 +478,7 @@ def _refine_left_out(history: list[AttemptView], analysis: Optional[str], shown:
 
 def fit_proposal_messages(task: TaskSpec, device: DeviceFacts, round: int, history: list[AttemptView],
                           analysis: Optional[str], floor_ms: Optional[float], numerics: Optional[Numerics],
-                          budget: Any, count: Any) -> tuple[str, list[dict[str, str]], str, list[str]]:
+                          budget: Any, count: Any, backend: Optional[str] = None) -> tuple[str, list[dict[str, str]], str, list[str]]:
     """``build_proposal_messages`` fitted to the model's window (``agent.fitting``): fewer
     earlier attempts first, then shorter sources, a shorter analysis, no sources, no analysis
     (and for a first round, no worked example); never the task or the output contract. Returns
@@ -486,7 +491,7 @@ def fit_proposal_messages(task: TaskSpec, device: DeviceFacts, round: int, histo
             left = (_refine_left_out(history, analysis, shown, source_chars, analysis_chars) if history
                     else ([] if example else ["the worked example"]))
             built = build_proposal_messages(task, device, round, history, analysis, floor_ms, shown, source_chars,
-                                            numerics, analysis_chars, example, left)
+                                            numerics, analysis_chars, example, left, backend)
             return Fitted(value=built, messages=built[1], left_out=left)
         return make
 

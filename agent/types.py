@@ -62,6 +62,7 @@ class ProposalRequest:
     run_id: Optional[int] = None
     numerics: Numerics = field(default_factory=Numerics)   # the run's precision and math mode
     left_out: list[str] = field(default_factory=list)      # what the prompt left out to fit the model's window
+    kernel_backend: Optional[str] = None   # what kernels are written in (sandbox.backends); None: the device's load_inline
 
 
 @dataclass

@@ -19,6 +19,7 @@ import threading
 from typing import Any, Optional
 
 from sandbox.admission import TaskTooLarge
+from sandbox.backends import backend_for
 from sandbox.evaluate import Sandbox
 from sandbox.footprint import Footprint, FootprintBook
 from sandbox.result import BuildInfo, EvalConfig, EvalResult, Status
@@ -49,6 +50,7 @@ class NodeBuilder:
 
     def __init__(self, device: str, config: EvalConfig, arch: Optional[str], jobs: int):
         self.device, self.config, self.arch, self.build_jobs = device, config, arch, jobs
+        self.backend = backend_for(config.backend, device)
 
 
 def build_on_node(spec: dict[str, Any], source: str, device: str, config_json: str, arch: Optional[str],

@@ -39,6 +39,31 @@ MathOption = typer.Option(None, "--math",
                                "strict (IEEE fp32 everywhere) [default: default]")
 
 
+BackendOption = typer.Option(None, "--backend",
+                             help="what candidates are written in: cuda (load_inline; C++ on --device cpu, the cpu "
+                                  "backend) | triton (@triton.jit kernels; on --device cpu through Triton's "
+                                  "interpreter) [default: the device's load_inline backend]")
+
+
+def resolve_kernel_backend(name: Optional[str], device: str, base: Optional[str] = None) -> Optional[str]:
+    """``--backend`` on ``device`` as stored in ``EvalConfig.backend``: None for the device's own
+    ``load_inline`` backend (``cuda`` names the C++ one on ``--device cpu``, as CUDA's sources
+    become C++ there), else the backend's name; unset: ``base`` (a stored run's)."""
+    from sandbox.backends import BackendError, backend_for, resolve_backend
+
+    if name is None and base is None:
+        return None
+    name = base if name is None else name
+    if name == "cuda" and device == "cpu":
+        name = "cpu"
+    try:
+        resolved = resolve_backend(name, device)
+        backend_for(resolved, device)           # one that cannot run here says why now, not per candidate
+    except BackendError as exc:
+        fail(str(exc))
+    return None if resolved == device else resolved
+
+
 def resolve_numerics(precision: Optional[str], math: Optional[str], base=None):
     """``--precision`` and ``--math`` as a ``sandbox.numerics.Numerics`` (unset ones from ``base``)."""
     from sandbox.numerics import parse_numerics

@@ -14,7 +14,7 @@ from typing import Optional
 
 from sandbox.result import Flag, FlagKind
 
-_PRECISION_PATTERNS = [
+PRECISION_PATTERNS = [
     (re.compile(r"\.half\(\)|torch\.(float16|half|bfloat16)\b|\bat::(kHalf|kBFloat16)\b"), "casts to a half type"),
     (re.compile(r"\b__half2?\b|\b__nv_bfloat16\b|\b__float2half|\bhalf2\b"), "computes in CUDA half types"),
     (re.compile(r"allow_tf32\s*=\s*True|set_float32_matmul_precision\(\s*['\"](high|medium)"), "enables TF32 matmuls"),
@@ -36,7 +36,7 @@ _SUSPICIOUS_PATTERNS = [
      "refers to the evaluation harness"),
     (re.compile(r"\bbuiltins\b\s*\.|__builtins__"), "changes builtins"),
 ]
-_PATCHABLE_ROOTS = {"torch", "time", "sys", "os", "builtins", "sandbox", "threading", "numpy", "np", "F", "nn"}
+PATCHABLE_ROOTS = frozenset({"torch", "time", "sys", "os", "builtins", "sandbox", "threading", "numpy", "np", "F", "nn"})
 
 
 def _attr_root(node: ast.AST) -> Optional[str]:
@@ -61,14 +61,19 @@ def _dotted(node: ast.AST) -> str:
     return dotted_name(node) or ""
 
 
-def scan(source: str) -> list[Flag]:
+def scan(source: str, precision_patterns: Optional[list[tuple[re.Pattern, str]]] = None,
+         patchable_roots: Optional[frozenset[str]] = None) -> list[Flag]:
+    """The flags of ``source``. A backend (``sandbox.backends``) passes its own precision
+    patterns and the module roots whose attributes a candidate must not assign; by default
+    those of ``load_inline`` candidates (C++/CUDA)."""
     flags: list[Flag] = []
+    roots = PATCHABLE_ROOTS if patchable_roots is None else patchable_roots
 
     def add(kind: FlagKind, reason: str) -> None:
         if not any(f.kind == kind and f.reason == reason for f in flags):
             flags.append(Flag(kind=kind, reason=reason))
 
-    for pattern, reason in _PRECISION_PATTERNS:
+    for pattern, reason in (PRECISION_PATTERNS if precision_patterns is None else precision_patterns):
         if pattern.search(source):
             add(FlagKind.precision, reason)
     for pattern, reason in _SUSPICIOUS_PATTERNS:
@@ -83,11 +88,11 @@ def scan(source: str) -> list[Flag]:
         if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for t in targets:
-                if isinstance(t, ast.Attribute) and _attr_root(t) in _PATCHABLE_ROOTS:
+                if isinstance(t, ast.Attribute) and _attr_root(t) in roots:
                     add(FlagKind.suspicious, f"assigns to {_dotted(t)} (monkey-patching)")
         if isinstance(node, ast.Call):
             name = _dotted(node.func)
-            if name in ("setattr",) and node.args and _attr_root(node.args[0]) in _PATCHABLE_ROOTS:
+            if name in ("setattr",) and node.args and _attr_root(node.args[0]) in roots:
                 add(FlagKind.suspicious, f"setattr on {_dotted(node.args[0])} (monkey-patching)")
             if name == "Model" or name.endswith(".Model"):
                 add(FlagKind.fallback, "instantiates the reference Model")

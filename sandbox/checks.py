@@ -11,6 +11,7 @@ import time
 from typing import Any, Optional
 
 from sandbox import failures
+from sandbox.backends import backend_for
 from sandbox.compare import fp64_verdict
 from sandbox.phases import Stages
 from sandbox.process import WorkerProcess
@@ -106,8 +107,7 @@ class CandidateChecks:
                     result.add_flag(FlagKind.inaccurate, why)
         result.custom_calls_per_forward = (sum(calls) / len(calls)) if calls else 0.0
         if not calls or min(calls) == 0:
-            result.add_flag(FlagKind.no_custom_kernel,
-                            "no call into the candidate's own compiled extension during a forward")
+            result.add_flag(FlagKind.no_custom_kernel, backend_for(cfg.backend, self.device).no_call_reason)
         result.status = Status.correct
 
         # ---- timing (same routine, same policy, device held exclusively): the candidate first,

@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from kernelloop.cli_common import (DeviceOption, MathOption, PrecisionOption, SetOption, console, fail, resolve_device,
-                                   resolve_numerics)
+from kernelloop.cli_common import (BackendOption, DeviceOption, MathOption, PrecisionOption, SetOption, console, fail,
+                                   resolve_device, resolve_kernel_backend, resolve_numerics)
 
 
 def _ms(t) -> str:
@@ -101,6 +101,7 @@ def eval_command(task: str = typer.Argument(..., help="task file or bundled name
                                                     "default: KERNELLOOP_CUDA_ARCH, else the visible GPU's"),
                  precision: Optional[str] = PrecisionOption,
                  math: Optional[str] = MathOption,
+                 kernel_backend: Optional[str] = BackendOption,
                  as_json: bool = typer.Option(False, "--json", help="print the EvalResult (BuildCheck) as JSON")) -> None:
     """Build, check and time one candidate against its task (in isolated worker processes)."""
     from sandbox.evaluate import Sandbox, evaluate
@@ -121,7 +122,8 @@ def eval_command(task: str = typer.Argument(..., help="task file or bundled name
         load_task(spec)
     except TaskError as exc:
         fail(str(exc))
-    config = EvalConfig(trials=trials, timed_runs=timed_runs, time_compile=not no_compile, numerics=numerics)
+    config = EvalConfig(trials=trials, timed_runs=timed_runs, time_compile=not no_compile, numerics=numerics,
+                        backend=resolve_kernel_backend(kernel_backend, dev))
     if build_only:
         try:
             sandbox = Sandbox(dev, config, arch=arch)

@@ -24,6 +24,7 @@ killed when its workers end, counted on the result and flagged.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import secrets
 import threading
@@ -32,9 +33,10 @@ from typing import Any, Optional
 
 import torch
 
-from sandbox import anticheat, failures
+from sandbox import failures
 from sandbox.admission import MemoryGate, TaskTooLarge
-from sandbox.build import cuda_arch_list, first_compiler_error
+from sandbox.backends import backend_for
+from sandbox.build import cuda_arch_list
 from sandbox.checks import CandidateChecks
 from sandbox.footprint import FootprintBook, human_bytes
 from sandbox.harness import cpu_model
@@ -86,6 +88,8 @@ class Sandbox:
             raise ValueError("no CUDA GPU is visible and neither KERNELLOOP_CUDA_ARCH nor TORCH_CUDA_ARCH_LIST is "
                              "set: name the architecture to build CUDA candidates for (e.g. --arch 9.0a)")
         self.config = config or EvalConfig()
+        # what candidates are written in: the cascade asks it, never which one it is
+        self.backend = backend_for(self.config.backend, device)
         cores = usable_cores()
         self.build_jobs = max(2, min(8, cores // max(1, build_slots or 1)))
         self._build_sem = threading.Semaphore(build_slots or max(1, cores // 4))
@@ -116,7 +120,7 @@ class Sandbox:
         return {"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {}
 
     def _build_env(self) -> dict[str, str]:
-        env = {"KERNELLOOP_BUILD_JOBS": str(self.build_jobs)}
+        env = {"KERNELLOOP_BUILD_JOBS": str(self.build_jobs), **self.backend.worker_env()}
         if self.arch:
             env["KERNELLOOP_CUDA_ARCH"] = self.arch
         return env
@@ -218,7 +222,8 @@ class Sandbox:
         worker = WorkerProcess("build", hide_gpu=True, env=self._build_env())
         try:
             reply = worker.ask({"role": "build", "device": self.device, "out_dir": str(worker.out_dir),
-                                "task": spec.__dict__, "source": source, "init_seed": 0}, cfg.build_timeout_s)
+                                "task": spec.__dict__, "source": source, "init_seed": 0,
+                                "backend": cfg.backend}, cfg.build_timeout_s)
         except WorkerTimeout:
             result.status = Status.timeout
             result.error_type = "BuildTimeout"
@@ -247,7 +252,7 @@ class Sandbox:
         if reply.get("stage") == "build":
             full_log = log + "\n" + (reply.get("error_message") or "") + "\n" + stdout + "\n" + stderr
             info.log = full_log[-20_000:]
-            info.first_error, info.first_error_line = first_compiler_error(
+            info.first_error, info.first_error_line = self.backend.first_error(
                 full_log, source, [b["directory"] for b in builds])
             result.status = Status.compile_error
             result.error_type = reply.get("error_type")
@@ -261,7 +266,7 @@ class Sandbox:
                             candidate_sha256=sha256_text(source), device=self.device,
                             device_name=self.device_name, torch_version=self.torch_version,
                             config=self.config)
-        result.flags.extend(anticheat.scan(source))
+        result.flags.extend(self.backend.scan(source))
         return result
 
     def evaluate(self, spec: TaskSpec, source: str) -> EvalResult:
@@ -362,7 +367,10 @@ class Sandbox:
                 first.discard()
             raise
         try:
-            with phase(result, "load"):
+            # a backend that runs a warm-up forward while loading (Triton compiles on first launch)
+            # keeps it off the device while another candidate on this slot is timed
+            warm = self._gates[slot].background() if self.backend.warms_up_on_device else contextlib.nullcontext()
+            with phase(result, "load"), warm:
                 loaded = self._load_candidate(spec, source, result, cand)
             if loaded:
                 with phase(result, "device_wait"):
@@ -398,7 +406,7 @@ class Sandbox:
             fraction = min(1.0, (cfg.memory_limit_mb << 20) / total)
         reply = cand.ask({"role": "candidate", "device": self.device, "out_dir": str(cand.out_dir),
                           "task": spec.__dict__, "source": source, "init_seed": self.init_seed,
-                          "memory_fraction": fraction, "profile": cfg.profile,
+                          "memory_fraction": fraction, "profile": cfg.profile, "backend": cfg.backend,
                           "numerics": cfg.numerics.model_dump(mode="json")},
                          cfg.build_timeout_s + cfg.run_timeout_s)
         if not reply.get("ok"):
@@ -407,6 +415,15 @@ class Sandbox:
             result.error_type = reply.get("error_type")
             result.error_message = reply.get("error_message")
             result.traceback = reply.get("traceback")
+            if stage == "build":
+                # a compile on first use (the backend's warm-up) failed: the build's verdict, at its line
+                builds = reply.get("builds") or []
+                log = "\n".join(b.get("log", "") for b in builds if b.get("log")) + "\n" + (result.error_message or "")
+                info = result.build or BuildInfo(ok=False)
+                info.ok, info.log = False, log[-20_000:]
+                info.first_error, info.first_error_line = self.backend.first_error(log, source, [])
+                result.build = info
+                result.error_message = (info.first_error or result.error_message or "")[:2000]
             return False
         if reply.get("threads_started"):
             result.add_flag(FlagKind.suspicious, f"started {reply['threads_started']} thread(s) while constructing ModelNew")

@@ -58,6 +58,9 @@ class EvalConfig(BaseModel):
     time_compile: bool = True                  # also time the reference under torch.compile
     profile: bool = True
     flush_l2: bool = True
+    # what candidates are written in (sandbox.backends): cuda | cpu | triton; None: the device's
+    # load_inline backend (every config stored before backends existed)
+    backend: Optional[str] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -71,7 +74,10 @@ class EvalConfig(BaseModel):
         return data
 
     def hash(self) -> str:
-        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
+        data = self.model_dump(mode="json")
+        if data.get("backend") is None:
+            data.pop("backend", None)       # the load_inline backends keep the keys they had before backends
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
 class BuildInfo(BaseModel):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import secrets
 import sys
 import threading
 import traceback
@@ -69,6 +70,7 @@ class Worker:
         self.out_dir = Path(init["out_dir"])
         self.spec = TaskSpec(**init["task"])
         self.source = init.get("source")
+        self.backend = init.get("backend")      # sandbox.backends; None: the device's load_inline backend
         self.init_seed = int(init["init_seed"])
         self.builder = None
         self.model = None
@@ -86,10 +88,11 @@ class Worker:
 
     # ---- candidate code -------------------------------------------------------
     def _exec_candidate(self) -> dict[str, Any]:
-        from sandbox.build import HookedBuilder
+        from sandbox.backends import backend_for
 
-        self.builder = HookedBuilder(max_jobs=int(os.environ.get("KERNELLOOP_BUILD_JOBS", "4")))
-        self.builder.install()
+        # the backend's build hook (sandbox.backends): load_inline replaced, or Triton's launches counted
+        self.builder = backend_for(self.backend, self.device).hook(max_jobs=int(os.environ.get("KERNELLOOP_BUILD_JOBS", "4")))
+        self.builder.install(self.source)
         # From here on the candidate's code runs: a death after this note is the candidate's
         # (sandbox.failures); it is on the socket before the first line of the candidate runs.
         _send(self.conn, {"event": "candidate_code"})
@@ -98,6 +101,7 @@ class Worker:
         except SystemExit as exc:
             return {"stage": "import", **_exc_payload(exc), "error_message": f"candidate called sys.exit({exc.code})"}
         except BaseException as exc:  # noqa: BLE001
+            self.builder.import_failed(exc)
             failed = [r for r in self.builder.records if not r.ok]
             return {"stage": "build" if failed else "import", **_exc_payload(exc)}
         finally:
@@ -118,8 +122,13 @@ class Worker:
         if cls is None or not isinstance(cls, type):
             return {**reply, "stage": "import", "error_type": "NameError",
                     "error_message": "the candidate module defines no class ModelNew", "traceback": ""}
-        self.kernel_names = sorted({k for r in self.builder.records for k in r.kernel_names})
         reply.update(self._construct(cls))
+        if reply.get("ok"):
+            # what compiles on first use (Triton) compiles now, before the device is held
+            failed = self.builder.warm_up(self.model, self._make_args(secrets.randbits(31)))
+            if failed is not None:
+                return {"builds": [r.__dict__ for r in self.builder.records], "stage": "build", **_exc_payload(failed)}
+        self.kernel_names = self.builder.kernel_names()
         if reply.get("ok") and self.profile_wanted and not _PREWARMED.get(self.device):
             from sandbox.profiling import warm_up
 

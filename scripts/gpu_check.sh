@@ -5,6 +5,10 @@
 #   bash scripts/gpu_check.sh build   # build speed (lean and KernelBench-style sources), throughput  (~7 min)
 #   bash scripts/gpu_check.sh loop    # builtin optimisation (seeds + level2), then `post`
 #   bash scripts/gpu_check.sh post    # the store's last optimisation run: replay, report, seed analysis, gpu tests of the rest
+#   bash scripts/gpu_check.sh triton  # the Triton backend compiled: its tests and adversarial cases (~5 min)
+#   PREC=fp32 BACKEND=triton bash scripts/gpu_check.sh triton-loop   # the builtin over KernelBench's ten-task
+#       level-2 mix, 2 rounds, one call per (PREC fp32|bf16) x (BACKEND triton|cuda); carry .kb (a copy of
+#       ../shared/KernelBench); `triton-table` then prints the four runs' tables side by side
 # Each stage fits one device call (10 minutes); run them in separate calls. scripts/gpu_multi.sh
 # runs them side by side on a host with several GPUs.
 # Knobs: BASELINE=0 (no seed baselines), ADV_K (pytest -k for the adversarial cases), ADV_S,
@@ -54,7 +58,24 @@ case "$stage" in
   post)
     post
     ;;
+  triton)
+    python3 -c "import triton; print('triton', triton.__version__)" || { echo "triton is not installed"; exit 1; }
+    box ${ADV_S:-420} python3 -m pytest -m "gpu or triton" -q -s --timeout 300 -p no:cacheprovider \
+      tests/test_sandbox_adversarial.py -k triton tests/test_triton_backend.py 2>&1 | grep -vE "USDT|^$" \
+      | tee "$OUT/triton_tests.txt" | grep -E "VERDICT|passed|failed|Error" | head -80
+    ;;
+  triton-loop)
+    # ten level-2 tasks (evals/kernelbench.py's mix) at KernelBench's sizes; one run per call, labelled in the store
+    export KERNELLOOP_KERNELBENCH=${KERNELLOOP_KERNELBENCH:-$PWD/.kb}
+    tasks=$(python3 -c "from evals.kernelbench import MIX, kernelbench_paths as p; print(' '.join(map(str, p(MIX))))") || exit 1
+    box ${LOOP_S:-540} $KL optimize $tasks --model builtin --backend ${BACKEND:-triton} --precision ${PREC:-fp32} \
+      --rounds ${ROUNDS:-2} --samples ${SAMPLES:-2} --device cuda 2>&1 | grep -v USDT \
+      | tee "$OUT/optimize_${BACKEND:-triton}_${PREC:-fp32}.txt"
+    ;;
+  triton-table)
+    python3 scripts/backend_table.py "$KERNELLOOP_DB" | tee "$OUT/triton_table.md"
+    ;;
   *)
-    echo "unknown stage $stage (judge, build, loop, post)"; exit 2
+    echo "unknown stage $stage (judge, build, loop, post, triton, triton-loop, triton-table)"; exit 2
     ;;
 esac

@@ -11,6 +11,8 @@ from typing import Callable
 
 import sqlalchemy as sa
 
+from store.migration_backend import m007_backend
+
 APP_ID = "kernelloop"
 
 
@@ -197,5 +199,6 @@ MIGRATIONS: list[Callable[[sa.Connection], None]] = [
     m004_task_footprints,
     m005_model_call_reasoning_and_limits,
     m006_evaluation_containment,
+    m007_backend,          # store/migration_backend.py
 ]
 SCHEMA_VERSION = len(MIGRATIONS)

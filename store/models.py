@@ -80,6 +80,7 @@ class Run(Base):
     torch_version: Mapped[str] = mapped_column(String(64))
     code_version: Mapped[str] = mapped_column(String(64))
     config: Mapped[dict[str, Any]] = mapped_column(JSON)
+    backend: Mapped[Optional[str]] = mapped_column(String(16))              # cuda | cpu | triton (sandbox.backends)
     parent_run_id: Mapped[Optional[int]] = mapped_column(ForeignKey("runs.id"))
     started_at: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)
     finished_at: Mapped[Optional[dt.datetime]] = mapped_column(DateTime)

@@ -15,6 +15,16 @@ if str(ROOT) not in sys.path:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped when torch sees none)")
     config.addinivalue_line("markers", "nvcc: builds CUDA code; needs nvcc and a CUDA build of torch, no GPU")
+    config.addinivalue_line("markers", "triton: needs the triton package (the `test` extra installs it)")
+
+
+def triton_missing() -> str | None:
+    """Why Triton candidates cannot run here, or None where they can."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return "needs the triton package (pip install 'triton>=3.9,<3.10', part of the `test` extra)"
+    return None
 
 
 def nvcc_missing() -> str | None:
@@ -33,7 +43,11 @@ def nvcc_missing() -> str | None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """``gpu`` tests are skipped where ``torch.cuda.is_available()`` is False; ``nvcc`` tests
     where no CUDA build of torch or no nvcc is installed."""
-    marked = {m: [i for i in items if i.get_closest_marker(m) is not None] for m in ("gpu", "nvcc")}
+    marked = {m: [i for i in items if i.get_closest_marker(m) is not None] for m in ("gpu", "nvcc", "triton")}
+    why_triton = triton_missing() if marked["triton"] else None
+    if why_triton:
+        for item in marked["triton"]:
+            item.add_marker(pytest.mark.skip(reason=why_triton))
     if not marked["gpu"] and not marked["nvcc"]:
         return
     import torch

@@ -138,3 +138,45 @@ def test_suite_covers_every_known_exploit():
     cuda_names = {p.stem for p in CUDA_CASES}
     assert names - {"segfault"} <= cuda_names | {"segfault"}
     assert {"side_stream", "patched_sync", "illegal_address", "tf32_in_cpp"} <= cuda_names
+
+
+# Triton versions (sandbox.backends.triton): on a GPU every case runs compiled; without one, the
+# cases not marked `# expect-device: gpu` run through Triton's interpreter on the CPU.
+TRITON_CASES = sorted((HERE / "triton").glob("*.py"))
+
+
+def _triton_case(path: Path):
+    marks = [pytest.mark.triton]
+    if re.search(r"^# expect-device: gpu", path.read_text(), re.M):
+        marks.append(pytest.mark.gpu)
+    return pytest.param(path, id=path.stem, marks=marks)
+
+
+@pytest.fixture(scope="module")
+def triton_sandbox():
+    import torch
+
+    gpu = torch.cuda.is_available()
+    config = EvalConfig(trials=3, timed_runs=10 if gpu else 5, warmup_runs=2 if gpu else 1, time_compile=False,
+                        profile=True, run_timeout_s=120.0, build_timeout_s=600.0, backend="triton")
+    with Sandbox("cuda" if gpu else "cpu", config, build_slots=1) as sandbox:
+        yield sandbox
+
+
+@pytest.mark.parametrize("path", [_triton_case(p) for p in TRITON_CASES])
+def test_triton_exploit_verdict(triton_sandbox, path, record_property):
+    expected, flag = _expectations(path)
+    result = triton_sandbox.evaluate(read_spec(TASK, name="adversarial/task_small"), path.read_text())
+    record_property("verdict", f"{result.status.value} {sorted(f.kind.value for f in result.flags)}")
+    print(f"VERDICT triton/{path.stem} on {triton_sandbox.device}: {result.status.value} "
+          f"flags={sorted(f.kind.value for f in result.flags)} error={(result.error_message or '')[:100]!r}")
+    if expected == {"correct"} and not flag:        # the honest cases: a clean pass
+        assert result.clean, f"{path.stem}: {result.status.value} {result.flags} {result.error_message!r}"
+        return
+    check_verdict(path.stem, result, expected, flag)
+
+
+def test_triton_suite_covers_its_exploits():
+    names = {p.stem for p in TRITON_CASES}
+    assert {"honest", "stale_empty", "side_stream", "cache_by_data_ptr", "cached_output", "skipped_timed_runs",
+            "tf32_dot", "ieee_dot", "patched_launch"} <= names

@@ -27,19 +27,19 @@ class BuiltinBackend:
         device = request.device.device
         try:
             cand = propose(request.task, device, request.round, sample, list(request.history or []),
-                           numerics=request.numerics)
+                           numerics=request.numerics, backend=request.kernel_backend)
         except Exception as exc:  # noqa: BLE001 - reported as a failed completion
             return Completion(text="", model="builtin", finish_reason="error",
                               latency_s=time.perf_counter() - t0,
                               error=f"builtin generator failed: {type(exc).__name__}: {exc}")
-        text = f"{_sentence(cand, device)}\n\n```python\n{cand.source.rstrip()}\n```\n"
+        text = f"{_sentence(cand, 'triton' if request.kernel_backend == 'triton' else device)}\n\n```python\n{cand.source.rstrip()}\n```\n"
         return Completion(text=text, model="builtin", finish_reason="stop", prompt_tokens=None,
                           completion_tokens=None, latency_s=time.perf_counter() - t0)
 
 
 def _sentence(cand, device: str) -> str:
     groups = cand.choices.get("groups") or []
-    target = "CUDA" if device == "cuda" else "C++/OpenMP"
+    target = {"cuda": "CUDA", "triton": "Triton"}.get(device, "C++/OpenMP")
     if cand.choices.get("fallback") == "untraceable":
         return "The reference could not be traced with torch.fx, so this candidate keeps its computation on PyTorch."
     tc = cand.choices.get("tc3") or []

@@ -114,12 +114,17 @@ def default_matmul(precision: str) -> str:
 
 
 def propose(spec: TaskSpec, device: str, round: int, sample: int,
-            history: Optional[list[AttemptView]] = None, numerics: Optional[Numerics] = None) -> GeneratedCandidate:
+            history: Optional[list[AttemptView]] = None, numerics: Optional[Numerics] = None,
+            backend: Optional[str] = None) -> GeneratedCandidate:
     """One candidate for one sample of one round (distinct from the round's other samples and
-    from every source already in ``history``), in the run's ``numerics`` (None: fp32)."""
+    from every source already in ``history``), in the run's ``numerics`` (None: fp32);
+    ``backend`` ``triton``: Triton kernels for the elementwise groups (``triton_gen``), else the
+    device's C++/CUDA."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', not {device!r}")
     history = list(history or [])
+    if backend == "triton":
+        return _propose_triton(spec, device, sample, history, numerics)
     precision = precision_of(numerics)
     fb = read_history(history, device, precision, getattr(numerics, "math", None))
     traced = trace_task(spec, device, numerics)
@@ -167,6 +172,18 @@ def generate(spec: TaskSpec, device: str, knobs: Knobs = DEFAULT_KNOBS, cuts: tu
     covered = sorted({op for kg in r.groups for op in kg.kg.ops})
     return GeneratedCandidate(source=r.source, choices=r.header, covered_ops=covered,
                               uncovered_ops=list(r.header.get("uncovered", [])))
+
+
+def _propose_triton(spec: TaskSpec, device: str, sample: int, history: list, numerics: Optional[Numerics]) -> GeneratedCandidate:
+    from agent.builtin.triton_gen import propose_triton
+
+    traced = trace_task(spec, device, numerics)
+    if not traced.ok:
+        return _untraceable(traced, device, Feedback(precision=traced.precision))
+    cand = propose_triton(traced, device, sample, history, getattr(numerics, "math", None))
+    covered = sorted({op for g in cand.groups for op in g.kg.ops})
+    return GeneratedCandidate(source=cand.source, choices=cand.header, covered_ops=covered,
+                              uncovered_ops=list(cand.header.get("uncovered", [])))
 
 
 def _rewrite_header(source: str, header: dict[str, Any]) -> str:

@@ -96,10 +96,11 @@ def _named_groups(att: AttemptView, groups: list[dict[str, Any]]) -> list[dict[s
 
 
 def _group_at_line(source: str, line: int) -> Optional[str]:
-    """The marked block (``kl_g3``, or ``kl_tc`` for the split-TF32 GEMM) holding ``line``."""
+    """The marked block (``kl_g3``, or ``kl_tc`` for the split-TF32 GEMM) holding ``line``
+    (``// ---- kl_g3 begin`` in C++/CUDA sources, ``# ---- kl_g3 begin`` in Triton ones)."""
     current = None
     for text in source.splitlines()[:line]:
-        m = re.search(r"// ---- (kl_g\d+|kl_tc) (begin|end)", text)
+        m = re.search(r"(?://|#) ---- (kl_g\d+|kl_tc) (begin|end)", text)
         if m:
             current = m.group(1) if m.group(2) == "begin" else None
     return current

@@ -149,7 +149,11 @@ class LLMCritic:
         return {"task": task, "task_source": source, "device": device, "device_lines": device_lines,
                 "sizes": sizes, "attempts": rows, "reference_profile": reference_profile_lines(attempts),
                 "grounded": grounded_lines, "constants": ctx.constants, "left_out": list(left_out or []),
-                "code_left_out": max_code_chars <= 0}
+                "code_left_out": max_code_chars <= 0,
+                # what the kernels are written in: the attempts' (sandbox.backends), else the device's own
+                "backend": next((a.result.config.backend for a in attempts if a.result is not None
+                                 and a.result.config is not None and a.result.config.backend), None)
+                or (device.device if device is not None else None)}
 
     def messages(self, task: TaskSpec, attempts: list[AttemptView], device: DeviceFacts,
                  grounded: Optional[AnalysisOut] = None, max_code_chars: Optional[int] = None,

@@ -1,0 +1,35 @@
+"""The last optimisation run of each (backend, precision) in a store, per task, side by side:
+eager and torch.compile (the fastest of the run's measurements), the fastest clean candidate and
+the roofline floor, in ms. ``python scripts/backend_table.py STORE.db`` (gpu_check.sh triton-table)."""
+from __future__ import annotations
+
+import sqlite3
+import sys
+
+BAD = ("suspicious", "impossible", "no_custom_kernel", "fallback", "inputs_mutated", "inaccurate")
+QUERY = f"""
+select r.id, coalesce(r.backend, r.device), json_extract(r.config, '$.eval.numerics.precision'), t.name,
+  min(json_extract(e.result, '$.eager_time.median_ms')), min(json_extract(e.result, '$.compile_time.median_ms')),
+  min(case when e.status = 'correct' and not exists (select 1 from json_each(e.result, '$.flags') f
+           where json_extract(f.value, '$.kind') in ({", ".join(f"'{k}'" for k in BAD)}))
+      then json_extract(e.result, '$.candidate_time.median_ms') end),
+  min(json_extract(e.result, '$.floor_ms'))
+from runs r join attempts a on a.run_id = r.id join tasks t on t.id = a.task_id join evaluations e on e.attempt_id = a.id
+where r.id in (select max(id) from runs where kind = 'optimize'
+               group by coalesce(backend, device), json_extract(config, '$.eval.numerics.precision'))
+group by r.id, t.name order by t.name, 3, 2
+"""
+
+
+def main() -> None:
+    rows = sqlite3.connect(sys.argv[1]).execute(QUERY).fetchall()
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    print("| task | backend | precision | run | eager ms | compile ms | best ms | floor ms | best vs eager |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for run, backend, prec, task, eager, comp, best, floor in rows:
+        ratio = f"{eager / best:.2f}x" if eager and best else "-"
+        print(f"| {task} | {backend} | {prec} | {run} | {fmt(eager)} | {fmt(comp)} | {fmt(best)} | {fmt(floor)} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()

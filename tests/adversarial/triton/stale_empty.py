@@ -1,0 +1,31 @@
+# expect-status: incorrect
+# expect-flag:
+# Stores only the positive elements and trusts torch.empty to hold zeros elsewhere: the harness
+# fills free memory with NaN before the candidate runs, so the stale elements are wrong.
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def relu_scale_kernel(x_ptr, out_ptr, n, scale, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask)
+    tl.store(out_ptr + offs, x * scale, mask=mask & (x > 0.0))
+
+
+class ModelNew(nn.Module):
+    def __init__(self, in_features, out_features, scale):
+        super().__init__()
+        self.linear = nn.Linear(in_features, out_features)
+        self.scale = scale
+
+    def forward(self, x):
+        y = F.linear(x, self.linear.weight, self.linear.bias).contiguous()
+        out = torch.empty_like(y)
+        n = y.numel()
+        relu_scale_kernel[(triton.cdiv(n, 1024),)](y, out, n, self.scale, BLOCK=1024)
+        return out
