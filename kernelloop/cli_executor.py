@@ -31,7 +31,7 @@ def open_cli_executor(executor: str, device: str, config: Any, store: Any, ray_a
 
     try:
         ex = open_executor(executor, device, config, store=store, address=ray_address)
-    except ExecutorError as exc:
+    except (ExecutorError, ValueError) as exc:    # ValueError: a setting the sandbox refuses, named in exc
         fail(str(exc))
     if executor != "local":
         err_console.print(f"executor {executor}: {len(ex.slots)} evaluation slot(s), {ex.device_name}, "

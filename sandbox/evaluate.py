@@ -46,7 +46,7 @@ from sandbox.quiet import TimingHistory
 from sandbox.process import WorkerDied, WorkerProcess, WorkerTimeout, kill_all_workers
 from sandbox.reference import Precomputed, ReferenceWorker
 from sandbox.result import BuildCheck, BuildInfo, EvalConfig, EvalResult, FlagKind, Status
-from sandbox.slots import usable_cores, visible_gpus
+from sandbox.slots import cpu_thread_env, cpu_timing_threads, usable_cores, visible_gpus
 from sandbox.tasks import TaskSpec
 
 
@@ -97,6 +97,8 @@ class Sandbox:
         self._slot_locks = [threading.Lock() for _ in self.slots]
         self._slot_load = [0 for _ in self.slots]
         self._slot_pick = threading.Lock()
+        # cpu: every timed worker with the same small thread count (sandbox.slots.cpu_timing_threads)
+        self.cpu_threads = cpu_timing_threads() if device == "cpu" else None
         self._refs: dict[tuple[str, int], ReferenceWorker] = {}
         self._refs_lock = threading.Lock()
         self._aborted = threading.Event()
@@ -116,6 +118,8 @@ class Sandbox:
 
     # ---------------------------------------------------------------- helpers
     def _slot_env(self, slot: int) -> dict[str, str]:
+        if self.cpu_threads is not None:
+            return cpu_thread_env(self.cpu_threads)
         gpu = self.slots[slot]
         return {"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {}
 

@@ -415,3 +415,41 @@ def test_header_tries_go_from_minimal_headers_to_the_candidates_own():
     assert next_try(tries, 0, 'x.cu(9): error: name followed by "::" must be a class or namespace name') == 1
     assert next_try(tries, 0, 'x.cu(9): error: identifier "i" is undefined') == 2
     assert next_try(tries, 1, "anything") == 2 and next_try(tries, 2, "anything") is None
+
+
+def test_cpu_workers_time_with_one_thread_each_unless_told(tmp_path, monkeypatch):
+    """On ``cpu`` the reference and the candidate run with the same intra-op thread count: one by
+    default (torch's one-per-core waited on every other process of a small host: a 0.12 ms forward
+    timed at 5-24 ms medians and builtin candidates at 31x), or KERNELLOOP_CPU_THREADS. The
+    reference scales its output by its own thread count and the candidate by the count it expects,
+    answering wrong if its own differs: correct only where both workers had that count."""
+    from sandbox.slots import cpu_timing_threads
+
+    task = tmp_path / "task_threads.py"
+    task.write_text(TASK.read_text().replace("return torch.relu(self.linear(x)) * self.scale",
+                                             "return torch.relu(self.linear(x)) * self.scale * torch.get_num_threads()"))
+    honest = (ADV / "cpu" / "honest.py").read_text()
+    old = "        return ext.relu_scale(self.linear(x).contiguous(), self.scale)"
+    assert old in honest and "torch.get_num_threads()" in task.read_text()
+    cfg = EvalConfig(trials=2, timed_runs=3, warmup_runs=1, time_compile=False, run_timeout_s=60.0)
+    spec = read_spec(task, name="threads/task")
+    for expected in (1, 2):
+        if expected == 1:
+            monkeypatch.delenv("KERNELLOOP_CPU_THREADS", raising=False)
+        else:
+            monkeypatch.setenv("KERNELLOOP_CPU_THREADS", str(expected))
+        assert cpu_timing_threads() == expected
+        src = honest.replace(old, f"        y = ext.relu_scale(self.linear(x).contiguous(), self.scale) * {expected}\n"
+                                  f"        return y if torch.get_num_threads() == {expected} else y + 1")
+        with Sandbox("cpu", cfg, build_slots=1, warm_workers=0) as sb:
+            r = sb.evaluate(spec, src)
+        assert r.status is Status.correct, (expected, r.error_message, [t.reason for t in r.trials])
+
+
+@pytest.mark.parametrize("raw", ["two", "0"])
+def test_a_bad_cpu_thread_count_names_the_setting(monkeypatch, raw):
+    from sandbox.slots import cpu_timing_threads
+
+    monkeypatch.setenv("KERNELLOOP_CPU_THREADS", raw)
+    with pytest.raises(ValueError, match="KERNELLOOP_CPU_THREADS"):
+        cpu_timing_threads()
