@@ -2,8 +2,9 @@
 # Fetch the wheels the GPU host lacks (it has torch, ninja, jinja2, typer, rich, matplotlib,
 # filelock, httpx, pytest but no network) into .whl/, an ignored folder that travels with
 # `carry` (.gitignore ignores it). Run once here; every GPU session then installs them with scripts/gpu_env.sh.
-#   bash scripts/fetch_wheels.sh ray   # also Ray and its dependencies into .whl-ray/ (scripts/gpu_ray.sh): Ray's
-#                                      # wheel repacked without its Java jar (79 MB -> about 47 MB, under 64 MiB)
+#   bash scripts/fetch_wheels.sh ray   # also Ray and the dependencies the GPU image lacks into .whl-ray/
+#                                      # (scripts/gpu_ray.sh): Ray's wheel repacked (scripts/repack_ray_wheel.py,
+#                                      # 79 MB -> about 42 MB) so .whl, .whl-ray and .kb travel in one call
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl
@@ -15,9 +16,9 @@ done
 ls -1 .whl
 if [ "${1:-}" = "ray" ]; then
   RAY_VERSION=${RAY_VERSION:-2.60.0}
-  rm -rf .whl-ray && mkdir -p .whl-ray /tmp/ray-wheel-full
-  for pkg in "ray==$RAY_VERSION" click jsonschema jsonschema-specifications referencing rpds-py attrs msgpack protobuf \
-             pyyaml requests urllib3 charset-normalizer; do
+  rm -rf .whl-ray /tmp/ray-wheel-full && mkdir -p .whl-ray /tmp/ray-wheel-full
+  # the image has Ray's other needs (click, msgpack, protobuf, pyyaml, requests, attrs, filelock, packaging)
+  for pkg in "ray==$RAY_VERSION" jsonschema jsonschema-specifications referencing rpds-py; do
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       "${PLATFORMS[@]}" -d /tmp/ray-wheel-full "$pkg" || python3 -m pip download -q --no-deps -d /tmp/ray-wheel-full "$pkg"
   done

@@ -10,7 +10,7 @@
 #   bash scripts/gpu_ray.sh faults   # carry .whl .kb: optimize --executor ray; the worker's raylet is SIGKILLed
 #                                    # mid-evaluation and started again; the run must complete with each attempt
 #                                    # evaluated exactly once (python -m executors.audit)
-# .whl-ray (about 52 MB) and .whl + .kb do not fit one call's 64 MiB together: install first, then the others.
+# .whl-ray (about 42 MB), .whl and .kb fit one call together; install stays a stage of its own.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"

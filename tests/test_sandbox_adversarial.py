@@ -170,6 +170,7 @@ def test_triton_exploit_verdict(triton_sandbox, path, record_property):
     record_property("verdict", f"{result.status.value} {sorted(f.kind.value for f in result.flags)}")
     print(f"VERDICT triton/{path.stem} on {triton_sandbox.device}: {result.status.value} "
           f"flags={sorted(f.kind.value for f in result.flags)} error={(result.error_message or '')[:100]!r}")
+    check_containment(path.stem, result, _extra(path))
     if expected == {"correct"} and not flag:        # the honest cases: a clean pass
         assert result.clean, f"{path.stem}: {result.status.value} {result.flags} {result.error_message!r}"
         return
@@ -179,4 +180,4 @@ def test_triton_exploit_verdict(triton_sandbox, path, record_property):
 def test_triton_suite_covers_its_exploits():
     names = {p.stem for p in TRITON_CASES}
     assert {"honest", "stale_empty", "side_stream", "cache_by_data_ptr", "cached_output", "skipped_timed_runs",
-            "tf32_dot", "ieee_dot", "patched_launch"} <= names
+            "tf32_dot", "ieee_dot", "patched_launch", "detached_load"} <= names
