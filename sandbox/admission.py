@@ -239,9 +239,15 @@ class MemoryGate:
             token = self.admission.admit(spec.name, whole, close_reference=close_reference,
                                          check_aborted=check_aborted)
             try:
-                return self.book.measure(spec, self.device, self.numerics, env=self.slot_env(slot))
+                fp = self.book.measure(spec, self.device, self.numerics, env=self.slot_env(slot))
             finally:
                 self.admission.leave(token)
+            # A run interrupted while measuring kills the measuring worker too (SIGKILL, which
+            # reads as the OOM killer's): that death is the interruption's, never the task's
+            # size, and nothing of it is kept (before this, an interrupted run stored the task
+            # as too_large and --resume skipped it).
+            check_aborted()
+            return fp
 
         return self.book.get(spec, self.device, self.numerics, measure)
 

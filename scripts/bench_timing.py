@@ -54,7 +54,20 @@ def main() -> None:
     gap = abs(ours - db) / db
     print(f"two evaluations differ by {spread:.2%} (goal <= 2%); sandbox median {ours:.4f} ms vs "
           f"triton do_bench {db:.4f} ms: {gap:.2%} apart (goal <= 3%)")
-    print(json.dumps({"medians_ms": medians, "spread": spread, "do_bench_ms": db, "do_bench_gap": gap}))
+    # Where a gap comes from, in this process: the sandbox's timing routine on the same model,
+    # without and with the secret sample of every timed output (sandbox.runcheck), beside do_bench.
+    from sandbox.runcheck import Sampler
+    from sandbox.timing import time_runs
+
+    def loop(on_output=None) -> float:
+        return time_runs(model, lambda i: make_inputs(task, 100 + i, "cuda"), "cuda", warmup=5, runs=50,
+                         on_output=on_output).median_ms
+
+    bare, sampled = loop(), loop(Sampler("cuda"))
+    print(f"in-process: the sandbox's loop {bare:.4f} ms, with every output sampled {sampled:.4f} ms "
+          f"({sampled / bare - 1:+.2%}), do_bench {db:.4f} ms (loop {bare / db - 1:+.2%})")
+    print(json.dumps({"medians_ms": medians, "spread": spread, "do_bench_ms": db, "do_bench_gap": gap,
+                      "loop_ms": bare, "loop_sampled_ms": sampled}))
 
 
 def statistics_median(xs):

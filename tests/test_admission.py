@@ -316,3 +316,46 @@ def test_cuda_footprint_reads_the_allocator_and_counts_the_float64_run():
     # the trial holds inputs, their clone, outputs, float64 inputs and outputs, and the compare's read
     assert fp.reference_peak_bytes >= 2 * 16 * MiB + 2 * 32 * MiB + 16 * MiB
     assert fp.reference_resident_bytes < 16 * MiB          # between requests only the models stay
+
+
+def test_a_run_interrupted_while_a_footprint_is_measured_keeps_no_footprint_and_no_too_large(tmp_path: Path):
+    """The abort of an interrupted run SIGKILLs the measuring worker too, which reads like the
+    OOM killer's work: it must end the evaluation as interrupted, never store the task as too
+    large (on an H100 an interrupted KernelBench run stored level2/33 as too_large this way)."""
+    from sandbox.evaluate import Sandbox
+
+    marker = tmp_path / "measuring"
+    task = tmp_path / "slow_reference.py"
+    task.write_text(
+        "import pathlib, time\nimport torch\nimport torch.nn as nn\n\n\n"
+        "class Model(nn.Module):\n"
+        "    def forward(self, x):\n"
+        f"        pathlib.Path({str(marker)!r}).touch()\n"
+        "        time.sleep(60)\n"
+        "        return x * 2\n\n\n"
+        "def get_inputs():\n    return [torch.randn(64)]\n\n\n"
+        "def get_init_inputs():\n    return []\n")
+    spec = read_spec(task)
+    sandbox = Sandbox("cpu", EvalConfig(trials=1, timed_runs=1, warmup_runs=0, time_compile=False, profile=False))
+    raised: list[BaseException] = []
+    results: list[EvalResult] = []
+
+    def run() -> None:
+        try:
+            results.append(sandbox.evaluate(spec, "class ModelNew: pass\n"))
+        except BaseException as exc:  # noqa: BLE001 - what it raised is the assertion
+            raised.append(exc)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    deadline = time.monotonic() + 120
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert marker.exists(), "the footprint measurement never ran the reference's forward"
+    sandbox.abort()
+    worker.join(60)
+    sandbox.close()
+    assert not worker.is_alive()
+    assert not raised, raised                     # before: TaskTooLarge ("the measuring worker died")
+    assert results[0].status is not Status.correct and "interrupted" in (results[0].error_message or "")
+    assert sandbox.memory.book.known(spec, "cpu", sandbox.config.numerics) is None   # nothing kept
