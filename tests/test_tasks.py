@@ -155,6 +155,38 @@ def test_value_checks_on_plain_tensors():
     assert flags(torch.tensor([7.0])) == set()
 
 
+def test_value_checks_in_small_chunks_and_a_sampled_median_flag_the_same(monkeypatch):
+    """The statistics run chunk by chunk (KernelBench's 6 GiB outputs): with chunks of 7
+    elements and a median of 16 sampled ones, every case gives the flags of the whole tensor."""
+    from evals import taskcheck
+
+    torch.manual_seed(0)
+    cases = [torch.randn(100), torch.full((10, 10), 3.0), torch.full((10, 10), 3.0) + 1e-5 * torch.randn(10, 10),
+             1e-3 * torch.randn(100), 50.0 + 0.01 * torch.randn(1000), 50.0 + 0.5 * torch.randn(1000),
+             torch.tensor([1.0, float("nan"), 2.0]), torch.randn(50).bfloat16(),
+             torch.cat([torch.full((90,), 2.0), torch.tensor([9.0] * 10)])]
+    whole = [sorted((i.flag, i.message) for i in value_issues("t", 0, y)) for y in cases]
+    monkeypatch.setattr(taskcheck, "CHUNK", 7)
+    monkeypatch.setattr(taskcheck, "MEDIAN_SAMPLE", 16)
+    chunked = [sorted(i.flag for i in value_issues("t", 0, y)) for y in cases]
+    assert chunked == [sorted(f for f, _ in w) for w in whole]
+    assert [f for w in whole for f, _ in w].count("constant") == 2
+    a, b = torch.randn(1000), torch.randn(1000)
+    b[:30] = a[:30]
+    b[100:110] = float("nan")
+    assert abs(taskcheck._changed_fraction(a, b, 1e-4, 1e-4) - 970 / 1000) < 1e-12
+
+
+def test_a_check_that_runs_out_of_device_memory_says_unchecked_not_a_traceback(tmp_path):
+    f = tmp_path / "huge.py"
+    f.write_text("import torch\n\nclass Model(torch.nn.Module):\n    def forward(self, x):\n"
+                 "        raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 18.05 GiB')\n\n"
+                 "def get_inputs():\n    return [torch.randn(4)]\n\ndef get_init_inputs():\n    return []\n")
+    issues = check_task(read_spec(f), "cpu")
+    assert [i.flag for i in issues] == ["unchecked"]
+    assert "18.05 GiB" in issues[0].message and "out of cpu memory" in issues[0].message
+
+
 # --------------------------------------------------------------------------- static summaries
 
 def test_ops_summary_reads_forward_in_evaluation_order():
