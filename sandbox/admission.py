@@ -174,6 +174,16 @@ class Admission:
             close_reference(key)
         return token
 
+    def try_admit(self, task: str, run: Needs) -> Optional[int]:
+        """``run`` admitted now if it fits beside what is admitted (never waiting, closing
+        nothing): a token for ``leave``, else None."""
+        with self._cond:
+            if not self._fits([run]):
+                return None
+            token = next(self._tokens)
+            self._runs[token] = (None, run)
+            return token
+
     def leave(self, token: int) -> None:
         with self._cond:
             ref_key, _ = self._runs.pop(token)
@@ -295,6 +305,18 @@ class MemoryGate:
         fp = self.plan(spec, fp, slot)[0]
         return self.admission.admit(spec.name, self.run_needs(fp, slot), (spec.key, slot),
                                     self.reference_needs(fp, slot), close_reference, check_aborted)
+
+    def hold_ahead(self, spec: Any, slot: int) -> Optional[int]:
+        """Room for the reference to compute a trial's outputs ahead and keep them until the
+        trial (``sandbox.reference.Precomputed``), beside whatever runs meanwhile: its transient
+        bytes, held as resident until ``leave``. None where they do not fit now (or the task's
+        footprint is unknown)."""
+        fp = self.book.known(spec, self.device, self.numerics)
+        if fp is None:
+            return None
+        fp = self.plan(spec, fp, slot)[0]
+        ahead = max(0, fp.reference_peak_bytes - fp.reference_resident_bytes)
+        return self.admission.try_admit(f"{spec.name} (computed ahead)", {self._device_pool(slot): (ahead, 0)})
 
     def leave(self, token: int) -> None:
         self.admission.leave(token)

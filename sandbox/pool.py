@@ -15,6 +15,8 @@ candidate is being timed.
 """
 from __future__ import annotations
 
+import contextlib
+
 import shutil
 import tempfile
 import threading
@@ -47,8 +49,9 @@ class WarmPool:
     is told before its candidate is known."""
 
     def __init__(self, spawn: Callable[[int], WorkerProcess], warm_message: dict[str, Any], size: int,
-                 timeout: float = WARM_TIMEOUT_S):
+                 timeout: float = WARM_TIMEOUT_S, background: Callable[[int], Any] = lambda slot: contextlib.nullcontext()):
         self._spawn, self._message, self.size, self.timeout = spawn, dict(warm_message), size, timeout
+        self._background = background       # the slot's DeviceGate.background: warm-ups launch device work
         self._lock = threading.Lock()
         self._idle: dict[int, list[_Warm]] = {}
         self._closed = False
@@ -79,7 +82,8 @@ class WarmPool:
                 w.proc.kill()
                 w.proc.cleanup()
                 raise WorkerDied("the pool is closed", None)
-            reply = w.proc.ask({**self._message, "role": "warm"}, self.timeout)
+            with self._background(slot):
+                reply = w.proc.ask({**self._message, "role": "warm"}, self.timeout)
             if not reply.get("ok"):
                 w.error = str(reply.get("error_message") or "warm-up failed")
             w.seconds = reply.get("seconds")

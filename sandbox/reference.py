@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import secrets
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from sandbox.failures import InfraFailure, resource_exhausted
 from sandbox.numerics import Numerics
@@ -114,18 +114,40 @@ class ReferenceWorker:
 class Precomputed:
     """The reference's outputs of one candidate's trial 0, computed ahead (while the candidate
     loads) for a seed the parent drew for that candidate alone: secret until the trial, when
-    the candidate gets it like any trial's seed."""
+    the candidate gets it like any trial's seed.
 
-    def __init__(self, ref: ReferenceWorker, fp64: bool, gate: Any = None):
+    Computed ahead, they take device memory beside another candidate's trials on the slot, and
+    stay kept in the reference until trial 0: ``hold`` (``MemoryGate.hold_ahead``) admits that
+    memory or says it does not fit (then nothing is computed ahead and trial 0 runs as any
+    trial), and ``release`` gives it back once the outputs are used or discarded. Without this,
+    KernelBench's level-1 tasks at published sizes ran out of GPU memory on an H100 with
+    references of other tasks computing ahead beside a candidate's trials."""
+
+    def __init__(self, ref: ReferenceWorker, fp64: bool, gate: Any = None,
+                 hold: Optional[Callable[[], Optional[int]]] = None, release: Callable[[int], None] = lambda t: None):
         self.ref, self.fp64 = ref, fp64
         self.seed = secrets.randbits(31)
         self.token = secrets.token_hex(8)
         self.kept = False
         self.used = False
         self.note: Optional[str] = None
+        self._release, self._held = release, None
+        self._released = threading.Lock()
         self._done = threading.Event()
+        if hold is not None:
+            self._held = hold()
+            if self._held is None:
+                self.note = "not computed ahead: its memory does not fit beside the runs admitted on the device"
+                self._done.set()
+                return
         self._thread = threading.Thread(target=self._run, args=(gate,), daemon=True, name="precompute")
         self._thread.start()
+
+    def _give_back(self) -> None:
+        with self._released:
+            held, self._held = self._held, None
+        if held is not None:
+            self._release(held)
 
     def _run(self, gate: Any) -> None:
         try:
@@ -139,6 +161,8 @@ class Precomputed:
         except Exception as exc:  # noqa: BLE001 - the trial then runs as without a precompute
             self.note = f"{type(exc).__name__}: {exc}"[:300]
         finally:
+            if not self.kept:
+                self._give_back()
             self._done.set()
 
     def _ask(self) -> dict[str, Any]:
@@ -156,8 +180,10 @@ class Precomputed:
         return {**ask, "seed": self.seed, "precomputed": self.token}
 
     def discard(self) -> None:
-        """Free the kept outputs of a candidate that never reached trial 0 (now, or once computed)."""
+        """Free the kept outputs of a candidate that never reached trial 0 (now, or once
+        computed), and the memory held for them; after trial 0 used them, only the memory."""
         if self.used:
+            self._give_back()
             return
         if self._done.is_set():
             self._send_discard()
@@ -165,9 +191,12 @@ class Precomputed:
             threading.Thread(target=self._send_discard, daemon=True, name="precompute-discard").start()
 
     def _send_discard(self) -> None:
-        if not self.wait() or self.used:
-            return
         try:
-            self.ref.ask_if_running({"op": "discard", "token": self.token}, 60.0)
-        except Exception:  # noqa: BLE001
-            pass
+            if not self.wait() or self.used:
+                return
+            try:
+                self.ref.ask_if_running({"op": "discard", "token": self.token}, 60.0)
+            except Exception:  # noqa: BLE001
+                pass
+        finally:
+            self._give_back()

@@ -222,3 +222,78 @@ def test_precomputes_past_the_byte_budget_are_skipped_and_computed_on_demand(tmp
         assert reply["passed"] and reply["checks"][0]["ref_fp64_rel_rms"] is not None, reply
     finally:
         ref.close()
+
+
+def test_a_precompute_runs_only_with_its_memory_admitted_and_gives_it_back_once():
+    """Computed ahead, a reference's trial outputs take device memory beside another
+    candidate's trials: the memory is admitted first (none computed when it does not fit) and
+    given back once, when the outputs are used or discarded."""
+    from sandbox.admission import Admission
+
+    asked: list[dict] = []
+
+    class Ref:
+        def ask_if_running(self, payload, timeout=None):
+            asked.append(payload)
+            return {"ok": True}
+
+    ledger = Admission({"gpu0": 100})
+    running = ledger.admit("other task", {"gpu0": (60, 20)})          # another candidate's run: 80 of 100
+    assert ledger.try_admit("ahead", {"gpu0": (30, 0)}) is None        # 60 + 30 + its 20 in flight > 100
+    released: list[int] = []
+
+    def hold():
+        return ledger.try_admit("ahead", {"gpu0": (15, 0)})
+
+    def release(token):
+        released.append(token)
+        ledger.leave(token)
+
+    too_big = Precomputed(Ref(), fp64=True, hold=lambda: ledger.try_admit("ahead", {"gpu0": (30, 0)}), release=release)
+    assert not too_big.wait(5) and asked == [] and "does not fit" in too_big.note
+    too_big.discard()
+    assert released == []
+
+    used = Precomputed(Ref(), fp64=True, hold=hold, release=release)
+    assert used.wait(5) and len(asked) == 1
+    assert ledger.try_admit("third", {"gpu0": (10, 0)}) is None       # 60 + 15 + 20 + 10 > 100 while held
+    used.request({"op": "trial", "seed": 0, "index": 0})
+    used.discard()
+    used.discard()
+    assert len(released) == 1
+    unused = Precomputed(Ref(), fp64=True, hold=hold, release=release)
+    assert unused.wait(5)
+    unused.discard()                                                  # the kept outputs discarded, then given back
+    assert len(released) == 2 and asked[-1]["op"] == "discard"
+    token = ledger.try_admit("third", {"gpu0": (20, 0)})              # everything held ahead is back
+    assert token is not None
+    ledger.leave(token)
+    ledger.leave(running)
+
+
+def test_a_warm_up_waits_while_its_slot_is_timed():
+    """A warm worker's warm-up launches device work (a context, the profiler's first kernels):
+    on an H100 it showed in NVML as another process's SM use inside a timed window. It waits as
+    background work while a timing runs on its slot."""
+    gate = DeviceGate()
+    asked = threading.Event()
+
+    class Proc:
+        def ask(self, message, timeout):
+            asked.set()
+            return {"ok": True, "seconds": 0.0}
+
+        def kill(self):
+            pass
+
+        def cleanup(self):
+            pass
+
+    pool = WarmPool(lambda slot: Proc(), {"device": "cuda"}, 1, background=lambda slot: gate.background())
+    try:
+        with gate.timing():
+            pool.prime(0)
+            assert not asked.wait(0.5)
+        assert asked.wait(5)
+    finally:
+        pool.close()

@@ -45,7 +45,6 @@ class Backend(Protocol):
     name: str               # the registry's name: cuda | cpu | triton
     device: str             # the device it targets: cuda | cpu
     no_call_reason: str     # the no_custom_kernel flag's reason where a forward ran none of its kernels
-    warms_up_on_device: bool  # loading runs a forward on the device (held off while another candidate is timed)
 
     def scan(self, source: str) -> list[Flag]:
         """The static scan (``sandbox.anticheat``) with this backend's precision patterns."""

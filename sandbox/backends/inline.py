@@ -29,7 +29,6 @@ class InlineHook(HookedBuilder):
 
 class InlineBackend:
     no_call_reason = "no call into the candidate's own compiled extension during a forward"
-    warms_up_on_device = False          # built before it loads: nothing runs on the device while loading
 
     def __init__(self, name: str, device: str):
         self.name, self.device = name, device

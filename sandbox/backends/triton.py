@@ -71,7 +71,6 @@ def _tf32_dots(source: str) -> bool:
 
 class TritonBackend:
     no_call_reason = "no launch of the candidate's own @triton.jit kernels during a forward"
-    warms_up_on_device = True           # the warm-up forward that compiles the kernels runs on the device
 
     def __init__(self, name: str, device: str):
         import importlib.util
