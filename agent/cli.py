@@ -184,9 +184,8 @@ def optimize_command(
                   f"model {cfg.model}, device {cfg.device} ({facts.name}), store {store.url}")
     console.print(f"numerics {cfg.eval.numerics.describe()}; backend {cfg.eval.backend or cfg.device}", highlight=False)
     if cfg.device == "cpu":
-        from sandbox.slots import cpu_timing_threads
-        console.print(f"timing on cpu: reference and candidate with {cpu_timing_threads()} intra-op thread(s) each "
-                      f"(KERNELLOOP_CPU_THREADS)", highlight=False)
+        from sandbox.slots import cpu_timing_note
+        console.print(cpu_timing_note(), highlight=False)
     status = "finished"
     previous = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))

@@ -50,11 +50,20 @@ def measure_baseline(spec: TaskSpec, device: str, runs: int = 20, warmup: int = 
     ``compile_error`` (when torch.compile failed), ``floor_ms`` (``None`` without ``probe``),
     ``flops``, ``min_bytes``, ``dtype``, ``tf32`` (op classes the reference runs in TF32 under
     ``numerics``, which the floor charges at the TF32 rate), ``numerics`` (its label) and
-    ``numerics_config``, ``runs`` and identity fields.
+    ``numerics_config``, ``runs``, ``cpu_threads`` (on cpu: the intra-op threads it timed with, the
+    sandbox workers' count) and identity fields.
     """
+    import contextlib
+
+    from sandbox.slots import cpu_timing_threads_here
+
     numerics = numerics or Numerics()
-    with numerics.enforced():
-        return _measure(spec, device, runs, warmup, compile, seed, probe, flush_l2, numerics)
+    # on cpu with the sandbox's workers' thread count, so `baseline` and `eval` time one convention
+    threads = cpu_timing_threads_here() if device == "cpu" else contextlib.nullcontext()
+    with numerics.enforced(), threads as n:
+        result = _measure(spec, device, runs, warmup, compile, seed, probe, flush_l2, numerics)
+    result["cpu_threads"] = n
+    return result
 
 
 def _measure(spec: TaskSpec, device: str, runs: int, warmup: int, compile: bool, seed: int, probe: Any,
@@ -224,6 +233,13 @@ def baseline_command(
     failures = 0
     probe = None
     rows: list[tuple[str, Optional[dict[str, Any]]]] = []
+    if dev == "cpu":
+        from sandbox.slots import cpu_timing_note
+
+        try:
+            console.print(cpu_timing_note("eager and torch.compile", ", as the sandbox's workers time"), highlight=False)
+        except ValueError as exc:
+            fail(str(exc))
     try:
         probe = get_probe(dev, store, measure=True)
         for path in paths:

@@ -1,7 +1,9 @@
 """What a sandbox may use on this host: CPU cores for builds, GPUs as slots."""
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Iterator
 
 import torch
 
@@ -32,6 +34,23 @@ def cpu_timing_threads() -> int:
     if n < 1:
         raise ValueError(f"{CPU_THREADS_ENV}={raw!r}: give at least 1 thread")
     return n
+
+
+def cpu_timing_note(what: str = "reference and candidate", tail: str = "") -> str:
+    """The ``cpu`` timing convention, as commands print it beside their figures."""
+    return f"timing on cpu: {what} with {cpu_timing_threads()} intra-op thread(s) each ({CPU_THREADS_ENV}){tail}"
+
+
+@contextlib.contextmanager
+def cpu_timing_threads_here() -> Iterator[int]:
+    """This process's intra-op threads set to the workers' count while it times on ``cpu``
+    (``kernelloop baseline`` times in its own process), then put back."""
+    n, before = cpu_timing_threads(), torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield n
+    finally:
+        torch.set_num_threads(before)
 
 
 def cpu_thread_env(threads: int) -> dict[str, str]:

@@ -327,6 +327,29 @@ def test_measure_baseline_eager_only():
     assert r["device"] == "cpu" and r["torch_version"] == torch.__version__
 
 
+def test_cpu_baselines_time_with_the_workers_thread_count_and_put_it_back(tmp_path, monkeypatch):
+    """`baseline` times in its own process: on cpu it takes the sandbox's workers' intra-op
+    thread count (KERNELLOOP_CPU_THREADS, default 1) while timing, so its eager and `eval`'s
+    are one convention, and leaves the process's own count as it was."""
+    seen = tmp_path / "threads"
+    task = tmp_path / "threads_task.py"
+    task.write_text("import torch\nimport torch.nn as nn\n\n\nclass Model(nn.Module):\n"
+                    "    def forward(self, x):\n"
+                    f"        open({str(seen)!r}, 'a').write(f'{{torch.get_num_threads()}}\\n')\n"
+                    "        return x * 2\n\n\n"
+                    "def get_inputs():\n    return [torch.randn(64)]\n\n\n"
+                    "def get_init_inputs():\n    return []\n")
+    before = torch.get_num_threads()
+    for wanted in ("", "2"):
+        monkeypatch.setenv("KERNELLOOP_CPU_THREADS", wanted)
+        seen.unlink(missing_ok=True)
+        r = measure_baseline(read_spec(task), "cpu", runs=3, warmup=1, compile=False)
+        expected = int(wanted or 1)
+        assert r["cpu_threads"] == expected
+        assert set(seen.read_text().split()) == {str(expected)}
+        assert torch.get_num_threads() == before
+
+
 def test_measure_baseline_with_torch_compile():
     spec = read_spec(TASKS / "level1" / "relu.py", {"batch_size": 8, "dim": 256})
     r = measure_baseline(spec, "cpu", runs=3, warmup=1, compile=True)
