@@ -32,7 +32,8 @@ import json
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from evals.metrics import RunData, json_safe, load_run
+from evals.metrics import json_safe
+from evals.run_data import RunData, load_run
 
 
 def _attempt_rows(session, run_id: int) -> dict[int, tuple[Any, Optional[Any]]]:

@@ -1,6 +1,6 @@
 """A run's analysis report as Markdown, one self-contained HTML file, or JSON.
 
-``build_report`` turns a loaded run (``evals.metrics.RunData``) into one JSON-ready dict
+``build_report`` turns a loaded run (``evals.run_data.RunData``) into one JSON-ready dict
 (all the numbers and per-task data); the Markdown and HTML renderings are Jinja templates
 (``evals/templates/``) over that dict plus the plots (matplotlib, Agg, PNG).
 
@@ -25,7 +25,8 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional
 
-from evals.metrics import FAST_P_THRESHOLDS, AttemptRecord, RunData, geomean, json_safe, p_key
+from evals.metrics import FAST_P_THRESHOLDS, AttemptRecord, geomean, json_safe, p_key
+from evals.run_data import RunData
 
 TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
 PLOTS = (("fast_p", "fast_p curve"),

@@ -12,7 +12,7 @@ from kernelloop.cli_common import DbOption, console, fail, open_store
 
 
 def _load(store, run_id: int):
-    from evals.metrics import load_run
+    from evals.run_data import load_run
 
     with store.reader() as session:
         try:
@@ -62,7 +62,7 @@ def export_command(
 ) -> None:
     """Export a run's attempts (prompt, completion, candidate, EvalResult) and analyses."""
     from evals.export import export_jsonl, export_seed_format
-    from evals.metrics import load_run
+    from evals.run_data import load_run
 
     if jsonl is None and seed_format is None:
         fail("say what to write: --jsonl PATH and/or --seed-format DIR")

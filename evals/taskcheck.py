@@ -282,7 +282,7 @@ def _checked_values(spec: TaskSpec, task: Any, device: str, seed: int, numerics:
                                            y1[i], y3[i], atol, rtol)
                 sensitivity[i] += [issue] if issue else []
         del y3
-    del other, x1
+    other = x1 = None                 # freed before the second input set is made
     if judged:
         x2 = task_code("making inputs", lambda: make_inputs(task, seed + 2, device, numerics))
         y2 = task_code("running the forward", lambda: _outputs(model(*_clone(x2))))

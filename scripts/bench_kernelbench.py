@@ -200,7 +200,7 @@ def run_mode(mode: str, work: list[tuple[TaskSpec, str]], device: str, cfg: Eval
 
 
 def _line(mode: str, r: EvalResult) -> None:
-    print(f"  [{mode}] {r.task}: {r.status.value}{' (flagged)' if r.flags else ''} in {r.seconds:.1f} s "
+    print(f"  [{mode}] {r.task}: {_verdict(r)} in {r.seconds:.1f} s "
           + " ".join(f"{k}={v:.2f}" for k, v in r.phases.items()), flush=True)
 
 
@@ -218,8 +218,13 @@ def summarize(mode: str, results: list[EvalResult], errors: list[str], wall: flo
             "device_busy_fraction": round(held / (wall * slots), 3) if wall > 0 else 0.0, "slots": slots,
             "pool": pool,
             # each candidate's verdict, to compare two runs of the same work (executors, modes)
-            "verdicts": {f"{r.task}|{r.candidate_sha256[:12]}": r.status.value + ("+flagged" if not r.clean and r.correct else "")
-                         for r in results}}
+            "verdicts": {f"{r.task}|{r.candidate_sha256[:12]}": _verdict(r) for r in results}}
+
+
+def _verdict(r: EvalResult) -> str:
+    """Status and flag kinds: ``correct``, ``correct+contended,suspicious``."""
+    kinds = sorted({f.kind.value for f in r.flags})
+    return r.status.value + ("+" + ",".join(kinds) if kinds else "")
 
 
 def report(s: dict[str, Any]) -> None:

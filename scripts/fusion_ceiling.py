@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from agent.critic.grounded import is_library_kernel  # noqa: E402
-from evals.metrics import best_attempt, load_run  # noqa: E402
+from evals.metrics import best_attempt  # noqa: E402
+from evals.run_data import load_run  # noqa: E402
 from store import Store  # noqa: E402
 from store.models import Evaluation  # noqa: E402
 

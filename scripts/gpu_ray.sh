@@ -6,7 +6,7 @@
 #                                    # /tmp/site-ray, which stays on the warm machine for the next calls
 #   bash scripts/gpu_ray.sh bench    # carry .whl .kb: scripts/bench_kernelbench.py through --executor ray, then
 #                                    # --executor local, in this call; prints the ratio (goal >= 0.9) and whether
-#                                    # every candidate got the same verdict
+#                                    # every candidate got the same status (and which flags differ)
 #   bash scripts/gpu_ray.sh faults   # carry .whl .kb: optimize --executor ray; the worker's raylet is SIGKILLed
 #                                    # mid-evaluation and started again; the run must complete with each attempt
 #                                    # evaluated exactly once (python -m executors.audit)
@@ -77,10 +77,12 @@ case "$stage" in
 import json, sys
 ray, local = (json.load(open(p))["modes"][0] for p in sys.argv[1:3])
 ratio = ray["per_min"] / local["per_min"] if local["per_min"] else 0.0
-same = ray["verdicts"] == local["verdicts"]
+status = lambda v: {k: x.split("+")[0] for k, x in v.items()}      # noqa: E731 - a verdict's status
+same = status(ray["verdicts"]) == status(local["verdicts"])
 print(f"ray {ray['per_min']} candidates/min, local {local['per_min']}: ratio {ratio:.2f} (goal >= 0.9: "
-      f"{'met' if ratio >= 0.9 else 'NOT met'}); verdicts {'the same' if same else 'DIFFER'}")
-if not same:
+      f"{'met' if ratio >= 0.9 else 'NOT met'}); statuses {'the same' if same else 'DIFFER'}; flags "
+      f"{'the same' if ray['verdicts'] == local['verdicts'] else 'differ (below)'}")
+if ray["verdicts"] != local["verdicts"]:
     for k in sorted(set(ray["verdicts"]) | set(local["verdicts"])):
         if ray["verdicts"].get(k) != local["verdicts"].get(k):
             print(f"  {k}: ray {ray['verdicts'].get(k)} local {local['verdicts'].get(k)}")

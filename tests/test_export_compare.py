@@ -15,7 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fixture_store import ANALYSIS_MATMUL, MATMUL_V1, MATMUL_V2, TASKS, build_fixture_store  # noqa: E402
 
 from evals.export import export_jsonl, export_seed_format, format_runtime  # noqa: E402
-from evals.metrics import compare_metrics, load_run  # noqa: E402
+from evals.metrics import compare_metrics  # noqa: E402
+from evals.run_data import load_run  # noqa: E402
 from evals.report_cli import compare_command, export_command, report_command  # noqa: E402
 from sandbox.result import EvalResult  # noqa: E402
 

@@ -12,7 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fixture_store import EXPECTED_A, approx, build_fixture_store  # noqa: E402
 
 from evals.metrics import (AttemptRecord, CallRecord, best_attempt, compute_metrics, fast_p,  # noqa: E402
-                           geomean, load_run, median, task_metrics)
+                           geomean, median, task_metrics)
+from evals.run_data import load_run  # noqa: E402
 
 
 @pytest.fixture(scope="module")

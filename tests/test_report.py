@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fixture_store import EXPECTED_A, approx, build_fixture_store  # noqa: E402
 
-from evals.metrics import load_run  # noqa: E402
+from evals.run_data import load_run  # noqa: E402
 from evals.report import build_report, demote_headings, fence, md_cell, write_report  # noqa: E402
 from evals.report_cli import compare_command, export_command, report_command  # noqa: E402
 
@@ -285,7 +285,8 @@ def test_helpers():
 
 def test_many_tasks_from_plain_records():
     """A report can be built from plain records (no store); 30 tasks keep the plots readable."""
-    from evals.metrics import AttemptRecord, RunData
+    from evals.metrics import AttemptRecord
+    from evals.run_data import RunData
     from evals.report import make_plots
 
     records = []

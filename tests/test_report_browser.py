@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fixture_store import build_fixture_store  # noqa: E402
 
-from evals.metrics import load_run  # noqa: E402
+from evals.run_data import load_run  # noqa: E402
 from evals.report import write_report  # noqa: E402
 
 TASKS = ["level1/matmul", "level1/relu", "level2/conv_gn", "level2/lse"]
