@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check in few device calls (each stage time-boxed so a call ends inside its limit).
 # On the GPU host, with .whl carried (scripts/fetch_wheels.sh):
-#   bash scripts/gpu_check.sh judge   # probe, seed baselines, containment, adversarial suite, timing fidelity (~9 min)
+#   bash scripts/gpu_check.sh judge   # probe, containment, adversarial suite (pre-built), timing fidelity (~10 min)
 #   bash scripts/gpu_check.sh build   # build speed (lean and KernelBench-style sources), throughput  (~7 min)
 #   bash scripts/gpu_check.sh loop    # builtin optimisation (seeds + level2), then `post`
 #   bash scripts/gpu_check.sh post    # the store's last optimisation run: replay, report, seed analysis, gpu tests of the rest
@@ -11,7 +11,7 @@
 #       ../shared/KernelBench); `triton-table` then prints the four runs' tables side by side
 # Each stage fits one device call (10 minutes); run them in separate calls. scripts/gpu_multi.sh
 # runs them side by side on a host with several GPUs.
-# Knobs: BASELINE=0 (no seed baselines), PREBUILD_S=0 (no parallel pre-build of the cuda cases), CONTAIN_S, ADV_K (pytest -k for the adversarial cases), ADV_S,
+# Knobs: BASELINE=1 (seed baselines too: then run the suite in a second call, ADV_K), PREBUILD_S=0 (no parallel pre-build of the cuda cases), PREBUILD_P, CONTAIN_S, ADV_K (pytest -k for the adversarial cases), ADV_S,
 # TIMING=0, BUILD_S, BUILD_N, BUILD_P (builds at once), BUILD_STYLES, THROUGHPUT_S, LOOP_S, ROUNDS, SAMPLES, TASKS,
 # REPLAY=0, REST_S=0 (no remaining gpu tests); PIN (a prefix such as `taskset -c 48-63`).
 # Logs and reports go to $OUT (or ./out); the store is $KERNELLOOP_DB (default $OUT/gpu.db).
@@ -39,14 +39,14 @@ post() {
 case "$stage" in
   judge)
     box 60 $KL device probe --device cuda 2>&1 | tee "$OUT/probe.txt"
-    [ "${BASELINE:-1}" = 1 ] && box 150 $KL baseline tasks/seeds --device cuda 2>&1 | tee "$OUT/baseline.txt"
+    [ "${BASELINE:-0}" = 1 ] && box 150 $KL baseline tasks/seeds --device cuda 2>&1 | tee "$OUT/baseline.txt"
     # the cuda cases built side by side first: builds are cached by content, so the suite's evaluations
     # (one at a time, the device quiet for each) find them built and pay no nvcc
-    [ "${PREBUILD_S:-150}" != 0 ] && box ${PREBUILD_S:-150} bash -c "ls tests/adversarial/cuda/*.py | xargs -P ${BUILD_P:-8} -I{} \
+    [ "${PREBUILD_S:-150}" != 0 ] && box ${PREBUILD_S:-150} bash -c "ls tests/adversarial/cuda/*.py | xargs -P ${PREBUILD_P:-12} -I{} \
       $KL eval tests/adversarial/task_small.py {} --device cuda --build-only 2>&1 | grep -c ' built in ' || true"
     # containment on this host: cgroup v2 where writable, else the subreaper (not gpu-marked: CPU processes)
     box ${CONTAIN_S:-60} python3 -m pytest -q -p no:cacheprovider tests/test_containment.py 2>&1 | tail -4 | tee "$OUT/containment.txt"
-    box ${ADV_S:-240} python3 -m pytest -m gpu -q -s --timeout 200 -p no:cacheprovider tests/test_sandbox_adversarial.py \
+    box ${ADV_S:-280} python3 -m pytest -m gpu -q -s --timeout 200 -p no:cacheprovider tests/test_sandbox_adversarial.py \
       ${ADV_K:+-k "$ADV_K"} 2>&1 | grep -vE "USDT|^$" | tee "$OUT/adversarial.txt" | grep -E "VERDICT|passed|failed|Error" | head -80
     [ "${TIMING:-1}" = 1 ] && box 90 python3 scripts/bench_timing.py 2>&1 | tee "$OUT/bench_timing.txt"
     ;;
