@@ -14,11 +14,15 @@
 # Knobs: BASELINE=1 (seed baselines too: then run the suite in a second call, ADV_K), PREBUILD_S=0 (no parallel pre-build of the cuda cases), PREBUILD_P, CONTAIN_S, ADV_K (pytest -k for the adversarial cases), ADV_S,
 # TIMING=0, BUILD_S, BUILD_N, BUILD_P (builds at once), BUILD_STYLES, THROUGHPUT_S, LOOP_S, ROUNDS, SAMPLES, TASKS,
 # REPLAY=0, REST_S=0 (no remaining gpu tests); PIN (a prefix such as `taskset -c 48-63`).
-# Logs and reports go to $OUT (or ./out); the store is $KERNELLOOP_DB (default $OUT/gpu.db).
+# Logs and reports go to $OUT (or ./out); the store is $KERNELLOOP_DB (default $OUT/gpu.db, started from a
+# carried .gpu-store/gpu.db where there is one: the four triton-loop runs then share footprints and one store).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 source scripts/gpu_env.sh || exit 1
+# A store carried from an earlier call (.gpu-store/gpu.db, git-ignored: copy a call's returned gpu.db
+# there and carry .gpu-store) goes on: its task footprints spare the next runs their measurement.
+[ -z "${KERNELLOOP_DB:-}" ] && [ -f .gpu-store/gpu.db ] && [ ! -f "$OUT/gpu.db" ] && cp .gpu-store/gpu.db "$OUT/gpu.db"
 export PYTHONUNBUFFERED=1 KERNELLOOP_DB=${KERNELLOOP_DB:-$OUT/gpu.db} MAX_JOBS=${MAX_JOBS:-8}
 KL="python3 -m kernelloop.cli"
 PIN=${PIN:-}
