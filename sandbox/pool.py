@@ -16,7 +16,6 @@ candidate is being timed.
 from __future__ import annotations
 
 import contextlib
-
 import shutil
 import tempfile
 import threading
