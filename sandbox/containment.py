@@ -27,6 +27,7 @@ from typing import Iterable, Optional
 MODES = ("auto", "cgroup", "subreaper")
 ENV = "KERNELLOOP_CONTAINMENT"
 PR_SET_CHILD_SUBREAPER = 36
+PR_SET_PDEATHSIG = 1
 SWEEP_ROUNDS = 50                  # rescans while stopping a tree (each finds the children forked meanwhile)
 KILL_WAIT_S = 5.0
 
@@ -43,6 +44,16 @@ def set_subreaper() -> bool:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def die_with_parent() -> bool:
+    """SIGKILL for this process when its parent dies (``PR_SET_PDEATHSIG``; kept across exec, not
+    inherited by its own children); False where that fails."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
 

@@ -31,7 +31,7 @@ import secrets
 from multiprocessing.connection import Connection
 from typing import Any, Optional
 
-from sandbox.containment import Cgroup, Killed, kill_tree, reap, requested_mode, set_subreaper
+from sandbox.containment import Cgroup, Killed, die_with_parent, kill_tree, reap, requested_mode, set_subreaper
 
 NOT_CONTAINED_EXIT = 71            # KERNELLOOP_CONTAINMENT=cgroup where no cgroup can be made
 
@@ -67,9 +67,16 @@ class Keeper:
 
     def start(self) -> None:
         ready_r, ready_w = os.pipe()
+        keeper = os.getpid()
         pid = os.fork()
         if pid == 0:                                    # the worker-to-be
             try:
+                # The worker dies with its keeper, however the keeper ends: a keeper killed in the
+                # middle of its sweep (seen when Ray ended a killed driver's build task) left the
+                # build worker alive, holding the build cache's lock, and a resumed run waited on it.
+                die_with_parent()
+                if os.getppid() != keeper:
+                    os._exit(127)
                 os.close(ready_r)
                 os.close(self.conn.fileno())            # the keeper's channel is not the worker's
                 joined = b"0"

@@ -177,6 +177,23 @@ def test_when_the_parent_goes_away_the_whole_tree_dies():
     assert _wait_gone([helper, k.worker]) == []
 
 
+def test_a_worker_dies_with_its_keeper_however_the_keeper_ends():
+    """A keeper SIGKILLed (in the middle of a sweep, say) cannot sweep: its worker still dies,
+    so it holds no lock (the build cache's) for the next run to wait on."""
+    k = Kept(DETACH.format(after="time.sleep(300)"), "subreaper")
+    helper = int(k.line())
+    try:
+        os.kill(k.proc.pid, signal.SIGKILL)
+        k.proc.wait(10)
+        assert _wait_gone([k.worker]) == []
+    finally:
+        k.close()
+        try:
+            os.kill(helper, signal.SIGKILL)     # a detached helper outlives a SIGKILLed keeper: not this test's point
+        except ProcessLookupError:
+            pass
+
+
 def test_a_fork_loop_is_stopped_and_killed_to_the_last_process():
     code = textwrap.dedent("""
         import os, time
