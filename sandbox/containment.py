@@ -39,23 +39,23 @@ def requested_mode() -> str:
     return mode
 
 
-def set_subreaper() -> bool:
-    """Make this process a child subreaper (Linux >= 3.4); False where that fails."""
+def _prctl(option: int, arg: int) -> bool:
+    """``prctl(option, arg)`` on this process; False where that fails."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        return ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def set_subreaper() -> bool:
+    """Make this process a child subreaper (Linux >= 3.4); False where that fails."""
+    return _prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
 def die_with_parent() -> bool:
     """SIGKILL for this process when its parent dies (``PR_SET_PDEATHSIG``; kept across exec, not
     inherited by its own children); False where that fails."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
+    return _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 # ---------------------------------------------------------------- the process table
