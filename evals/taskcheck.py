@@ -269,10 +269,10 @@ def _checked_values(spec: TaskSpec, task: Any, device: str, seed: int, numerics:
         return [CheckIssue(name, "nondeterministic", "the number of outputs changes between calls")]
     tensors = [i for i, y in enumerate(y1) if isinstance(y, torch.Tensor)]
     found = {i: value_issues(name, i, y1[i], atol, rtol) for i in tensors}
-    nondeterministic = {i for i in tensors if not any(f.flag == "nonfinite" for f in found[i])
-                        and _changed_fraction(y1[i], again[i], atol, rtol) > 0}
+    finite = [i for i in tensors if not any(f.flag == "nonfinite" for f in found[i])]
+    nondeterministic = {i for i in finite if _changed_fraction(y1[i], again[i], atol, rtol) > 0}
     del again
-    judged = [i for i in tensors if i not in nondeterministic and not any(f.flag == "nonfinite" for f in found[i])]
+    judged = [i for i in finite if i not in nondeterministic]
     sensitivity: dict[int, list[CheckIssue]] = {i: [] for i in tensors}
     if judged and weights_differ:
         y3 = task_code("running the forward", lambda: _outputs(other(*_clone(x1))))
