@@ -364,9 +364,12 @@ class Sandbox:
     def _run_on(self, slot: int, spec: TaskSpec, source: str, result: EvalResult) -> None:
         cfg = result.config or self.config      # this evaluation's (without the float64 check where it does not fit)
         ref = self.reference(spec, slot)
-        with phase(result, "reference"), ref.lock, self._device_work(slot):
+        with phase(result, "reference"), ref.lock:
             self._check_aborted()
-            ref.ensure()
+            # a reference starting runs on the device (its model, a warm-up compile); one running
+            # already needs nothing, and need not wait for another candidate's timing
+            with self._device_work(slot) if ref.needs_start() else contextlib.nullcontext():
+                ref.ensure()
         result.device_name = ref.device_name or result.device_name
         self._check_aborted()
         first = (Precomputed(ref, bool(cfg.numerics.fp64_check), self._gates[slot],

@@ -56,14 +56,21 @@ class ReferenceWorker:
             self.discard()
         return self._started()
 
+    def needs_start(self) -> bool:
+        """Whether ``ensure`` would start a worker (and so run the reference on the device)."""
+        return self.broken or not self._alive()
+
+    def _alive(self) -> bool:
+        return self.proc is not None and self.proc.proc.poll() is None
+
     def _started(self) -> WorkerProcess:
-        if self.proc is not None and self.proc.proc.poll() is None:
+        if self._alive():
             return self.proc
         with self._io:
             return self._start()
 
     def _start(self) -> WorkerProcess:
-        if self.proc is not None and self.proc.proc.poll() is None:
+        if self._alive():
             return self.proc
         self.proc = WorkerProcess("reference", env=self.env)
         reply = self.proc.ask({"role": "reference", "device": self.device, "out_dir": str(self.proc.out_dir),
