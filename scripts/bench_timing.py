@@ -54,48 +54,82 @@ def main() -> None:
     gap = abs(ours - db) / db
     print(f"two evaluations differ by {spread:.2%} (goal <= 2%); sandbox median {ours:.4f} ms vs "
           f"triton do_bench {db:.4f} ms: {gap:.2%} apart (goal <= 3%)")
-    # Where a gap comes from, in this process: the sandbox's timing routine on the same model,
-    # without and with the secret sample of every timed output (sandbox.runcheck), beside do_bench.
+    split = {"large": split_gap(model, task)}
+    # the same split on the task's own small sizes (microseconds a call): the loop's fixed cost in us
+    small = load_task(read_spec(TASK, name="bench/linear_relu_scale_small"))
+    split["small"] = split_gap(make_model(ns["ModelNew"], small, 0, "cuda"), small)
+    print(json.dumps({"medians_ms": medians, "spread": spread, "do_bench_ms": db, "do_bench_gap": gap,
+                      "split": split}))
+
+
+def split_gap(model, task) -> dict:
+    """Where a gap to do_bench comes from, in this process, on the same model: the sandbox's own
+    routine and hand-written loops that each change one thing, alternated three times (a drift
+    of the GPU's clocks then shows as a spread within a variant). Printed in ms and as the
+    difference from do_bench."""
     from sandbox.runcheck import Sampler
-    from sandbox.timing import time_runs
+    from sandbox.timing import L2Flusher, time_runs
 
-    def loop(on_output=None) -> float:
-        return time_runs(model, lambda i: make_inputs(task, 100 + i, "cuda"), "cuda", warmup=5, runs=50,
-                         on_output=on_output).median_ms
+    flush = L2Flusher("cuda")
 
-    def events_only() -> float:
-        """KernelBench's convention: the end event recorded right after the call, no device-wide
-        synchronize before it (so work left on side streams would not be timed)."""
-        from sandbox.timing import L2Flusher
+    def fresh(i):
+        return make_inputs(task, 100 + i, "cuda")
 
-        flush, times = L2Flusher("cuda"), []
+    same_x = make_inputs(task, 1, "cuda")
+
+    def manual(make, sync_before_start: bool, end: str) -> float:
+        times = []
         with torch.no_grad():
             for i in range(5):
-                model(*make_inputs(task, 300 + i, "cuda"))
+                model(*make(300 + i))
             torch.cuda.synchronize()
             for i in range(50):
-                args = make_inputs(task, 100 + i, "cuda")
+                args = make(i)
+                torch.cuda.synchronize()
                 flush()
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
+                if sync_before_start:
+                    torch.cuda.synchronize()
+                s, e_stream, e_dev = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+                s.record()
                 model(*args)
-                end.record()
+                e_stream.record()
                 torch.cuda.synchronize()
-                times.append(start.elapsed_time(end))
+                e_dev.record()
+                torch.cuda.synchronize()
+                times.append(s.elapsed_time(e_stream if end == "stream" else e_dev))
         return statistics_median(times)
 
-    # alternated, twice each, so a drift of the GPU's clocks shows as a spread within a variant
-    bare = [loop(), None]
-    sampled = [loop(Sampler("cuda")), None]
-    events = [events_only(), None]
-    bare[1], sampled[1], events[1] = loop(), loop(Sampler("cuda")), events_only()
-    b, sa, ev = statistics_median(bare), statistics_median(sampled), statistics_median(events)
-    print(f"in-process: the sandbox's loop {b:.4f} ms ({bare[0]:.4f}, {bare[1]:.4f}); with every output sampled "
-          f"{sa:.4f} ms ({sa / b - 1:+.2%}); end event right after the call, as KernelBench times, {ev:.4f} ms "
-          f"({ev / b - 1:+.2%}); do_bench {db:.4f} ms (loop {b / db - 1:+.2%}, KernelBench's way {ev / db - 1:+.2%})")
-    print(json.dumps({"medians_ms": medians, "spread": spread, "do_bench_ms": db, "do_bench_gap": gap,
-                      "loop_ms": bare, "loop_sampled_ms": sampled, "events_only_ms": events}))
+    variants = {
+        "sandbox loop (time_runs)": lambda: time_runs(model, fresh, "cuda", warmup=5, runs=50).median_ms,
+        "sandbox loop, every output sampled": lambda: time_runs(model, fresh, "cuda", warmup=5, runs=50,
+                                                                on_output=Sampler("cuda")).median_ms,
+        "sync, start, call, sync, end": lambda: manual(fresh, True, "device"),
+        "sync, start, call, end": lambda: manual(fresh, True, "stream"),
+        "flush, start (no sync), call, end": lambda: manual(fresh, False, "stream"),
+        "flush, start (no sync), call, sync, end": lambda: manual(fresh, False, "device"),
+        "same input: sync, start, call, sync, end": lambda: manual(lambda i: same_x, True, "device"),
+        "same input: flush, start, call, end": lambda: manual(lambda i: same_x, False, "stream"),
+    }
+    import triton.testing
+
+    def do_bench() -> float:
+        with torch.no_grad():
+            return triton.testing.do_bench(lambda: model(*same_x), warmup=50, rep=200, return_mode="median")
+
+    variants["do_bench"] = do_bench
+    got: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(3):
+        for name, fn in variants.items():
+            got[name].append(fn())
+    db = statistics_median(got["do_bench"])
+    print(f"in-process split, {task.spec.name} (medians of 50 runs, three passes alternated), do_bench {db:.4f} ms:")
+    out = {}
+    for name, xs in got.items():
+        m = statistics_median(xs)
+        out[name] = xs
+        print(f"  {name:45s} {m:.4f} ms  {m / db - 1:+.2%} ({(m - db) * 1000:+.1f} us)  passes "
+              + ", ".join(f"{x:.4f}" for x in xs))
+    return out
 
 
 def statistics_median(xs):
