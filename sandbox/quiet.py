@@ -11,7 +11,10 @@ Three observations around each evaluation's timing (``sandbox.checks``):
   timed window, compute processes on the slot's GPU that are not this sandbox's own, and any
   process but the worker being timed that used the GPU's SMs during the window (another
   candidate loading on the slot included), make the timing ``contended``; the candidate's worker
-  using the SMs while the reference is timed is also ``suspicious``;
+  using the SMs while the reference is timed is also ``suspicious``. An SM sample tells the use
+  over the driver's sample period *before* its time stamp, so a sample stamped within one period
+  of the window's start also covers work done before the window (the trials, the other worker's
+  timed runs): it is not the window's and is not judged;
 * **a running median** per task, device and numerics (``cuda`` only: a shared CPU host's
   timings jump by themselves): a reference eager median that departs from its running median by
   more than the measured spread is timed again; if it stays off, the evaluation is ``contended``. A contended timing never yields a clean speedup
@@ -101,6 +104,29 @@ def _nvml() -> Any:
         return _NVML or None
 
 
+SAMPLE_PERIOD_US = 1_000_000   # the SM sample period assumed where NVML does not show it (longer is safer)
+_PERIODS: dict[Any, int] = {}
+
+
+def sample_period_us(nv: Any, handle: Any) -> int:
+    """The driver's utilization sample period on this GPU in microseconds: the median step
+    between the time stamps of its buffered device samples; ``SAMPLE_PERIOD_US`` where NVML
+    gives too few. Found once per GPU and process."""
+    if handle in _PERIODS:
+        return _PERIODS[handle]
+    period = SAMPLE_PERIOD_US
+    try:
+        _, samples = nv.nvmlDeviceGetSamples(handle, nv.NVML_GPU_UTILIZATION_SAMPLES, 0)
+        stamps = sorted({int(x.timeStamp) for x in samples})
+        steps = [b - a for a, b in zip(stamps, stamps[1:]) if b > a]
+        if len(steps) >= 3:
+            period = int(min(max(statistics.median(steps), 10_000), 5 * SAMPLE_PERIOD_US))
+    except Exception:  # noqa: BLE001 - not supported on this GPU or driver: the safe default
+        pass
+    _PERIODS[handle] = period
+    return period
+
+
 class GpuWatch:
     """One slot's GPU: foreign compute processes and foreign SM use over a timed window."""
 
@@ -140,8 +166,9 @@ class GpuWatch:
         except Exception:  # noqa: BLE001
             pass
         try:
+            first = self.since + sample_period_us(nv, self.handle)   # samples stamped earlier began before the window
             for s in nv.nvmlDeviceGetProcessUtilization(self.handle, self.since):
-                if s.pid not in allowed and s.smUtil > 0:
+                if s.pid not in allowed and s.smUtil > 0 and int(s.timeStamp) > first:
                     found.append((s.pid, f"pid {s.pid} used {s.smUtil}% of the SMs"))
         except Exception:  # noqa: BLE001 - not supported, or no sample since `since`
             pass

@@ -218,7 +218,10 @@ def summarize(mode: str, results: list[EvalResult], errors: list[str], wall: flo
             "device_busy_fraction": round(held / (wall * slots), 3) if wall > 0 else 0.0, "slots": slots,
             "pool": pool,
             # each candidate's verdict, to compare two runs of the same work (executors, modes)
-            "verdicts": {f"{r.task}|{r.candidate_sha256[:12]}": _verdict(r) for r in results}}
+            "verdicts": {f"{r.task}|{r.candidate_sha256[:12]}": _verdict(r) for r in results},
+            # and why each flag was raised (a `contended` names the process and the window)
+            "flag_reasons": {f"{r.task}|{r.candidate_sha256[:12]}": [f"{f.kind.value}: {f.reason}" for f in r.flags]
+                             for r in results if r.flags}}
 
 
 def _verdict(r: EvalResult) -> str:

@@ -86,6 +86,9 @@ if ray["verdicts"] != local["verdicts"]:
     for k in sorted(set(ray["verdicts"]) | set(local["verdicts"])):
         if ray["verdicts"].get(k) != local["verdicts"].get(k):
             print(f"  {k}: ray {ray['verdicts'].get(k)} local {local['verdicts'].get(k)}")
+            for name, run in (("ray", ray), ("local", local)):
+                for why in run.get("flag_reasons", {}).get(k, []):
+                    print(f"    {name}: {why}")
 print("phases ray:  ", ray["phases_median_s"]); print("phases local:", local["phases_median_s"])
 EOF
     ;;

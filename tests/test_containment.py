@@ -506,6 +506,22 @@ def test_a_sampled_miss_that_the_float64_rule_accepts_passes_and_a_wrong_one_doe
             assert "float64 rule" in verdict["failed"][0][1], verdict
 
 
+def _fake_nvml(procs, util, stamps=None):
+    """pynvml faked: the device's compute processes, its per-process SM samples and (``stamps``)
+    the time stamps of its buffered device samples, from which the sample period is read."""
+    import types
+
+    def samples(handle, kind, since):
+        if stamps is None:
+            raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+        return 1, [types.SimpleNamespace(timeStamp=t, sampleValue=0) for t in stamps]
+
+    return types.SimpleNamespace(nvmlDeviceGetHandleByIndex=lambda i: f"gpu{i}",
+                                 nvmlDeviceGetComputeRunningProcesses=procs,
+                                 nvmlDeviceGetProcessUtilization=util,
+                                 nvmlDeviceGetSamples=samples, NVML_GPU_UTILIZATION_SAMPLES=1)
+
+
 def test_gpu_watch_flags_foreign_processes_and_sm_use_but_the_timed_worker(monkeypatch):
     """NVML faked (no GPU here): what the watch makes of the device's process list and SM samples."""
     import types
@@ -522,14 +538,13 @@ def test_gpu_watch_flags_foreign_processes_and_sm_use_but_the_timed_worker(monke
 
         def util(handle, since):
             calls.append(since)
-            return [types.SimpleNamespace(pid=child.pid, smUtil=40),                # the worker being timed
-                    types.SimpleNamespace(pid=4242, smUtil=0),
-                    types.SimpleNamespace(pid=777, smUtil=12)]                      # another process computing
+            late = since + 200_000                  # stamped a whole sample period into the window
+            return [types.SimpleNamespace(pid=child.pid, smUtil=40, timeStamp=late),   # the worker being timed
+                    types.SimpleNamespace(pid=4242, smUtil=0, timeStamp=late),
+                    types.SimpleNamespace(pid=777, smUtil=12, timeStamp=late)]         # another process computing
 
-        fake = types.SimpleNamespace(nvmlDeviceGetHandleByIndex=lambda i: f"gpu{i}",
-                                     nvmlDeviceGetComputeRunningProcesses=procs,
-                                     nvmlDeviceGetProcessUtilization=util)
-        monkeypatch.setattr(quiet, "_NVML", fake)
+        monkeypatch.setattr(quiet, "_NVML", _fake_nvml(procs, util, stamps=[0, 100_000, 200_000, 300_000]))
+        monkeypatch.setattr(quiet, "_PERIODS", {})
         w = GpuWatch("1")
         assert w.note is None and w.handle == "gpu1"
         found = dict(w.foreign(os.getpid(), [child.pid]))
@@ -540,6 +555,38 @@ def test_gpu_watch_flags_foreign_processes_and_sm_use_but_the_timed_worker(monke
     finally:
         child.kill()
         child.wait()
+
+
+def test_an_sm_sample_within_one_period_of_the_window_start_is_not_the_windows(monkeypatch):
+    """A sample tells the SM use over the sample period before its stamp: one stamped less than a
+    period after the window began also covers the work just before it (seen on an H100: the
+    reference's trials before the candidate's timed runs flagged honest candidates ``contended``)."""
+    import types
+
+    import sandbox.quiet as quiet
+
+    offset = {"us": 0}
+
+    def util(handle, since):
+        return [types.SimpleNamespace(pid=777, smUtil=30, timeStamp=since + offset["us"])]
+
+    monkeypatch.setattr(quiet, "_NVML", _fake_nvml(lambda h: [], util, stamps=[0, 166_000, 333_000, 500_000, 666_000]))
+    monkeypatch.setattr(quiet, "_PERIODS", {})
+    w = GpuWatch("0")
+    assert quiet.sample_period_us(quiet._NVML, w.handle) == 166_500
+    offset["us"] = 100_000                          # straddles the window's start: not judged
+    assert w.foreign(os.getpid()) == []
+    offset["us"] = 170_000                          # a whole period inside the window: judged
+    assert [pid for pid, _ in w.foreign(os.getpid())] == [777]
+    # where NVML does not show its period, a second is assumed: longer is the safe side
+    monkeypatch.setattr(quiet, "_NVML", _fake_nvml(lambda h: [], util, stamps=None))
+    monkeypatch.setattr(quiet, "_PERIODS", {})
+    w = GpuWatch("0")
+    assert quiet.sample_period_us(quiet._NVML, w.handle) == quiet.SAMPLE_PERIOD_US
+    offset["us"] = 500_000
+    assert w.foreign(os.getpid()) == []
+    offset["us"] = quiet.SAMPLE_PERIOD_US + 1
+    assert [pid for pid, _ in w.foreign(os.getpid())] == [777]
 
 
 def _timing(median: float, iqr: float = 0.01) -> dict:
