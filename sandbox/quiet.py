@@ -108,12 +108,12 @@ SAMPLE_PERIOD_US = 1_000_000   # the SM sample period assumed where NVML does no
 _PERIODS: dict[Any, int] = {}
 
 
-def sample_period_us(nv: Any, handle: Any) -> int:
-    """The driver's utilization sample period on this GPU in microseconds: the median step
-    between the time stamps of its buffered device samples; ``SAMPLE_PERIOD_US`` where NVML
-    gives too few. Found once per GPU and process."""
-    if handle in _PERIODS:
-        return _PERIODS[handle]
+def sample_period_us(nv: Any, handle: Any, key: str) -> int:
+    """The driver's utilization sample period on this GPU (``key``: its index or UUID) in
+    microseconds: the median step between the time stamps of its buffered device samples;
+    ``SAMPLE_PERIOD_US`` where NVML gives too few. Found once per GPU and process."""
+    if key in _PERIODS:
+        return _PERIODS[key]
     period = SAMPLE_PERIOD_US
     try:
         _, samples = nv.nvmlDeviceGetSamples(handle, nv.NVML_GPU_UTILIZATION_SAMPLES, 0)
@@ -123,7 +123,7 @@ def sample_period_us(nv: Any, handle: Any) -> int:
             period = int(min(max(statistics.median(steps), 10_000), 5 * SAMPLE_PERIOD_US))
     except Exception:  # noqa: BLE001 - not supported on this GPU or driver: the safe default
         pass
-    _PERIODS[handle] = period
+    _PERIODS[key] = period
     return period
 
 
@@ -138,7 +138,7 @@ class GpuWatch:
             self.note = "NVML unavailable (nvidia-ml-py not installed or no driver): the GPU was not watched"
             return
         try:
-            ident = (gpu or "0").strip()
+            ident = self.ident = (gpu or "0").strip()
             self.handle = (self.nvml.nvmlDeviceGetHandleByIndex(int(ident)) if ident.isdigit()
                            else self.nvml.nvmlDeviceGetHandleByUUID(ident))
         except Exception as exc:  # noqa: BLE001
@@ -166,7 +166,7 @@ class GpuWatch:
         except Exception:  # noqa: BLE001
             pass
         try:
-            first = self.since + sample_period_us(nv, self.handle)   # samples stamped earlier began before the window
+            first = self.since + sample_period_us(nv, self.handle, self.ident)   # samples stamped earlier began before the window
             for s in nv.nvmlDeviceGetProcessUtilization(self.handle, self.since):
                 if s.pid not in allowed and s.smUtil > 0 and int(s.timeStamp) > first:
                     found.append((s.pid, f"pid {s.pid} used {s.smUtil}% of the SMs"))

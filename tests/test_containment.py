@@ -573,7 +573,7 @@ def test_an_sm_sample_within_one_period_of_the_window_start_is_not_the_windows(m
     monkeypatch.setattr(quiet, "_NVML", _fake_nvml(lambda h: [], util, stamps=[0, 166_000, 333_000, 500_000, 666_000]))
     monkeypatch.setattr(quiet, "_PERIODS", {})
     w = GpuWatch("0")
-    assert quiet.sample_period_us(quiet._NVML, w.handle) == 166_500
+    assert quiet.sample_period_us(quiet._NVML, w.handle, w.ident) == 166_500
     offset["us"] = 100_000                          # straddles the window's start: not judged
     assert w.foreign(os.getpid()) == []
     offset["us"] = 170_000                          # a whole period inside the window: judged
@@ -582,7 +582,7 @@ def test_an_sm_sample_within_one_period_of_the_window_start_is_not_the_windows(m
     monkeypatch.setattr(quiet, "_NVML", _fake_nvml(lambda h: [], util, stamps=None))
     monkeypatch.setattr(quiet, "_PERIODS", {})
     w = GpuWatch("0")
-    assert quiet.sample_period_us(quiet._NVML, w.handle) == quiet.SAMPLE_PERIOD_US
+    assert quiet.sample_period_us(quiet._NVML, w.handle, w.ident) == quiet.SAMPLE_PERIOD_US
     offset["us"] = 500_000
     assert w.foreign(os.getpid()) == []
     offset["us"] = quiet.SAMPLE_PERIOD_US + 1
