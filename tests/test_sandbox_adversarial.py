@@ -123,6 +123,9 @@ def test_cuda_exploit_verdict(cuda_sandbox, path, record_property):
     print(f"VERDICT {path.stem}: {result.status.value} flags={sorted(f.kind.value for f in result.flags)} "
           f"strays={result.stray_processes_killed} checked={result.timed_runs_checked} "
           f"speedup={result.speedup_eager} error={(result.error_message or '')[:100]!r}")
+    for f in result.flags:
+        if f.kind.value == "contended":      # the measuring conditions, not the candidate: say which
+            print(f"  contended: {f.reason[:300]}")
     check_verdict(path.stem, result, expected, flag)
     check_containment(path.stem, result, _extra(path))
 
