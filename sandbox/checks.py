@@ -4,7 +4,6 @@ reference, timing of reference and candidate by the same code, a check of every 
 the parent's clock cross-check, and the evidence (profiles, roofline floor)."""
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 import time
@@ -15,7 +14,7 @@ from sandbox.backends import backend_for
 from sandbox.compare import fp64_verdict
 from sandbox.phases import Stages
 from sandbox.process import WorkerProcess
-from sandbox.quiet import GpuWatch, IdleWatch, TimingHistory
+from sandbox.quiet import GpuWatch, IdleWatch, TimingHistory, timing_window
 from sandbox.reference import Precomputed, ReferenceWorker
 from sandbox.result import EvalConfig, EvalResult, FlagKind, KernelStat, OutputCheck, Status, Timing, Trial
 
@@ -120,8 +119,7 @@ class CandidateChecks:
         # Spot checks: the outputs of the last timed run and of one secret other run are
         # compared in full with the reference's.
         check_runs = sorted({cfg.timed_runs - 1, secrets.randbelow(cfg.timed_runs)})
-        gpu = GpuWatch(self.gpu) if self.device == "cuda" else None
-        with (gate.timing() if gate is not None else contextlib.nullcontext()):
+        with timing_window(gate, self.gpu, self.device) as gpu:
             result.add_strays(cand.sweep(), "before its timed runs")
             self._foreign(gpu, result, "before the timed runs", None)
             w0 = time.monotonic()

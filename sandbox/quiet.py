@@ -22,11 +22,12 @@ Three observations around each evaluation's timing (``sandbox.checks``):
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import threading
 import time
 from collections import deque
-from typing import Any, Iterable, Optional
+from typing import Any, Iterator, Iterable, Optional
 
 from sandbox.containment import descendants, process_table, tree_cpu_seconds
 
@@ -174,3 +175,14 @@ class GpuWatch:
             pass
         self.start()
         return found
+
+
+@contextlib.contextmanager
+def timing_window(gate: Any, gpu: Optional[str], device: str) -> Iterator[Optional[GpuWatch]]:
+    """The slot's device held for timing (``gate``: a ``DeviceGate``'s ``timing()``, or None), and
+    the GPU watched from the moment it is held. A watch started before the gate was held would
+    count the background work the gate waited for (a warm worker warming up, a reference
+    starting) as use during the window: on an H100 that flagged every honest candidate
+    ``contended`` ("not quiet before the timed runs: pid N used 1% of the SMs")."""
+    with (gate.timing() if gate is not None else contextlib.nullcontext()):
+        yield GpuWatch(gpu) if device == "cuda" else None

@@ -660,3 +660,31 @@ def test_contended_and_strays_are_doubtful_in_feedback_and_give_no_speed_claim()
     strays = EvalResult(status=Status.correct, task="t", device="cuda")
     strays.add_strays(["9 'kladv'"], "after its evaluation")
     assert failure_kind(AttemptView(2, 0, 0, "ok", "src", strays)) == "flagged"
+
+
+def test_the_gpu_is_watched_from_when_the_timing_holds_the_device_not_before(monkeypatch):
+    """Background device work the timing waits for (a warm worker warming up) is before the
+    window: the watch starts once the gate is held (on an H100 a watch started before the wait
+    flagged every honest candidate contended: "not quiet before the timed runs: pid N used 1%")."""
+    import threading
+    import time as _time
+
+    import sandbox.quiet as quiet
+    from sandbox.pool import DeviceGate
+
+    monkeypatch.setattr(quiet, "_NVML", _fake_nvml(lambda h: [], lambda h, since: [], stamps=[0, 1, 2, 3]))
+    gate = DeviceGate()
+    background = gate.background()
+    background.__enter__()                   # a warm-up under way on the slot
+    released = {}
+
+    def finish_warm_up():
+        _time.sleep(0.3)
+        released["us"] = int(_time.time() * 1e6)
+        background.__exit__(None, None, None)
+
+    threading.Thread(target=finish_warm_up).start()
+    with quiet.timing_window(gate, "0", "cuda") as watch:
+        assert watch is not None and watch.since >= released["us"]
+    with quiet.timing_window(None, None, "cpu") as watch:
+        assert watch is None
