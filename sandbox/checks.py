@@ -240,6 +240,8 @@ class CandidateChecks:
                 result.stderr += f"\n[kernelloop] {gpu.note}"
             return set()
         found = gpu.foreign(os.getpid(), [timed])
+        if gpu.unread and gpu.unread not in result.stderr:
+            result.stderr += f"\n[kernelloop] {gpu.unread}"
         if found:
             result.add_flag(FlagKind.contended, f"the GPU was not quiet {when}: " + "; ".join(t for _, t in found[:4]))
         return {pid for pid, _ in found}

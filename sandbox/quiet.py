@@ -14,7 +14,8 @@ Three observations around each evaluation's timing (``sandbox.checks``):
   using the SMs while the reference is timed is also ``suspicious``. An SM sample tells the use
   over the driver's sample period *before* its time stamp, so a sample stamped within one period
   of the window's start also covers work done before the window (the trials, the other worker's
-  timed runs): it is not the window's and is not judged;
+  timed runs): it is not the window's and is not judged. A window starts once the timing holds the slot's device (``timing_window``), after any
+  background work it waited for;
 * **a running median** per task, device and numerics (``cuda`` only: a shared CPU host's
   timings jump by themselves): a reference eager median that departs from its running median by
   more than the measured spread is timed again; if it stays off, the evaluation is ``contended``. A contended timing never yields a clean speedup
@@ -106,7 +107,7 @@ def _nvml() -> Any:
 
 
 SAMPLE_PERIOD_US = 1_000_000   # the SM sample period assumed where NVML does not show it (longer is safer)
-_PERIODS: dict[Any, int] = {}
+_PERIODS: dict[str, int] = {}
 
 
 def sample_period_us(nv: Any, handle: Any, key: str) -> int:
@@ -135,6 +136,7 @@ class GpuWatch:
         self.nvml = _nvml()
         self.handle = None
         self.note: Optional[str] = None
+        self.unread: Optional[str] = None      # why a window's SM samples could not be read, if they could not
         if self.nvml is None:
             self.note = "NVML unavailable (nvidia-ml-py not installed or no driver): the GPU was not watched"
             return
@@ -171,8 +173,11 @@ class GpuWatch:
             for s in nv.nvmlDeviceGetProcessUtilization(self.handle, self.since):
                 if s.pid not in allowed and s.smUtil > 0 and int(s.timeStamp) > first:
                     found.append((s.pid, f"pid {s.pid} used {s.smUtil}% of the SMs"))
-        except Exception:  # noqa: BLE001 - not supported, or no sample since `since`
-            pass
+        except Exception as exc:  # noqa: BLE001
+            # NVML's own error (not supported, no sample since `since`) is expected; anything else is
+            # the harness's fault and is said, not swallowed (a TypeError here once skipped every check)
+            if not isinstance(exc, getattr(nv, "NVMLError", ())):
+                self.unread = f"the GPU's SM use was not judged ({type(exc).__name__}: {exc})"
         self.start()
         return found
 

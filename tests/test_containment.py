@@ -688,3 +688,37 @@ def test_the_gpu_is_watched_from_when_the_timing_holds_the_device_not_before(mon
         assert watch is not None and watch.since >= released["us"]
     with quiet.timing_window(None, None, "cpu") as watch:
         assert watch is None
+
+
+def test_a_harness_error_reading_sm_samples_is_said_not_swallowed(monkeypatch):
+    """NVML's own errors (not supported, no sample yet) are expected and quiet; any other error
+    while reading the SM samples is the harness's and is said (a TypeError there once skipped the
+    SM check of every window on an H100, silently). The process list is still judged."""
+    import types
+
+    import sandbox.quiet as quiet
+
+    class NVMLError(Exception):
+        pass
+
+    def util_unsupported(handle, since):
+        raise NVMLError("Not Supported")
+
+    def util_broken(handle, since):
+        raise TypeError("unhashable type")
+
+    procs = lambda h: [types.SimpleNamespace(pid=999_999, usedGpuMemory=1 << 30)]   # noqa: E731
+    for util, said in ((util_unsupported, False), (util_broken, True)):
+        fake = _fake_nvml(procs, util, stamps=[0, 1, 2, 3])
+        fake.NVMLError = NVMLError
+        monkeypatch.setattr(quiet, "_NVML", fake)
+        w = GpuWatch("0")
+        assert [pid for pid, _ in w.foreign(os.getpid())] == [999_999]
+        assert bool(w.unread) is said
+        if said:
+            assert "TypeError" in w.unread and "not judged" in w.unread
+            from sandbox.checks import CandidateChecks
+
+            r = EvalResult(status=Status.correct, task="t", device="cuda")
+            CandidateChecks._foreign(w, r, "while the reference was timed", None)
+            assert "SM use was not judged (TypeError" in r.stderr and r.has_flag("contended")
