@@ -516,7 +516,16 @@ def _fake_nvml(procs, util, stamps=None):
             raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
         return 1, [types.SimpleNamespace(timeStamp=t, sampleValue=0) for t in stamps]
 
-    return types.SimpleNamespace(nvmlDeviceGetHandleByIndex=lambda i: f"gpu{i}",
+    class Handle:                            # NVML's handle is a ctypes pointer: no dict key
+        __hash__ = None
+
+        def __init__(self, i):
+            self.name = f"gpu{i}"
+
+        def __eq__(self, other):
+            return getattr(other, "name", other) == self.name
+
+    return types.SimpleNamespace(nvmlDeviceGetHandleByIndex=Handle,
                                  nvmlDeviceGetComputeRunningProcesses=procs,
                                  nvmlDeviceGetProcessUtilization=util,
                                  nvmlDeviceGetSamples=samples, NVML_GPU_UTILIZATION_SAMPLES=1)
