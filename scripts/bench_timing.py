@@ -34,8 +34,6 @@ def main() -> None:
     # the two sandbox evaluations: before, between and after them, so the GPU's clock drift over
     # the minutes the evaluations take (1.2% between do_bench's own passes on an H100) falls on
     # both sides of the comparison instead of between them
-    import triton.testing
-
     from sandbox.build import HookedBuilder
 
     HookedBuilder().install()
@@ -43,18 +41,13 @@ def main() -> None:
     task = load_task(spec)
     model = make_model(ns["ModelNew"], task, 0, "cuda")
     x = make_inputs(task, 1, "cuda")
-
-    def do_bench() -> float:
-        with torch.no_grad():
-            return triton.testing.do_bench(lambda: model(*x), warmup=50, rep=200, return_mode="median")
-
-    dbs, medians = [do_bench()], []
+    dbs, medians = [do_bench_ms(model, x)], []
     for i in range(2):
         with Sandbox("cuda", cfg) as sb:
             r = sb.evaluate(spec, source)
         assert r.correct, (r.status, r.error_message)
         medians.append(r.candidate_time.median_ms)
-        dbs.append(do_bench())
+        dbs.append(do_bench_ms(model, x))
         print(f"evaluation {i + 1}: candidate median {r.candidate_time.median_ms:.4f} ms "
               f"(IQR {r.candidate_time.iqr_ms:.4f}), eager {r.eager_time.median_ms:.4f} ms; do_bench before and "
               f"after it {dbs[i]:.4f}, {dbs[i + 1]:.4f} ms")
@@ -120,26 +113,26 @@ def split_gap(model, task) -> dict:
         "same input: sync, start, call, sync, end": lambda: manual(lambda i: same_x, True, "device"),
         "same input: flush, start, call, end": lambda: manual(lambda i: same_x, False, "stream"),
     }
-    import triton.testing
-
-    def do_bench() -> float:
-        with torch.no_grad():
-            return triton.testing.do_bench(lambda: model(*same_x), warmup=50, rep=200, return_mode="median")
-
-    variants["do_bench"] = do_bench
+    variants["do_bench"] = lambda: do_bench_ms(model, same_x)
     got: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(3):
         for name, fn in variants.items():
             got[name].append(fn())
     db = statistics_median(got["do_bench"])
     print(f"in-process split, {task.spec.name} (medians of 50 runs, three passes alternated), do_bench {db:.4f} ms:")
-    out = {}
     for name, xs in got.items():
         m = statistics_median(xs)
-        out[name] = xs
         print(f"  {name:45s} {m:.4f} ms  {m / db - 1:+.2%} ({(m - db) * 1000:+.1f} us)  passes "
               + ", ".join(f"{x:.4f}" for x in xs))
-    return out
+    return got
+
+
+def do_bench_ms(model, args) -> float:
+    """``triton.testing.do_bench``'s median for ``model(*args)``, as the field times it."""
+    import triton.testing
+
+    with torch.no_grad():
+        return triton.testing.do_bench(lambda: model(*args), warmup=50, rep=200, return_mode="median")
 
 
 def statistics_median(xs):
