@@ -265,7 +265,11 @@ def main() -> None:
     print(f"{len(work)} candidates ({len(specs)} tasks x {args.candidates}) proposed in {time.monotonic() - t0:.1f} s; "
           f"config: {cfg.trials} trials (float64 check {'on' if cfg.numerics.fp64_check else 'off'}), "
           f"{cfg.timed_runs} timed runs, compile {'on' if cfg.time_compile else 'off'}, profile "
-          f"{'on' if cfg.profile else 'off'}", flush=True)
+          f"{'on' if cfg.profile else 'off'}; numerics {cfg.numerics.describe()}", flush=True)
+    if args.device == "cpu":
+        from sandbox.slots import cpu_timing_note
+
+        print(cpu_timing_note(), flush=True)
     summaries = []
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         if mode not in ("pipelined", "one-at-a-time"):

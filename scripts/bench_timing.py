@@ -30,6 +30,9 @@ def main() -> None:
     spec = read_spec(TASK, SIZES, name="bench/linear_relu_scale")
     source = CANDIDATE.read_text()
     cfg = EvalConfig(trials=2, timed_runs=50, warmup_runs=5, time_compile=False, profile=False)
+    # the in-process timings (do_bench, the split) under the numerics the sandbox's workers use
+    cfg.numerics.enforce()
+    print(f"numerics {cfg.numerics.describe()}; every time below is a median in ms", flush=True)
     # do_bench on the same model in this process (it flushes L2 between runs too), alternated with
     # the two sandbox evaluations: before, between and after them, so the GPU's clock drift over
     # the minutes the evaluations take (1.2% between do_bench's own passes on an H100) falls on
