@@ -79,6 +79,10 @@ class TaskProgress:
     error: Optional[str] = None
 
 
+# Candidates kept in flight per device slot (OptimizeLoop.tasks_in_flight).
+CANDIDATES_PER_SLOT = 8
+
+
 def best_clean(views: list[AttemptView]) -> Optional[AttemptView]:
     clean = [v for v in views if v.result is not None and v.result.clean and v.result.speedup_eager]
     return max(clean, key=lambda v: v.result.speedup_eager) if clean else None
@@ -141,10 +145,17 @@ class OptimizeLoop:
     def stop(self) -> None:
         self._stop.set()
 
+    def tasks_in_flight(self) -> int:
+        """Enough tasks in flight to keep the model's concurrency busy, and every device slot fed
+        with ``CANDIDATES_PER_SLOT`` candidates in flight (building on the CPU cores, loading,
+        waiting for or holding the device): with one sample a task, four tasks kept a GPU
+        fed with four candidates, whose builds (20-26 s on an H100 host) left it idle."""
+        slots = len(getattr(self.sandbox, "slots", [None]))
+        feed = -(-CANDIDATES_PER_SLOT * slots // max(1, self.config.samples))
+        return max(getattr(self.backend, "max_concurrency", 4), 2 * slots, feed)
+
     def run(self, run_id: int, specs: list[TaskSpec], task_parallelism: Optional[int] = None) -> list[TaskProgress]:
-        # Enough tasks in flight to keep every device slot and the model's concurrency busy.
-        busy = max(getattr(self.backend, "max_concurrency", 4), 2 * len(getattr(self.sandbox, "slots", [None])))
-        workers = task_parallelism or max(1, min(len(specs), busy))
+        workers = task_parallelism or max(1, min(len(specs), self.tasks_in_flight()))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="task") as pool:
             futures = [pool.submit(self._optimize_task, run_id, sp) for sp in specs]
             try:

@@ -15,6 +15,13 @@ A run waits until its needs fit (closing idle references of other tasks first); 
 needs exceed a budget with nothing else admitted raises ``TaskTooLarge``, naming the bytes
 needed and available: its task is ``too_large``, and no candidate of it gets a verdict.
 
+A task's footprint is measured with its device **alone** (``Admission.alone``): no run admitted
+there, none admitted until the measurement ends, idle references left resident (the measuring
+process reads its own allocator, so they do not change its figures). Only a measurement that ran
+out of memory beside idle references is repeated with the whole device (closing them): before,
+every measurement took the whole device, so each new task of a run closed every other task's
+idle reference and they all started again.
+
 Budgets (sizes as ``70GiB``, ``80GB``, a byte count, or a fraction such as ``0.9``):
 ``KERNELLOOP_GPU_MEMORY`` (per GPU, default 0.92 of its total memory),
 ``KERNELLOOP_HOST_MEMORY`` (default 0.8 of the host's available memory at start),
@@ -23,13 +30,14 @@ Budgets (sizes as ``70GiB``, ``80GB``, a byte count, or a fraction such as ``0.9
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import shutil
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from sandbox.footprint import Footprint, FootprintBook, env_bytes, human_bytes
 
@@ -117,6 +125,12 @@ class Admission:
         self._refs: dict[Any, _Reference] = {}
         self._runs: dict[int, tuple[Any, Needs]] = {}
         self._tokens = itertools.count(1)
+        self._alone: dict[str, int] = {}     # pool -> measurements waiting for, or holding, it alone
+
+    def _blocked(self, extra: list[Needs]) -> bool:
+        """Whether ``extra`` asks for a pool that a measurement waits for or holds alone: it waits
+        too (else a stream of runs would keep the measurement, and its task, waiting for ever)."""
+        return any(self._alone.get(p) and any(n.get(p, (0, 0)) != (0, 0) for n in extra) for p in self.budgets)
 
     def usage(self, pool: str, extra: Optional[list[Needs]] = None, without: frozenset = frozenset()) -> int:
         holdings = [r.needs for k, r in self._refs.items() if k not in without] + [n for _, n in self._runs.values()]
@@ -150,6 +164,9 @@ class Admission:
             while True:
                 check_aborted()
                 extra = [run] + ([ref] if ref_key is not None and ref_key not in self._refs and ref else [])
+                if self._blocked(extra):
+                    self._cond.wait(WAIT_POLL_S)
+                    continue
                 if self._fits(extra):
                     break
                 idle = sorted((r.last_used, k) for k, r in self._refs.items() if r.users == 0 and k != ref_key)
@@ -174,15 +191,44 @@ class Admission:
             close_reference(key)
         return token
 
-    def try_admit(self, task: str, run: Needs) -> Optional[int]:
-        """``run`` admitted now if it fits beside what is admitted (never waiting, closing
-        nothing): a token for ``leave``, else None."""
+    def try_admit(self, task: str, run: Needs, ref_key: Any = None, ref: Optional[Needs] = None) -> Optional[int]:
+        """``run`` (and ``ref``, as ``admit`` takes it) admitted now if it fits beside what is
+        admitted (never waiting, closing nothing): a token for ``leave``, else None."""
         with self._cond:
-            if not self._fits([run]):
+            extra = [run] + ([ref] if ref_key is not None and ref_key not in self._refs and ref else [])
+            if self._blocked(extra) or not self._fits(extra):
                 return None
+            if ref_key is not None:
+                entry = self._refs.setdefault(ref_key, _Reference(ref or {}))
+                entry.users += 1
+                entry.last_used = time.monotonic()
             token = next(self._tokens)
-            self._runs[token] = (None, run)
+            self._runs[token] = (ref_key, run)
             return token
+
+    @contextlib.contextmanager
+    def alone(self, pool: str, check_aborted: Callable[[], None] = lambda: None) -> Iterator[int]:
+        """Held while a task's footprint is measured on ``pool``: waits until no run there is
+        admitted, and admits none (nor a reference) until the block ends. Idle references stay
+        resident; yields how many there are (a measurement that ran out of memory beside them is
+        no proof that its task is too large)."""
+        with self._cond:
+            self._alone[pool] = self._alone.get(pool, 0) + 1
+            try:
+                while any(n.get(pool, (0, 0)) != (0, 0) for _, n in self._runs.values()):
+                    check_aborted()
+                    self._cond.wait(WAIT_POLL_S)
+            except BaseException:
+                self._alone[pool] -= 1
+                self._cond.notify_all()
+                raise
+            beside = sum(1 for r in self._refs.values() if r.needs.get(pool, (0, 0))[0] > 0)
+        try:
+            yield beside
+        finally:
+            with self._cond:
+                self._alone[pool] -= 1
+                self._cond.notify_all()
 
     def leave(self, token: int) -> None:
         with self._cond:
@@ -218,6 +264,7 @@ class MemoryGate:
         self.admission = Admission(budgets if budgets is not None else default_budgets(device, slots))
         self.slot_env = slot_env
         self.context = env_bytes(CONTEXT_ENV, CUDA_CONTEXT_BYTES) if device == "cuda" else 0
+        self._measuring: dict[str, threading.Lock] = {}
 
     def _device_pool(self, slot: int) -> str:
         return gpu_pool(slot) if self.device == "cuda" else "host"
@@ -244,20 +291,29 @@ class MemoryGate:
                   check_aborted: Callable[[], None] = lambda: None,
                   close_reference: Callable[[Any], None] = lambda key: None) -> Footprint:
         """The task's footprint, measured (once) with the slot to itself when not known yet."""
+        pool = self._device_pool(slot)
+
         def measure() -> Footprint:
-            whole = {self._device_pool(slot): (self.admission.budgets[self._device_pool(slot)], 0)}
-            token = self.admission.admit(spec.name, whole, close_reference=close_reference,
-                                         check_aborted=check_aborted)
-            try:
-                fp = self.book.measure(spec, self.device, self.numerics, env=self.slot_env(slot))
-            finally:
-                self.admission.leave(token)
-            # A run interrupted while measuring kills the measuring worker too (SIGKILL, which
-            # reads as the OOM killer's): that death is the interruption's, never the task's
-            # size, and nothing of it is kept (before this, an interrupted run stored the task
-            # as too_large and --resume skipped it).
-            check_aborted()
-            return fp
+            with self._measuring.setdefault(pool, threading.Lock()):    # one measurement per device at a time
+                with self.admission.alone(pool, check_aborted) as beside:
+                    fp = self.book.measure(spec, self.device, self.numerics, env=self.slot_env(slot))
+                # A run interrupted while measuring kills the measuring worker too (SIGKILL, which
+                # reads as the OOM killer's): that death is the interruption's, never the task's
+                # size, and nothing of it is kept (before this, an interrupted run stored the task
+                # as too_large and --resume skipped it).
+                check_aborted()
+                if fp.oom is None or not beside:
+                    return fp
+                # out of memory beside idle references: measured again with the device to itself
+                whole = {pool: (self.admission.budgets[pool], 0)}
+                token = self.admission.admit(spec.name, whole, close_reference=close_reference,
+                                             check_aborted=check_aborted)
+                try:
+                    fp = self.book.measure(spec, self.device, self.numerics, env=self.slot_env(slot))
+                finally:
+                    self.admission.leave(token)
+                check_aborted()
+                return fp
 
         return self.book.get(spec, self.device, self.numerics, measure)
 
@@ -305,6 +361,18 @@ class MemoryGate:
         fp = self.plan(spec, fp, slot)[0]
         return self.admission.admit(spec.name, self.run_needs(fp, slot), (spec.key, slot),
                                     self.reference_needs(fp, slot), close_reference, check_aborted)
+
+    def try_admit_reference(self, spec: Any, slot: int) -> Optional[int]:
+        """Room to start the task's reference on ``slot`` ahead of its first run (``Sandbox.prepare``),
+        now, beside what is admitted and closing nothing: a token for ``leave`` once it has
+        started (the reference then stays admitted, idle, as after a run), else None. While it
+        starts it also holds its trial's transient bytes (the warm-up compile's workspace)."""
+        fp = self.book.known(spec, self.device, self.numerics)
+        if fp is None or self.too_large(spec, fp, slot) is not None:
+            return None
+        fp = self.plan(spec, fp, slot)[0]
+        starting = {self._device_pool(slot): (0, max(0, fp.reference_peak_bytes - fp.reference_resident_bytes))}
+        return self.admission.try_admit(spec.name, starting, (spec.key, slot), self.reference_needs(fp, slot))
 
     def hold_ahead(self, spec: Any, slot: int) -> Optional[int]:
         """Room for the reference to compute a trial's outputs ahead and keep them until the

@@ -74,12 +74,13 @@ class Sandbox:
                  init_seed: Optional[int] = None, gpus: Optional[list[str]] = None,
                  arch: Optional[str] = None, footprints: Optional[FootprintBook] = None,
                  memory_budgets: Optional[dict[str, int]] = None, warm_workers: Optional[int] = None,
-                 precompute: Optional[bool] = None):
+                 precompute: Optional[bool] = None, prepare: Optional[bool] = None):
         """``footprints`` and ``memory_budgets``: what tasks need and what may be used
         (``sandbox.admission``); ``warm_workers``: candidate workers kept started per slot (``sandbox.pool``; None: the
         default, 0: each candidate's worker starts when its candidate is ready, as it used to);
         ``precompute``: trial 0's reference outputs computed while the candidate loads (None: when
-        workers are kept warm)."""
+        workers are kept warm); ``prepare``: a task's footprint measured and its reference started
+        while its first candidate builds (``Sandbox.prepare``; None: when workers are kept warm)."""
         self.device = device
         # Resolved here, where the GPUs are visible, and handed to every worker (build workers
         # run with the GPU hidden); one list for all slots, so every build is a cache hit for all.
@@ -114,6 +115,9 @@ class Sandbox:
         self._pool = WarmPool(self._spawn_candidate, {"device": device, "profile": self.config.profile},
                               warm, background=self._device_work) if warm > 0 else None
         self.precompute = (warm > 0) if precompute is None else precompute
+        self.prepare_ahead = (warm > 0) if prepare is None else prepare
+        self._preparing: set[str] = set()
+        self._released_while_preparing: set[str] = set()
         self._history = TimingHistory()     # running medians of reference timings (sandbox.quiet)
 
     # ---------------------------------------------------------------- helpers
@@ -181,6 +185,49 @@ class Sandbox:
             with ref.lock:
                 ref.close()
 
+    def prepare(self, spec: TaskSpec) -> None:
+        """Start the task's reference in the background (never blocks): its footprint measured if
+        not known (``MemoryGate.footprint``), then, where its memory fits now beside what is
+        admitted (closing nothing), its worker started on the slot its candidates will most
+        likely get (its model, the warm-up ``torch.compile``: 15-19 s on an H100 for KernelBench's
+        level-2 tasks). ``evaluate`` calls it before the build, so that start overlaps the build
+        instead of following it. A failure here is left to the evaluation, which meets it itself
+        and says why (a reference that failed to start is started again there)."""
+        if not self.prepare_ahead or self._aborted.is_set():
+            return
+        with self._refs_lock:
+            if spec.key in self._preparing or any(k[0] == spec.key for k in self._refs):
+                return
+            self._preparing.add(spec.key)
+        with self._slot_pick:
+            slot = min(range(len(self.slots)), key=lambda i: self._slot_load[i])
+        threading.Thread(target=self._prepare, args=(spec, slot), daemon=True, name="prepare").start()
+
+    def _prepare(self, spec: TaskSpec, slot: int) -> None:
+        try:
+            self.memory.footprint(spec, slot, self._check_aborted, self._close_reference)
+            token = self.memory.try_admit_reference(spec, slot)
+            if token is None:
+                return                  # too large, or no room now: the first run admits and starts it
+            try:
+                ref = self.reference(spec, slot)
+                with ref.lock:
+                    self._check_aborted()
+                    if ref.needs_start():
+                        with self._device_work(slot):
+                            ref.ensure()
+            finally:
+                self.memory.leave(token)
+        except Exception:  # noqa: BLE001 - see the docstring: the evaluation meets it and says why
+            pass
+        finally:
+            with self._refs_lock:
+                self._preparing.discard(spec.key)
+                released = spec.key in self._released_while_preparing
+                self._released_while_preparing.discard(spec.key)
+            if released:
+                self.release(spec)      # the task ended while its reference started: not kept
+
     def too_large(self, spec: TaskSpec) -> Optional[TaskTooLarge]:
         """Whether the task cannot fit even alone (its footprint is measured first if not known)."""
         fp = self.memory.footprint(spec, 0, self._check_aborted, self._close_reference)
@@ -191,6 +238,8 @@ class Sandbox:
         otherwise keep their GPU memory and host memory for the rest of a long run."""
         with self._refs_lock:
             refs = [self._refs.pop(k) for k in [k for k in self._refs if k[0] == spec.key]]
+            if spec.key in self._preparing:
+                self._released_while_preparing.add(spec.key)
         for ref in refs:
             with ref.lock:
                 ref.close()
@@ -285,6 +334,7 @@ class Sandbox:
         to ``MAX_INFRA_RETRIES`` times with fresh workers, then returned as ``infra_error``."""
         t0 = time.monotonic()
         retried: list[str] = []
+        self.prepare(spec)
         while True:
             result = self._evaluate_once(spec, source)
             if not result.infra or self._aborted.is_set() or len(retried) >= failures.MAX_INFRA_RETRIES:

@@ -11,7 +11,11 @@ roofline floor), evaluated twice in one run:
 
 Each mode starts with an empty build cache of its own (every build is a real build; the
 inductor cache and the device probe are shared), starts its own reference workers and stops
-a task's references after its last candidate. Prints candidates per minute, median seconds per
+a task's references after its last candidate. Each task's memory footprint is measured once
+before the modes (``--footprints first``, timed and printed apart: a run over tasks whose
+footprints are stored, as ``tasks check --device cuda`` and every earlier run on the device
+store them, skips it), or inside each mode's wall time (``--footprints in-run``, a first run);
+with ``first`` the pipelined mode's rate with the measurement counted is printed too. Prints candidates per minute, median seconds per
 phase (``EvalResult.phases``), the fraction of wall time the device was held for checks and
 timing, and the ratio of the two modes' rates; the last line is JSON.
 
@@ -45,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from evals.kernelbench import MIX, kernelbench_paths  # noqa: E402
 from sandbox.evaluate import Sandbox  # noqa: E402
+from sandbox.footprint import FootprintBook  # noqa: E402
 from sandbox.result import EvalConfig, EvalResult  # noqa: E402
 from sandbox.tasks import TaskSpec, parse_overrides, read_spec  # noqa: E402
 
@@ -135,10 +140,24 @@ class FreshBuildCache:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def measure_footprints(specs: list[TaskSpec], device: str, cfg: EvalConfig) -> tuple[FootprintBook, float, list[str]]:
+    """Each task's footprint measured once (as a first run on the device would, and stores),
+    for both modes; the seconds it took; the tasks too large to run."""
+    book = FootprintBook()
+    t0 = time.monotonic()
+    too_large = []
+    with Sandbox(device, cfg, footprints=book, warm_workers=0) as sb:
+        for spec in specs:
+            big = sb.too_large(spec)
+            if big is not None:
+                too_large.append(f"{spec.name}: {big.reason}")
+    return book, time.monotonic() - t0, too_large
+
+
 def open_sandbox(executor: str, device: str, cfg: EvalConfig, warm_workers: int, precompute: bool,
-                 ray_address: Optional[str]) -> Any:
+                 ray_address: Optional[str], footprints: Optional[FootprintBook] = None) -> Any:
     if executor == "local":
-        return Sandbox(device, cfg, warm_workers=warm_workers, precompute=precompute)
+        return Sandbox(device, cfg, warm_workers=warm_workers, precompute=precompute, footprints=footprints)
     from executors import open_executor
 
     return open_executor(executor, device, cfg, address=ray_address, warm_workers=warm_workers,
@@ -146,7 +165,8 @@ def open_sandbox(executor: str, device: str, cfg: EvalConfig, warm_workers: int,
 
 
 def run_mode(mode: str, work: list[tuple[TaskSpec, str]], device: str, cfg: EvalConfig, parallel: int,
-             warm_workers: int, executor: str = "local", ray_address: Optional[str] = None) -> dict[str, Any]:
+             warm_workers: int, executor: str = "local", ray_address: Optional[str] = None,
+             footprints: Optional[FootprintBook] = None) -> dict[str, Any]:
     pipelined = mode == "pipelined"
     results: list[EvalResult] = []
     errors: list[str] = []
@@ -155,7 +175,7 @@ def run_mode(mode: str, work: list[tuple[TaskSpec, str]], device: str, cfg: Eval
         left[spec.key] = left.get(spec.key, 0) + 1
     lock = threading.Lock()
     with FreshBuildCache():
-        sb = open_sandbox(executor, device, cfg, warm_workers if pipelined else 0, pipelined, ray_address)
+        sb = open_sandbox(executor, device, cfg, warm_workers if pipelined else 0, pipelined, ray_address, footprints)
         try:
             def one(item: tuple[TaskSpec, str]) -> Optional[EvalResult]:
                 spec, src = item
@@ -235,6 +255,9 @@ def report(s: dict[str, Any]) -> None:
           f"({s['correct']} correct, {s['clean']} clean; {s['statuses']}); device held for checks and timing "
           f"{s['device_busy_fraction'] * 100:.0f}% of wall time over {s['slots']} slot(s)"
           + (f"; {len(s['errors'])} evaluation(s) raised" if s["errors"] else ""))
+    if s.get("footprints_s") is not None:
+        print(f"  with the footprints' {s['footprints_s']} s counted (a first run on this device): "
+              f"{s['per_min_with_footprints']} candidates/min")
     print("  median phase seconds: " + ", ".join(f"{k} {v}" for k, v in s["phases_median_s"].items()))
     if s["pool"]:
         print(f"  warm workers: {s['pool']}")
@@ -247,7 +270,10 @@ def main() -> None:
     ap.add_argument("--candidates", type=int, default=4, help="builtin candidates per task")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="size override for every task that defines NAME (after the CPU sizes on cpu)")
-    ap.add_argument("--parallel", type=int, default=8, help="candidates in flight in the pipelined mode")
+    ap.add_argument("--parallel", type=int, default=12, help="candidates in flight in the pipelined mode")
+    ap.add_argument("--footprints", choices=("first", "in-run"), default="first",
+                    help="measure each task's memory footprint once before the modes (timed apart), or in each "
+                         "mode's wall time; --executor ray always measures in-run, on its slots")
     ap.add_argument("--warm-workers", type=int, default=2, help="warm candidate workers per slot (pipelined)")
     ap.add_argument("--modes", default="pipelined,one-at-a-time",
                     help="comma-separated: pipelined, one-at-a-time (in this order; the first runs on a colder host)")
@@ -270,13 +296,23 @@ def main() -> None:
         from sandbox.slots import cpu_timing_note
 
         print(cpu_timing_note(), flush=True)
+    book, measured_s = None, None
+    if args.footprints == "first" and args.executor == "local":
+        book, measured_s, big = measure_footprints(specs, args.device, cfg)
+        print(f"footprints: {len(specs)} tasks measured in {measured_s:.1f} s, before the modes and apart from their "
+              f"wall time (once per task, device and numerics: stored, a later run skips it)"
+              + "".join(f"\n  {b}" for b in big), flush=True)
     summaries = []
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         if mode not in ("pipelined", "one-at-a-time"):
             ap.error(f"unknown mode {mode!r}")
         print(f"{mode} ...", flush=True)
         summaries.append(run_mode(mode, work, args.device, cfg, args.parallel, args.warm_workers, args.executor,
-                                  args.ray_address))
+                                  args.ray_address, book))
+        if measured_s is not None:
+            s = summaries[-1]
+            s["footprints_s"] = round(measured_s, 1)
+            s["per_min_with_footprints"] = round(s["candidates"] / (s["wall_s"] + measured_s) * 60, 2)
     print()
     for s in summaries:
         report(s)

@@ -101,6 +101,50 @@ def test_a_task_larger_than_the_budget_alone_is_too_large_with_both_numbers():
     assert adm.references() == [] and adm.usage("gpu0") == 0     # nothing was admitted
 
 
+def test_a_measurement_waits_for_the_runs_admits_none_meanwhile_and_leaves_idle_references_resident():
+    adm = Admission({"gpu0": 100, "host": 100})
+    idle = adm.admit("other", {"gpu0": (0, 0)}, ref_key="other", ref={"gpu0": (30, 0)})
+    adm.leave(idle)                                     # an idle reference of another task
+    running = adm.admit("run", {"gpu0": (10, 20)})
+    log: list[str] = []
+    measuring = threading.Event()
+    done = threading.Event()
+
+    def measure():
+        with adm.alone("gpu0") as beside:
+            log.append(f"measuring beside {beside}")
+            measuring.set()
+            time.sleep(0.3)
+            log.append("measured")
+        done.set()
+
+    def later_run():
+        measuring.wait(5)
+        token = adm.admit("later", {"gpu0": (10, 20)})
+        log.append("later admitted")
+        adm.leave(token)
+
+    m = threading.Thread(target=measure)
+    m.start()
+    time.sleep(0.2)
+    assert log == []                                    # the admitted run still holds the device
+    # while the measurement waits, a new run is not admitted either (it would starve it) ...
+    assert adm.try_admit("sneak", {"gpu0": (1, 0)}) is None
+    # ... nor a reference; another pool is not held
+    assert adm.try_admit("ref", {}, ref_key="r", ref={"gpu0": (1, 0)}) is None
+    host = adm.try_admit("host only", {"host": (5, 0)})
+    assert host is not None
+    adm.leave(host)
+    later = threading.Thread(target=later_run)
+    later.start()
+    adm.leave(running)
+    m.join(5)
+    later.join(5)
+    assert done.is_set()
+    assert log == ["measuring beside 1", "measured", "later admitted"]
+    assert adm.references() == ["other"]                # the idle reference was never closed
+
+
 def test_sizes_from_the_environment():
     assert parse_bytes("70GiB") == 70 << 30
     assert parse_bytes("80GB") == 80 * 10 ** 9
@@ -148,6 +192,34 @@ def test_sandbox_runs_of_two_tasks_that_fit_one_at_a_time_wait_and_close_the_idl
     assert len(closed) == 1 and closed[0] == ran[0]      # the first task's idle reference made room
     assert results[ran[1]].phases.get("memory_wait", 0) > 0.1
     sandbox.close()
+
+
+def test_a_footprint_measured_beside_idle_references_keeps_them_and_one_out_of_memory_is_measured_again_alone():
+    """A new task's measurement used to take the whole device, closing every other task's idle
+    reference (each then started again, 15-19 s on an H100). Now they stay; only a measurement
+    that ran out of memory beside them is repeated with the device to itself."""
+    a, b = _spec("a"), _spec("b")
+    measured: list[tuple[str, list]] = []
+
+    def measure(spec, device, numerics, env=None):
+        measured.append((spec.name, gate.admission.references()))
+        fp = _fp(spec, 40 * MiB)
+        if spec.name == "b" and gate.admission.references():
+            fp.oom = "CUDA out of memory. Tried to allocate 2.00 GiB"      # beside the idle reference
+        return fp
+
+    gate = MemoryGate("cpu", 1, Numerics(), FootprintBook(measure=measure), {"host": 1 << 30, "shm": 1 << 30})
+    closed: list = []
+    fa = gate.footprint(a, 0)
+    token = gate.admit(a, 0, closed.append)
+    gate.leave(token)                                   # a's reference idle, resident
+    other = _spec("c")
+    gate.footprint(other, 0, close_reference=closed.append)
+    assert closed == [] and measured[-1] == ("c", [(a.key, 0)])   # measured beside it, which stays
+    fb = gate.footprint(b, 0, close_reference=closed.append)
+    assert [m[0] for m in measured] == ["a", "c", "b", "b"]
+    assert measured[-1] == ("b", []) and closed == [(a.key, 0)]   # out of memory beside it: again, alone
+    assert fb.oom is None and fa.oom is None
 
 
 def test_sandbox_evaluate_of_a_too_large_task_raises_and_gives_no_verdict():

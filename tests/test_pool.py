@@ -297,3 +297,51 @@ def test_a_warm_up_waits_while_its_slot_is_timed():
         assert asked.wait(5)
     finally:
         pool.close()
+
+
+def test_a_tasks_reference_starts_while_its_first_candidate_builds_and_a_released_one_is_not_kept(monkeypatch):
+    """``Sandbox.prepare``: the reference's start (its model and warm-up compile, 15-19 s on an
+    H100 for KernelBench's level-2 tasks) overlaps the first candidate's build instead of
+    following it. The build here waits until the task's reference runs: without the prepare
+    it would wait in vain, since the reference used to start after the build."""
+    spec = _spec()
+    sandbox = Sandbox("cpu", CFG, warm_workers=1)
+    build = Sandbox._build
+    started_during_build: list[bool] = []
+
+    def build_waiting_for_the_reference(self, spec, source, result):
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            ref = self._refs.get((spec.key, 0))
+            if ref is not None and not ref.needs_start():
+                break
+            time.sleep(0.1)
+        started_during_build.append(ref is not None and not ref.needs_start())
+        return build(self, spec, source, result)
+
+    monkeypatch.setattr(Sandbox, "_build", build_waiting_for_the_reference)
+    try:
+        result = sandbox.evaluate(spec, (HERE / "cpu" / "honest.py").read_text())
+        assert started_during_build == [True]
+        assert result.status == Status.correct, result.error_message
+        assert result.phases["reference"] < 1.0          # found running: nothing left to start
+        # one sandbox without workers kept warm starts the reference after the build, as before
+        plain = Sandbox("cpu", CFG, warm_workers=0)
+        assert not plain.prepare_ahead
+        plain.close()
+    finally:
+        sandbox.close()
+
+    # a task released while its reference starts does not keep it
+    sandbox = Sandbox("cpu", CFG, warm_workers=1)
+    try:
+        sandbox.prepare(spec)
+        sandbox.release(spec)                           # the task ended (its candidates failed to build)
+        deadline = time.monotonic() + 120
+        while spec.key in sandbox._preparing and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert spec.key not in sandbox._preparing
+        assert not any(k[0] == spec.key for k in sandbox._refs)
+        assert sandbox.memory.admission.references() == []
+    finally:
+        sandbox.close()
