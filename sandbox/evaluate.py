@@ -291,6 +291,10 @@ class Sandbox:
             result.build = BuildInfo(ok=False, seconds=time.monotonic() - t0, log=worker.output("stdout")[-4000:])
             return False
         except WorkerDied as exc:
+            if self._aborted.is_set():      # killed by the abort: no verdict, no harness failure
+                result.status, result.error_type = Status.runtime_error, "Interrupted"
+                result.error_message = f"the sandbox was stopped (the run was interrupted) while building: {exc}"
+                return False
             verdict = failures.classify(exc, worker)
             result.status = Status.infra_error if verdict.infra else Status.load_error
             result.error_type = verdict.error_type

@@ -166,8 +166,11 @@ def open_sandbox(executor: str, device: str, cfg: EvalConfig, warm_workers: int,
 
 def run_mode(mode: str, work: list[tuple[TaskSpec, str]], device: str, cfg: EvalConfig, parallel: int,
              warm_workers: int, executor: str = "local", ray_address: Optional[str] = None,
-             footprints: Optional[FootprintBook] = None) -> dict[str, Any]:
+             footprints: Optional[FootprintBook] = None, max_seconds: Optional[float] = None) -> dict[str, Any]:
+    """``max_seconds``: no candidate starts after that many seconds (those started finish); the
+    rate is then over the candidates that finished, the wall time until the last of them ended."""
     pipelined = mode == "pipelined"
+    skipped = [0]
     results: list[EvalResult] = []
     errors: list[str] = []
     left = {}
@@ -179,6 +182,14 @@ def run_mode(mode: str, work: list[tuple[TaskSpec, str]], device: str, cfg: Eval
         try:
             def one(item: tuple[TaskSpec, str]) -> Optional[EvalResult]:
                 spec, src = item
+                if max_seconds is not None and time.monotonic() - t0 > max_seconds:
+                    skipped[0] += 1
+                    with lock:
+                        left[spec.key] -= 1
+                        last = left[spec.key] == 0
+                    if last:
+                        sb.release(spec)
+                    return None
                 try:
                     return sb.evaluate(spec, src)
                 except Exception as exc:  # noqa: BLE001 - one failure does not end the benchmark
@@ -216,6 +227,7 @@ def run_mode(mode: str, work: list[tuple[TaskSpec, str]], device: str, cfg: Eval
             sb.close()
     summary = summarize(mode, results, errors, wall, len(sb.slots), stats)
     summary["executor"] = executor
+    summary["not_started"] = skipped[0]
     return summary
 
 
@@ -254,7 +266,8 @@ def report(s: dict[str, Any]) -> None:
     print(f"{s['mode']}: {s['candidates']} candidates in {s['wall_s']} s: {s['per_min']} candidates/min "
           f"({s['correct']} correct, {s['clean']} clean; {s['statuses']}); device held for checks and timing "
           f"{s['device_busy_fraction'] * 100:.0f}% of wall time over {s['slots']} slot(s)"
-          + (f"; {len(s['errors'])} evaluation(s) raised" if s["errors"] else ""))
+          + (f"; {len(s['errors'])} evaluation(s) raised" if s["errors"] else "")
+          + (f"; {s['not_started']} not started within --max-seconds" if s.get("not_started") else ""))
     if s.get("footprints_s") is not None:
         print(f"  with the footprints' {s['footprints_s']} s counted (a first run on this device): "
               f"{s['per_min_with_footprints']} candidates/min")
@@ -278,6 +291,8 @@ def main() -> None:
     ap.add_argument("--modes", default="pipelined,one-at-a-time",
                     help="comma-separated: pipelined, one-at-a-time (in this order; the first runs on a colder host)")
     ap.add_argument("--no-compile", action="store_true", help="do not time the reference under torch.compile")
+    ap.add_argument("--max-seconds", type=float, default=None,
+                    help="start no candidate after this many seconds of a mode (the rate is over those that finished)")
     ap.add_argument("--json", type=Path, help="also write the summary here")
     ap.add_argument("--executor", choices=("local", "ray"), default="local",
                     help="where candidates are evaluated (ray: builds as Ray tasks, one slot actor per GPU)")
@@ -308,7 +323,7 @@ def main() -> None:
             ap.error(f"unknown mode {mode!r}")
         print(f"{mode} ...", flush=True)
         summaries.append(run_mode(mode, work, args.device, cfg, args.parallel, args.warm_workers, args.executor,
-                                  args.ray_address, book))
+                                  args.ray_address, book, args.max_seconds))
         if measured_s is not None:
             s = summaries[-1]
             s["footprints_s"] = round(measured_s, 1)
