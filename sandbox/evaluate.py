@@ -222,11 +222,12 @@ class Sandbox:
             pass
         finally:
             with self._refs_lock:
-                self._preparing.discard(spec.key)
                 released = spec.key in self._released_while_preparing
-                self._released_while_preparing.discard(spec.key)
             if released:
-                self.release(spec)      # the task ended while its reference started: not kept
+                self._close_task(spec)  # the task ended while its reference started: not kept
+            with self._refs_lock:
+                self._preparing.discard(spec.key)
+                self._released_while_preparing.discard(spec.key)
 
     def too_large(self, spec: TaskSpec) -> Optional[TaskTooLarge]:
         """Whether the task cannot fit even alone (its footprint is measured first if not known)."""
@@ -237,9 +238,13 @@ class Sandbox:
         """Stop the task's reference workers (on every slot): a finished task's workers would
         otherwise keep their GPU memory and host memory for the rest of a long run."""
         with self._refs_lock:
-            refs = [self._refs.pop(k) for k in [k for k in self._refs if k[0] == spec.key]]
             if spec.key in self._preparing:
                 self._released_while_preparing.add(spec.key)
+        self._close_task(spec)
+
+    def _close_task(self, spec: TaskSpec) -> None:
+        with self._refs_lock:
+            refs = [self._refs.pop(k) for k in [k for k in self._refs if k[0] == spec.key]]
         for ref in refs:
             with ref.lock:
                 ref.close()
