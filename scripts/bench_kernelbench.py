@@ -140,10 +140,25 @@ class FreshBuildCache:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def measure_footprints(specs: list[TaskSpec], device: str, cfg: EvalConfig) -> tuple[FootprintBook, float, list[str]]:
+def measure_footprints(specs: list[TaskSpec], device: str, cfg: EvalConfig,
+                       db: Optional[str] = None) -> tuple[FootprintBook, float, list[str]]:
     """Each task's footprint measured once (as a first run on the device would, and stores),
-    for both modes; the seconds it took; the tasks too large to run."""
-    book = FootprintBook()
+    for both modes; the seconds it took; the tasks too large to run. ``db``: a kernelloop store
+    whose stored footprints (of this GPU and torch) are used, and which keeps those measured."""
+    if db is not None:
+        import torch
+
+        from store import Store
+        from store.repo import footprint_book
+
+        name = torch.cuda.get_device_name(0) if device == "cuda" and torch.cuda.is_available() else ""
+        if device == "cpu":
+            from sandbox.harness import cpu_model
+
+            name = cpu_model()
+        book = footprint_book(Store(db), name, torch.__version__)
+    else:
+        book = FootprintBook()
     t0 = time.monotonic()
     too_large = []
     with Sandbox(device, cfg, footprints=book, warm_workers=0) as sb:
@@ -269,7 +284,7 @@ def report(s: dict[str, Any]) -> None:
           + (f"; {len(s['errors'])} evaluation(s) raised" if s["errors"] else "")
           + (f"; {s['not_started']} not started within --max-seconds" if s.get("not_started") else ""))
     if s.get("footprints_s") is not None:
-        print(f"  with the footprints' {s['footprints_s']} s counted (a first run on this device): "
+        print(f"  with the footprint step's {s['footprints_s']} s counted (a first run on this device, where none is stored): "
               f"{s['per_min_with_footprints']} candidates/min")
     print("  median phase seconds: " + ", ".join(f"{k} {v}" for k, v in s["phases_median_s"].items()))
     if s["pool"]:
@@ -291,6 +306,8 @@ def main() -> None:
     ap.add_argument("--modes", default="pipelined,one-at-a-time",
                     help="comma-separated: pipelined, one-at-a-time (in this order; the first runs on a colder host)")
     ap.add_argument("--no-compile", action="store_true", help="do not time the reference under torch.compile")
+    ap.add_argument("--db", default=None,
+                    help="with --footprints first: a kernelloop store whose footprints are read (and measured ones kept)")
     ap.add_argument("--max-seconds", type=float, default=None,
                     help="start no candidate after this many seconds of a mode (the rate is over those that finished)")
     ap.add_argument("--json", type=Path, help="also write the summary here")
@@ -313,8 +330,8 @@ def main() -> None:
         print(cpu_timing_note(), flush=True)
     book, measured_s = None, None
     if args.footprints == "first" and args.executor == "local":
-        book, measured_s, big = measure_footprints(specs, args.device, cfg)
-        print(f"footprints: {len(specs)} tasks measured in {measured_s:.1f} s, before the modes and apart from their "
+        book, measured_s, big = measure_footprints(specs, args.device, cfg, args.db)
+        print(f"footprints: {len(specs)} tasks {'read or ' if args.db else ''}measured in {measured_s:.1f} s, before the modes and apart from their "
               f"wall time (once per task, device and numerics: stored, a later run skips it)"
               + "".join(f"\n  {b}" for b in big), flush=True)
     summaries = []
