@@ -13,7 +13,7 @@ from sandbox import failures
 from sandbox.backends import backend_for
 from sandbox.compare import fp64_verdict
 from sandbox.phases import Stages
-from sandbox.process import WorkerProcess
+from sandbox.process import WorkerProcess, ended_worker_pids
 from sandbox.quiet import GpuWatch, IdleWatch, TimingHistory, timing_window
 from sandbox.reference import Precomputed, ReferenceWorker
 from sandbox.result import EvalConfig, EvalResult, FlagKind, KernelStat, OutputCheck, Status, Timing, Trial
@@ -239,7 +239,7 @@ class CandidateChecks:
             if gpu.note not in result.stderr:
                 result.stderr += f"\n[kernelloop] {gpu.note}"
             return set()
-        found = gpu.foreign(os.getpid(), [timed])
+        found = gpu.foreign(os.getpid(), [timed], ended_worker_pids())
         if gpu.unread and gpu.unread not in result.stderr:
             result.stderr += f"\n[kernelloop] {gpu.unread}"
         if found:

@@ -12,6 +12,7 @@ evaluation flags both).
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
@@ -58,6 +59,15 @@ def outputs_root() -> Optional[str]:
 
 _LIVE: "weakref.WeakSet[WorkerProcess]" = weakref.WeakSet()
 _LIVE_LOCK = threading.Lock()
+# Pids of workers (and keepers) this process has ended, the newest last: NVML may list a worker
+# a moment after its end, while the driver tears its CUDA context down (``sandbox.quiet``).
+_ENDED: "collections.deque[int]" = collections.deque(maxlen=1024)
+
+
+def ended_worker_pids() -> frozenset[int]:
+    """The pids of workers this process started and has since ended (at most the last 1024)."""
+    with _LIVE_LOCK:
+        return frozenset(_ENDED)
 
 
 def kill_all_workers() -> int:
@@ -292,6 +302,8 @@ class WorkerProcess:
 
     def kill(self) -> None:
         """Kill the worker and every process it started (``strays`` says which besides itself)."""
+        with _LIVE_LOCK:
+            _ENDED.extend(p for p in (self.worker_pid, self.proc.pid) if p)
         if not self.keeper.closed:
             self.end(idle=not self.busy)
             self.keeper.close()

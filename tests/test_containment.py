@@ -731,3 +731,37 @@ def test_a_harness_error_reading_sm_samples_is_said_not_swallowed(monkeypatch):
             r = EvalResult(status=Status.correct, task="t", device="cuda")
             CandidateChecks._foreign(w, r, "while the reference was timed", None)
             assert "SM use was not judged (TypeError" in r.stderr and r.has_flag("contended")
+
+
+def test_a_worker_the_sandbox_ended_is_not_foreign_while_the_driver_still_lists_it(monkeypatch):
+    """NVML lists a killed worker, with its memory, while the driver tears its CUDA context down,
+    after it left the sandbox's process tree (on two H100s: 3 of 78 honest candidates flagged
+    ``contended``, "pid N holds 636 MiB on the GPU"). Its listing is not judged; SM use is."""
+    import types
+
+    import sandbox.quiet as quiet
+    from sandbox.process import WorkerProcess, ended_worker_pids
+
+    worker = WorkerProcess("candidate")
+    worker.ask({"role": "warm", "device": "cpu", "profile": False}, 60.0)
+    pid = worker.worker_pid
+    assert pid and pid not in ended_worker_pids()
+    worker.kill()
+    worker.cleanup()
+    assert pid in ended_worker_pids()
+    sm = {"use": 0}
+
+    def procs(handle):
+        return [types.SimpleNamespace(pid=pid, usedGpuMemory=636 << 20),           # ended: torn down
+                types.SimpleNamespace(pid=999_999, usedGpuMemory=636 << 20)]       # someone else's
+
+    def util(handle, since):
+        return [types.SimpleNamespace(pid=pid, smUtil=sm["use"], timeStamp=since + 200_000)]
+
+    monkeypatch.setattr(quiet, "_NVML", _fake_nvml(procs, util, stamps=[0, 100_000, 200_000, 300_000]))
+    monkeypatch.setattr(quiet, "_PERIODS", {})
+    w = GpuWatch("0")
+    assert set(dict(w.foreign(os.getpid()))) == {pid, 999_999}                 # without the ended set
+    assert set(dict(w.foreign(os.getpid(), [], ended_worker_pids()))) == {999_999}
+    sm["use"] = 30                                  # a kernel of the ended worker still running
+    assert pid in dict(w.foreign(os.getpid(), [], ended_worker_pids()))
