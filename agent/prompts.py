@@ -21,7 +21,7 @@ import jinja2
 from agent.critic.patterns import classify
 from agent.types import AttemptView, DeviceFacts
 from sandbox.numerics import Numerics
-from sandbox.result import EvalResult, FlagKind, Status
+from sandbox.result import DISQUALIFYING_FLAGS, EvalResult, Status
 from sandbox.tasks import TaskSpec
 
 FIRST = "propose_first"
@@ -36,8 +36,7 @@ MAX_MESSAGE_CHARS = 600        # an error message or log excerpt quoted as evide
 _DEPTH = {"flagged": 0, Status.incorrect.value: 1, Status.runtime_error.value: 2, Status.timeout.value: 3,
           Status.load_error.value: 4, Status.compile_error.value: 5, "parse": 6}
 # (stray processes a candidate left running are `suspicious`; `contended`: its timing was disturbed)
-_DOUBTFUL = {FlagKind.suspicious, FlagKind.impossible, FlagKind.no_custom_kernel, FlagKind.fallback,
-             FlagKind.inputs_mutated, FlagKind.inaccurate, FlagKind.contended}
+_DOUBTFUL = DISQUALIFYING_FLAGS
 
 
 # ---------------------------------------------------------------- rendering

@@ -39,6 +39,13 @@ class FlagKind(str, Enum):
     contended = "contended"                 # the device (or host) was busy while timing: no speedup to trust
 
 
+# The flags that cast doubt on a verdict or a timing: a result carrying one is not ``clean``.
+# Everything else (``precision``) is a note.
+DISQUALIFYING_FLAGS = frozenset({FlagKind.suspicious, FlagKind.impossible, FlagKind.no_custom_kernel,
+                                 FlagKind.fallback, FlagKind.inputs_mutated, FlagKind.inaccurate,
+                                 FlagKind.contended})
+
+
 class Flag(BaseModel):
     kind: FlagKind
     reason: str
@@ -202,9 +209,7 @@ class EvalResult(BaseModel):
     @property
     def clean(self) -> bool:
         """Correct and carrying no flag that casts doubt on the verdict or the timing."""
-        bad = {FlagKind.suspicious, FlagKind.impossible, FlagKind.no_custom_kernel,
-               FlagKind.fallback, FlagKind.inputs_mutated, FlagKind.inaccurate, FlagKind.contended}
-        return self.correct and not any(f.kind in bad for f in self.flags)
+        return self.correct and not any(f.kind in DISQUALIFYING_FLAGS for f in self.flags)
 
     @property
     def fp64_measured(self) -> bool:

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import sqlite3
 import sys
+from pathlib import Path
 
-BAD = ("suspicious", "impossible", "no_custom_kernel", "fallback", "inputs_mutated", "inaccurate")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from sandbox.result import DISQUALIFYING_FLAGS  # noqa: E402
+
+# the best is the fastest clean candidate (EvalResult.clean): correct, no disqualifying flag
+BAD = sorted(f.value for f in DISQUALIFYING_FLAGS)
 QUERY = f"""
 select r.id, coalesce(r.backend, r.device), json_extract(r.config, '$.eval.numerics.precision'), t.name,
   min(json_extract(e.result, '$.eager_time.median_ms')), min(json_extract(e.result, '$.compile_time.median_ms')),
