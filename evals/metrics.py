@@ -7,8 +7,9 @@ one place that reads the store and builds those records.
 Definitions (every figure in ``kernelloop report`` and ``compare`` comes from these):
 
 * **Correct kernel.** An attempt counts as correct only when its latest evaluation is
-  ``EvalResult.clean``: status ``correct`` *and* no ``suspicious``, ``impossible``,
-  ``no_custom_kernel``, ``fallback``, ``inputs_mutated`` or ``inaccurate`` flag. A
+  ``EvalResult.clean``: status ``correct`` *and* no flag of ``DISQUALIFYING_FLAGS``
+  (``suspicious``, ``impossible``, ``no_custom_kernel``, ``fallback``, ``inputs_mutated``,
+  ``inaccurate``, ``contended``). A
   correct-but-flagged attempt is not a correct kernel; it is counted separately
   (``flagged_attempts``, ``tasks_flagged_only``, ``flag_counts``). A ``precision`` flag (the
   source asks for a narrower format) alone does not disqualify: the float64 check measures
