@@ -218,36 +218,42 @@ def run_mode(mode: str, work: list[tuple[TaskSpec, str]], device: str, cfg: Eval
                     if last:
                         sb.release(spec)        # as the loop does at a task's end
 
+            def keep(r: Optional[EvalResult]) -> None:
+                if r is not None:
+                    results.append(r)
+                    _line(mode, r, time.monotonic() - t0)
+
             t0 = time.monotonic()
-            if pipelined:
-                with ThreadPoolExecutor(max_workers=parallel) as pool:
-                    futures = [pool.submit(one, item) for item in work]
-                    for fut in as_completed(futures):
-                        r = fut.result()
-                        if r is not None:
-                            results.append(r)
-                            _line(mode, r)
-            else:
-                for item in work:
-                    r = one(item)
-                    if r is not None:
-                        results.append(r)
-                        _line(mode, r)
+            interrupted = False
+            try:
+                if pipelined:
+                    pool = ThreadPoolExecutor(max_workers=parallel)
+                    try:
+                        futures = [pool.submit(one, item) for item in work]
+                        for fut in as_completed(futures):
+                            keep(fut.result())
+                    finally:
+                        pool.shutdown(wait=False, cancel_futures=True)
+                else:
+                    for item in work:
+                        keep(one(item))
+            except KeyboardInterrupt:
+                # Ctrl-C or a time box's SIGINT: the candidates finished so far, over the time until now
+                interrupted = True
+                sb.abort()
             wall = time.monotonic() - t0
             stats = getattr(sb, "pool_stats", {})
-        except KeyboardInterrupt:
-            sb.abort()
-            raise
         finally:
             sb.close()
     summary = summarize(mode, results, errors, wall, len(sb.slots), stats)
     summary["executor"] = executor
     summary["not_started"] = skipped[0]
+    summary["interrupted"] = interrupted
     return summary
 
 
-def _line(mode: str, r: EvalResult) -> None:
-    print(f"  [{mode}] {r.task}: {_verdict(r)} in {r.seconds:.1f} s "
+def _line(mode: str, r: EvalResult, at: float) -> None:
+    print(f"  [{mode}] +{at:.0f} s {r.task}: {_verdict(r)} in {r.seconds:.1f} s "
           + " ".join(f"{k}={v:.2f}" for k, v in r.phases.items()), flush=True)
 
 
@@ -282,7 +288,8 @@ def report(s: dict[str, Any]) -> None:
           f"({s['correct']} correct, {s['clean']} clean; {s['statuses']}); device held for checks and timing "
           f"{s['device_busy_fraction'] * 100:.0f}% of wall time over {s['slots']} slot(s)"
           + (f"; {len(s['errors'])} evaluation(s) raised" if s["errors"] else "")
-          + (f"; {s['not_started']} not started within --max-seconds" if s.get("not_started") else ""))
+          + (f"; {s['not_started']} not started within --max-seconds" if s.get("not_started") else "")
+          + ("; INTERRUPTED: the rate is over the candidates finished before it" if s.get("interrupted") else ""))
     if s.get("footprints_s") is not None:
         print(f"  with the footprint step's {s['footprints_s']} s counted (a first run on this device, where none is stored): "
               f"{s['per_min_with_footprints']} candidates/min")
@@ -341,10 +348,14 @@ def main() -> None:
         print(f"{mode} ...", flush=True)
         summaries.append(run_mode(mode, work, args.device, cfg, args.parallel, args.warm_workers, args.executor,
                                   args.ray_address, book, args.max_seconds))
+        if summaries[-1]["interrupted"]:
+            print(f"{mode} interrupted: the modes after it are not run", flush=True)
         if measured_s is not None:
             s = summaries[-1]
             s["footprints_s"] = round(measured_s, 1)
             s["per_min_with_footprints"] = round(s["candidates"] / (s["wall_s"] + measured_s) * 60, 2)
+        if summaries[-1]["interrupted"]:
+            break
     print()
     for s in summaries:
         report(s)
