@@ -215,8 +215,10 @@ class Admission:
         with self._cond:
             self._alone[pool] = self._alone.get(pool, 0) + 1
             try:
-                while any(n.get(pool, (0, 0)) != (0, 0) for _, n in self._runs.values()):
-                    check_aborted()
+                while True:
+                    check_aborted()         # an interrupted run measures nothing more
+                    if not any(n.get(pool, (0, 0)) != (0, 0) for _, n in self._runs.values()):
+                        break
                     self._cond.wait(WAIT_POLL_S)
             except BaseException:
                 self._alone[pool] -= 1
