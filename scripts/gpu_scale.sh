@@ -2,7 +2,9 @@
 # KernelBench at scale on a GPU host (issue: memory-aware, harness failures not verdicts,
 # throughput), in stages that each fit one device call. Carry .whl (scripts/fetch_wheels.sh)
 # and .kb (a copy of ../shared/KernelBench, git-ignored).
-#   bash scripts/gpu_scale.sh bench   # scripts/bench_kernelbench.py (TASKS, CANDIDATES: default 4 x 2) pipelined vs one at a time
+#   bash scripts/gpu_scale.sh bench   # scripts/bench_kernelbench.py (TASKS x CANDIDATES: default the whole mix, 10 x 4),
+#                                     # MODES (default pipelined: one-at-a-time does not fit a call), MAX_S (no candidate
+#                                     # starts after it, default 300); footprints read from a carried .gpu-store/fp32.db
 #   bash scripts/gpu_scale.sh big     # tasks check + optimize on the level-1 tasks that ran out of memory before
 #   bash scripts/gpu_scale.sh tests   # the GPU tests of the sandbox (adversarial, admission, pool, failures)
 set -uo pipefail
@@ -18,8 +20,9 @@ named() { python3 -c "import sys; from evals.kernelbench import kernelbench_path
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
 case "${1:-bench}" in
   bench)
-    box ${BENCH_S:-560} python3 scripts/bench_kernelbench.py --device cuda --tasks ${TASKS:-4} --candidates ${CANDIDATES:-2} \
-      --json "$OUT/bench.json" 2>&1 | grep -v USDT | tee "$OUT/bench.txt"
+    db=(); [ -f .gpu-store/fp32.db ] && cp .gpu-store/fp32.db /tmp/bench-footprints.db && db=(--db /tmp/bench-footprints.db)
+    box ${BENCH_S:-540} python3 scripts/bench_kernelbench.py --device cuda --tasks ${TASKS:-10} --candidates ${CANDIDATES:-4} \
+      --modes ${MODES:-pipelined} --max-seconds ${MAX_S:-300} "${db[@]}" --json "$OUT/bench.json" 2>&1 | grep -v USDT | tee "$OUT/bench.txt"
     ;;
   big)
     box ${CHECK_S:-200} $KL tasks check $(named $BIG) --device cuda 2>&1 | grep -v USDT | tee "$OUT/tasks_check.txt"
