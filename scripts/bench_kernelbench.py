@@ -148,15 +148,11 @@ def measure_footprints(specs: list[TaskSpec], device: str, cfg: EvalConfig,
     if db is not None:
         import torch
 
+        from sandbox.evaluate import _device_name
         from store import Store
         from store.repo import footprint_book
 
-        name = torch.cuda.get_device_name(0) if device == "cuda" and torch.cuda.is_available() else ""
-        if device == "cpu":
-            from sandbox.harness import cpu_model
-
-            name = cpu_model()
-        book = footprint_book(Store(db), name, torch.__version__)
+        book = footprint_book(Store(db), _device_name(device), torch.__version__)   # as executors.local reads it
     else:
         book = FootprintBook()
     t0 = time.monotonic()
@@ -197,15 +193,10 @@ def run_mode(mode: str, work: list[tuple[TaskSpec, str]], device: str, cfg: Eval
         try:
             def one(item: tuple[TaskSpec, str]) -> Optional[EvalResult]:
                 spec, src = item
-                if max_seconds is not None and time.monotonic() - t0 > max_seconds:
-                    skipped[0] += 1
-                    with lock:
-                        left[spec.key] -= 1
-                        last = left[spec.key] == 0
-                    if last:
-                        sb.release(spec)
-                    return None
                 try:
+                    if max_seconds is not None and time.monotonic() - t0 > max_seconds:
+                        skipped[0] += 1
+                        return None
                     return sb.evaluate(spec, src)
                 except Exception as exc:  # noqa: BLE001 - one failure does not end the benchmark
                     errors.append(f"{spec.name}: {type(exc).__name__}: {exc}")
@@ -348,13 +339,12 @@ def main() -> None:
         print(f"{mode} ...", flush=True)
         summaries.append(run_mode(mode, work, args.device, cfg, args.parallel, args.warm_workers, args.executor,
                                   args.ray_address, book, args.max_seconds))
-        if summaries[-1]["interrupted"]:
-            print(f"{mode} interrupted: the modes after it are not run", flush=True)
         if measured_s is not None:
             s = summaries[-1]
             s["footprints_s"] = round(measured_s, 1)
             s["per_min_with_footprints"] = round(s["candidates"] / (s["wall_s"] + measured_s) * 60, 2)
         if summaries[-1]["interrupted"]:
+            print(f"{mode} interrupted: the modes after it are not run", flush=True)
             break
     print()
     for s in summaries:
