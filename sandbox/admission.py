@@ -127,6 +127,10 @@ class Admission:
         self._tokens = itertools.count(1)
         self._alone: dict[str, int] = {}     # pool -> measurements waiting for, or holding, it alone
 
+    def _asked(self, run: Needs, ref_key: Any, ref: Optional[Needs]) -> list[Needs]:
+        """What admitting ``run`` adds: the run, and its reference unless that is admitted already."""
+        return [run] + ([ref] if ref_key is not None and ref_key not in self._refs and ref else [])
+
     def _blocked(self, extra: list[Needs]) -> bool:
         """Whether ``extra`` asks for a pool that a measurement waits for or holds alone: it waits
         too (else a stream of runs would keep the measurement, and its task, waiting for ever)."""
@@ -163,7 +167,7 @@ class Admission:
         with self._cond:
             while True:
                 check_aborted()
-                extra = [run] + ([ref] if ref_key is not None and ref_key not in self._refs and ref else [])
+                extra = self._asked(run, ref_key, ref)
                 if self._blocked(extra):
                     self._cond.wait(WAIT_POLL_S)
                     continue
@@ -195,7 +199,7 @@ class Admission:
         """``run`` (and ``ref``, as ``admit`` takes it) admitted now if it fits beside what is
         admitted (never waiting, closing nothing): a token for ``leave``, else None."""
         with self._cond:
-            extra = [run] + ([ref] if ref_key is not None and ref_key not in self._refs and ref else [])
+            extra = self._asked(run, ref_key, ref)
             if self._blocked(extra) or not self._fits(extra):
                 return None
             if ref_key is not None:
