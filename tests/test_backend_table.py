@@ -34,3 +34,23 @@ def test_the_best_is_the_fastest_clean_candidate_and_a_contended_one_is_not(tmp_
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1] == "cuda" and cells[6] == "1.600"        # the clean one, not the contended 1.0 ms
     assert cells[8] == "1.25x"
+
+
+def test_each_row_says_its_numerics_and_a_strict_run_is_not_hidden_by_a_default_one(tmp_path):
+    store = Store(tmp_path / "k.db")
+    with store.session() as s:
+        task = upsert_task(s, TaskSpec(name="level2/t", path="t.py", source="# t\n")).id
+        attempts: dict = {}
+        for i, numerics in enumerate(({"precision": "fp32", "math": "default"}, {"precision": "fp32", "math": "strict"},
+                                      None)):
+            run = _run(s)
+            run.kind, run.backend = "optimize", f"cuda{i}" if numerics is None else "cuda"
+            if numerics is not None:
+                run.config = {"eval": {"numerics": numerics}}
+            _add_attempt(s, attempts, run.id, task, "level2/t", i, source=f"# {i}\n",
+                         result=make_result("level2/t", "correct", cand=1.0 + i, speedup_eager=1.0))
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "backend_table.py"), str(tmp_path / "k.db")],
+                         capture_output=True, text=True, check=True).stdout
+    assert "| numerics |" in out.splitlines()[0]
+    labels = sorted(line.split("|")[3].strip() for line in out.splitlines() if line.startswith("| level2/t"))
+    assert labels == ["fp32/default", "fp32/strict", "not recorded"]
