@@ -33,10 +33,11 @@ class CandidateChecks:
         self.config, self.device, self.gpu, self.history = config, device, gpu, history
 
     def run(self, result: EvalResult, ref: ReferenceWorker, cand: WorkerProcess, stages: Stages,
-            first: Optional[Precomputed] = None, gate: Any = None) -> None:
+            first: Optional[Precomputed] = None, gate: Any = None, slot: Any = None) -> None:
         """Trials (stop at the first failure), then timing, spot checks and evidence; the
         verdict and figures go into ``result``. ``first``: trial 0's reference outputs computed
-        ahead for this candidate's secret seed; ``gate``: held for timing (``sandbox.pool``)."""
+        ahead for this candidate's secret seed; ``gate``: held for timing (``sandbox.pool``);
+        ``slot``: the slot's lock (held by the caller), let go while the gate waits."""
         cfg = self.config
         # ---- trials
         stages.enter("trials")
@@ -89,7 +90,7 @@ class CandidateChecks:
                 result.add_flag(FlagKind.inputs_mutated, trial.reason)
                 result.status = Status.incorrect
                 return
-            passed, reason, checks = self._compare(ref, index, c["path"])
+            passed, reason, checks = self._compare(ref, index, c.get("outputs") or {}, cand, result)
             trial.outputs = checks
             trial.passed = passed
             trial.reason = reason
@@ -112,14 +113,15 @@ class CandidateChecks:
         # ---- timing (same routine, same policy, device held exclusively): the candidate first,
         # sampling every timed output (sandbox.runcheck), then the reference on the same inputs,
         # checking those samples, while the candidate's worker is idle and its strays are gone
-        stages.enter("timing")
+        stages.enter("gate_wait")
         timing_seed = secrets.randbits(30)
         timed = {"op": "time", "seed": timing_seed, "warmup": cfg.warmup_runs, "runs": cfg.timed_runs,
                  "flush_l2": cfg.flush_l2}
         # Spot checks: the outputs of the last timed run and of one secret other run are
         # compared in full with the reference's.
         check_runs = sorted({cfg.timed_runs - 1, secrets.randbelow(cfg.timed_runs)})
-        with timing_window(gate, self.gpu, self.device) as gpu:
+        with timing_window(gate, self.gpu, self.device, slot) as gpu:
+            stages.enter("timing")
             result.add_strays(cand.sweep(), "before its timed runs")
             self._foreign(gpu, result, "before the timed runs", None)
             w0 = time.monotonic()
@@ -163,7 +165,7 @@ class CandidateChecks:
             return
         stages.enter("spot_checks")
         saved = outs.get("saved") or {}
-        if not self._spot_check(ref, saved, check_runs, timing_seed, result):
+        if not self._spot_check(ref, cand, saved, check_runs, timing_seed, result):
             return
         if ct.get("tampered"):
             result.add_flag(FlagKind.suspicious, "changed timing functions: " + ", ".join(ct["tampered"]))
@@ -246,24 +248,36 @@ class CandidateChecks:
             result.add_flag(FlagKind.contended, f"the GPU was not quiet {when}: " + "; ".join(t for _, t in found[:4]))
         return {pid for pid, _ in found}
 
-    def _compare(self, ref: ReferenceWorker, index: int, cand_path: str) -> tuple[bool, Optional[str], list[OutputCheck]]:
-        """The candidate's saved outputs against the reference's kept ones, compared by the
-        trusted reference worker on its device (``sandbox.compare``'s policy, this config)."""
-        reply = ref.ask({"op": "compare", "index": index, "path": cand_path, "config": self.config.model_dump(mode="json")})
-        if not reply.get("ok"):
+    def _compare(self, ref: ReferenceWorker, index: int, outputs: dict[str, Any], cand: WorkerProcess,
+                 result: EvalResult) -> tuple[bool, Optional[str], list[OutputCheck]]:
+        """The candidate's outputs (``sandbox.handoff``'s descriptor) against the reference's kept
+        ones, compared by the trusted reference worker on its device (``sandbox.compare``'s
+        policy, this config). Shared outputs the reference could not map are sent again as a file."""
+        ask = {"op": "compare", "index": index, "config": self.config.model_dump(mode="json")}
+        reply = ref.ask({**ask, "outputs": outputs})
+        if reply.get("ok") and reply.get("unmapped"):
+            note = f"\n[kernelloop] outputs sent as a file: {reply['unmapped']}"
+            if note not in result.stderr:
+                result.stderr += note
+            again = cand.ask({"op": "resend", "name": outputs.get("name")}, self.config.run_timeout_s)
+            if not again.get("ok"):
+                _raise_if_infra(again)
+                return False, f"the candidate's outputs could not be sent again: {again.get('error_message')}", []
+            reply = ref.ask({**ask, "outputs": again["outputs"]})
+        if not reply.get("ok") or reply.get("unmapped"):
             raise failures.InfraFailure(f"the reference worker could not compare outputs: {reply.get('error_message')}")
         return bool(reply["passed"]), reply.get("reason"), [OutputCheck(**c) for c in reply.get("checks", [])]
 
-    def _spot_check(self, ref: ReferenceWorker, saved: dict[str, str], check_runs: list[int],
+    def _spot_check(self, ref: ReferenceWorker, cand: WorkerProcess, saved: dict[str, dict[str, Any]], check_runs: list[int],
                     timing_seed: int, result: EvalResult) -> bool:
         for i in check_runs:
             trial = Trial(index=len(result.trials), candidate_first=False, passed=False)
-            path = saved.get(str(i))
-            if path is None:
+            outputs = saved.get(str(i))
+            if outputs is None:
                 trial.reason = f"the output of timed run {i} was not a plain tensor"
             else:
                 ref.ask({"op": "trial", "seed": timing_seed + i, "index": 1000 + i})
-                passed, reason, checks = self._compare(ref, 1000 + i, path)
+                passed, reason, checks = self._compare(ref, 1000 + i, outputs, cand, result)
                 trial.passed, trial.outputs = passed, checks
                 trial.reason = None if passed else f"timed run {i}: {reason}"
             result.trials.append(trial)

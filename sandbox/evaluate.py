@@ -33,7 +33,7 @@ from typing import Any, Optional
 
 import torch
 
-from sandbox import failures
+from sandbox import failures, handoff
 from sandbox.admission import MemoryGate, TaskTooLarge
 from sandbox.backends import backend_for
 from sandbox.build import cuda_arch_list
@@ -112,6 +112,7 @@ class Sandbox:
                                  memory_budgets, self._slot_env)
         warm = DEFAULT_WARM_WORKERS if warm_workers is None else warm_workers
         self._gates = [DeviceGate() for _ in self.slots]
+        self.handoff = handoff.mode(device)     # how candidates' outputs reach the reference (a bad setting fails here)
         self._pool = WarmPool(self._spawn_candidate, {"device": device, "profile": self.config.profile},
                               warm, background=self._device_work) if warm > 0 else None
         self.precompute = (warm > 0) if precompute is None else precompute
@@ -452,7 +453,7 @@ class Sandbox:
                 stages = Stages(result)
                 try:
                     CandidateChecks(cfg, self.device, self.slots[slot], self._history).run(
-                        result, ref, cand, stages, first, self._gates[slot])
+                        result, ref, cand, stages, first, self._gates[slot], self._slot_locks[slot])
                 finally:
                     stages.enter(None)
                     self._slot_locks[slot].release()
@@ -481,6 +482,7 @@ class Sandbox:
         reply = cand.ask({"role": "candidate", "device": self.device, "out_dir": str(cand.out_dir),
                           "task": spec.__dict__, "source": source, "init_seed": self.init_seed,
                           "memory_fraction": fraction, "profile": cfg.profile, "backend": cfg.backend,
+                          "handoff": self.handoff,
                           "numerics": cfg.numerics.model_dump(mode="json")},
                          cfg.build_timeout_s + cfg.run_timeout_s)
         if not reply.get("ok"):

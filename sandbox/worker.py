@@ -3,9 +3,10 @@
 Run as ``python -m sandbox.worker FD``. The parent (``sandbox.evaluate``) starts it with
 a fresh temporary working directory, stdout/stderr sent to files, and one end of a
 socket pair as FD: the only channel results travel on. Messages are JSON (no pickle);
-a candidate's output tensors are written with ``torch.save`` and read back by the trusted
-reference worker with ``weights_only=True`` (its ``compare`` request), so nothing a candidate
-returns can run code outside the candidate's own process.
+a candidate's output tensors reach the trusted reference worker's ``compare`` request through
+``sandbox.handoff`` (CUDA IPC on the device, checked before a byte is read; else a file read
+with ``weights_only=True``), so nothing a candidate returns can run code outside the
+candidate's own process.
 
 Roles:
 * ``build``: execute the candidate module with the hooked ``load_inline`` (GPU hidden),
@@ -35,7 +36,7 @@ from typing import Any
 
 import torch
 
-from sandbox import runcheck, timing  # noqa: F401 - runcheck binds its entropy source before candidate code
+from sandbox import handoff, runcheck, timing  # noqa: F401 - runcheck binds its entropy source before candidate code
 from sandbox.harness import flatten_outputs, is_plain_tensor, make_inputs, make_model
 from sandbox.numerics import Numerics
 from sandbox.tasks import TaskSpec, exec_source, load_task
@@ -83,6 +84,8 @@ class Worker:
         self.harness_bytes = 0          # what the harness's own buffers of this request take
         self.precomputed: dict[str, tuple[dict[str, Any], tuple]] = {}
         self.last_output_bytes = 0
+        self.handoff = str(init.get("handoff") or "file")      # sandbox.handoff: how outputs reach compare
+        self.exported = handoff.Exported()
         if self.device == "cuda" and init.get("memory_fraction"):
             torch.cuda.set_per_process_memory_fraction(float(init["memory_fraction"]))
 
@@ -288,11 +291,19 @@ class Worker:
             if note:
                 reply["fp64_note"] = note
             return reply
-        self.step = "saving the outputs"
+        self.step = "handing the outputs over"
         self.harness_bytes = 2 * in_bytes + 2 * reply["output_bytes"]
-        reply["path"] = str(self._save_outputs([x.detach().to("cpu").contiguous() for x in flat],
-                                               f"{self.role}_{index}.pt"))
+        reply["outputs"] = handoff.send(flat, self.handoff, self.exported, self._save_outputs, f"{self.role}_{index}.pt")
         return reply
+
+    def resend(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Outputs shared through IPC that the reference could not map, sent again as a file."""
+        name = str(req.get("name"))
+        tensors = self.exported.tensors(name)
+        if tensors is None:
+            return {"ok": False, "error_type": "ProtocolError", "error_message": f"no outputs shared as {name!r}"}
+        self.step = "saving the outputs"
+        return {"ok": True, "outputs": {"path": str(self._save_outputs([x.to("cpu").contiguous() for x in tensors], name))}}
 
     def _save_outputs(self, tensors: list[torch.Tensor], name: str) -> Path:
         """Into the outputs folder (memory-backed where it has room), else, where that file
@@ -341,45 +352,40 @@ class Worker:
         return [x.detach() if isinstance(x, torch.Tensor) else x for x in flatten_outputs(out)], None
 
     def compare(self, req: dict[str, Any]) -> dict[str, Any]:
-        """The reference's kept outputs of trial ``index`` against the candidate's saved ones, on
-        this (trusted) worker's device: no reference outputs cross a process boundary and no
-        gigabyte-sized comparison runs on the parent's CPU. The candidate's file is read with
-        ``weights_only=True`` and must hold a list of plain tensors."""
+        """The reference's kept outputs of trial ``index`` against the candidate's (``outputs``, as
+        ``sandbox.handoff.send`` described them), on this (trusted) worker's device: no reference
+        outputs cross a process boundary and no gigabyte-sized comparison runs on the parent's
+        CPU. Outputs shared through IPC that cannot be mapped here answer ``unmapped`` and stay
+        owed: the parent has them sent again as a file."""
         from sandbox.compare import compare_outputs, fp64_bounds, fp64_errors, only_value_mismatches
         from sandbox.result import EvalConfig
 
-        index, path = int(req["index"]), str(req["path"])
+        index = int(req["index"])
         kept = getattr(self, "kept_reference", None)
-        self.kept_reference = None
         if kept is None or kept[0] != index:
+            self.kept_reference = None
             return {"ok": False, "error_type": "ProtocolError",
                     "error_message": f"no reference outputs kept for trial {index}"}
         from sandbox.failures import resource_exhausted
 
         ref_bytes = sum(x.numel() * x.element_size() for x in kept[1] if isinstance(x, torch.Tensor))
+        desc = req.get("outputs") or {}
+        self.step, self.harness_bytes = "taking the candidate's outputs", 2 * ref_bytes
         try:
-            size = os.path.getsize(path)
-        except OSError:
-            size = 0
-        if size > 2 * ref_bytes + (16 << 20):
-            os.unlink(path)
-            return {"ok": True, "passed": False, "checks": [],
-                    "reason": f"the candidate's outputs take {size} bytes, the reference's {ref_bytes}"}
-        self.step, self.harness_bytes = "loading the candidate's outputs", size + ref_bytes
-        try:
-            data = torch.load(path, map_location=self.device, weights_only=True)
-            if not isinstance(data, list) or not all(type(t) is torch.Tensor for t in data):
-                raise ValueError("outputs are not a list of plain tensors")
+            data = handoff.receive(desc, self.device, 2 * ref_bytes + (16 << 20),
+                                   lambda path: torch.load(path, map_location=self.device, weights_only=True))
+        except handoff.Unmapped as exc:
+            return {"ok": True, "unmapped": str(exc)}      # kept for the same outputs sent as a file
+        except handoff.Rejected as exc:
+            self.kept_reference = None
+            return {"ok": True, "passed": False, "checks": [], "reason": f"the candidate's outputs were refused: {exc}"}
         except Exception as exc:  # noqa: BLE001
             if resource_exhausted(type(exc).__name__, str(exc), getattr(exc, "errno", None)):
                 raise                   # the trusted side found no memory: the harness's failure
+            self.kept_reference = None
             return {"ok": True, "passed": False, "checks": [],
                     "reason": f"the candidate's outputs could not be read as plain tensors ({type(exc).__name__})"}
-        finally:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        self.kept_reference = None
         config = EvalConfig.model_validate(req["config"])
         passed, reason, checks = compare_outputs(kept[1], data, config)
         flat64 = kept[2]
@@ -457,13 +463,13 @@ class Worker:
         return reply
 
     def timed_outputs(self, req: dict[str, Any]) -> dict[str, Any]:
-        saved: dict[str, str] = {}
-        self.step = "saving the outputs of timed runs"
+        saved: dict[str, dict[str, Any]] = {}
+        self.step = "handing over the outputs of timed runs"
         kept = getattr(self, "kept", {})
         self.harness_bytes = 2 * sum(x.numel() * x.element_size() for flat in kept.values() for x in flat)
         for i, flat in kept.items():
-            saved[str(i)] = str(self._save_outputs([x.to("cpu").contiguous() for x in flat],
-                                                   f"{self.role}_timed_{i}.pt"))
+            saved[str(i)] = handoff.send(flat, self.handoff, self.exported, self._save_outputs,
+                                         f"{self.role}_timed_{i}.pt")
         self.kept = {}
         reply: dict[str, Any] = {"ok": True, "saved": saved}
         sampler = getattr(self, "sampler", None)
@@ -521,7 +527,7 @@ def serve(conn: Connection) -> None:
         return
     handlers = {"trial": worker.trial, "compare": worker.compare, "time": worker.time,
                 "precompute": worker.precompute, "discard": worker.discard,
-                "timed_outputs": worker.timed_outputs,
+                "timed_outputs": worker.timed_outputs, "resend": worker.resend,
                 "profile": worker.profile,
                 "roofline": worker.roofline}
     if worker.role == "reference":
@@ -541,6 +547,8 @@ def serve(conn: Connection) -> None:
             _send(conn, {"ok": False, "error_message": f"unknown op {op!r}"})
             continue
         worker.step, worker.harness_bytes = op, 0
+        if op != "resend":
+            worker.exported.release()       # the reference has copied them: the parent asks nothing before
         try:
             with worker.numerics.enforced():
                 reply = handler(req)

@@ -77,6 +77,48 @@ def test_device_gate_keeps_background_work_out_of_timing():
     assert log[:3] == ["bg start", "bg end", "timing"] and log[3] == "late bg"
 
 
+
+def test_a_timing_that_waits_for_background_work_lets_its_slot_go_meanwhile():
+    gate, slot = DeviceGate(), threading.Lock()
+    log: list[str] = []
+    bg_in, release_bg, other_in, release_other = (threading.Event() for _ in range(4))
+
+    def background():
+        with gate.background():
+            bg_in.set()
+            release_bg.wait(5)
+            log.append("bg end")
+
+    def timing():
+        with slot:                                   # the candidate holds its slot from its trials on
+            with gate.timing(slot):
+                assert slot.locked()                 # held again before the timed runs
+                log.append("timing")
+
+    def other_candidate():                           # another candidate's trials on the same slot
+        with slot:
+            other_in.set()
+            log.append("other trials")
+            release_other.wait(5)
+
+    b = threading.Thread(target=background)
+    b.start()
+    assert bg_in.wait(5)
+    t = threading.Thread(target=timing)
+    t.start()
+    time.sleep(0.2)
+    o = threading.Thread(target=other_candidate)
+    o.start()
+    assert other_in.wait(5), "the waiting timing kept its slot"
+    release_bg.set()
+    time.sleep(0.2)
+    assert log == ["other trials", "bg end"]         # the timing waits for the slot again
+    release_other.set()
+    for th in (b, t, o):
+        th.join(5)
+    assert log == ["other trials", "bg end", "timing"]
+    assert not slot.locked()
+
 @pytest.mark.slow
 def test_a_warm_worker_is_handed_out_once_with_a_fresh_folder_and_a_dead_one_is_replaced():
     pool = _pool(size=2)
@@ -169,7 +211,7 @@ def test_precomputed_trial_zero_matches_the_on_demand_one_and_leaves_a_kept_tria
         ref.ask({"op": "trial", "seed": 11, "index": 1})
         other = Precomputed(ref, fp64=True)
         assert other.wait(120)
-        kept = ref.ask({"op": "compare", "index": 1, "path": _outputs_file(tmp_path, "a.pt", spec, 11, init_seed),
+        kept = ref.ask({"op": "compare", "index": 1, "outputs": {"path": _outputs_file(tmp_path, "a.pt", spec, 11, init_seed)},
                         "config": config})
         assert kept["passed"], kept
         other.discard()
@@ -179,15 +221,15 @@ def test_precomputed_trial_zero_matches_the_on_demand_one_and_leaves_a_kept_tria
             ask = {"op": "trial", "seed": pre.seed, "index": 0, "fp64": True}
             ref.ask(pre.request(ask) if how == "precomputed" else ask)
             path = _outputs_file(tmp_path, f"{how}.pt", spec, pre.seed, init_seed)
-            reply = ref.ask({"op": "compare", "index": 0, "path": path, "config": config})
+            reply = ref.ask({"op": "compare", "index": 0, "outputs": {"path": path}, "config": config})
             assert reply["passed"], reply
             checks[how] = reply["checks"]
         assert checks["precomputed"] == checks["on demand"]
         assert checks["precomputed"][0]["ref_fp64_rel_rms"] is not None
         # a token used or discarded is gone: the same request computes on demand (same seed, same outputs)
         ref.ask(pre.request({"op": "trial", "seed": pre.seed, "index": 0, "fp64": True}))
-        again = ref.ask({"op": "compare", "index": 0, "path": _outputs_file(tmp_path, "again.pt", spec, pre.seed,
-                                                                          init_seed), "config": config})
+        again = ref.ask({"op": "compare", "index": 0, "config": config,
+                         "outputs": {"path": _outputs_file(tmp_path, "again.pt", spec, pre.seed, init_seed)}})
         assert again["checks"] == checks["on demand"]
     finally:
         ref.close()
@@ -218,7 +260,7 @@ def test_precomputes_past_the_byte_budget_are_skipped_and_computed_on_demand(tmp
         assert "already kept" in (skipped.note or "")
         ref.ask(skipped.request({"op": "trial", "seed": 0, "index": 0, "fp64": True}))
         path = _outputs_file(tmp_path, "skipped.pt", spec, skipped.seed, init_seed)
-        reply = ref.ask({"op": "compare", "index": 0, "path": path, "config": config})
+        reply = ref.ask({"op": "compare", "index": 0, "outputs": {"path": path}, "config": config})
         assert reply["passed"] and reply["checks"][0]["ref_fp64_rel_rms"] is not None, reply
     finally:
         ref.close()
