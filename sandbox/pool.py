@@ -146,7 +146,12 @@ class WarmPool:
 
 class DeviceGate:
     """Timing excludes background device work; background work (any number at once) waits
-    while a timing runs or waits to run (timing first: it is on the critical path)."""
+    while a timing runs or waits to run (timing first: it is on the critical path).
+
+    A timing that finds background work running (a reference starting: its warm-up
+    ``torch.compile`` takes 10-19 s at KernelBench's sizes) may let its slot go while that
+    work ends (``timing(slot=lock)``): another candidate's trials use the slot meanwhile,
+    where they used to wait behind a timing that waited."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -156,8 +161,24 @@ class DeviceGate:
     def background(self) -> "_Held":
         return _Held(self, timing=False)
 
-    def timing(self) -> "_Held":
-        return _Held(self, timing=True)
+    def timing(self, slot: Optional[threading.Lock] = None) -> "_Held":
+        """Held for a timing; ``slot`` (held by the caller) is let go, once, while background
+        work already running ends, and held again before the timing is."""
+        return _Held(self, timing=True, slot=slot)
+
+    def busy(self) -> bool:
+        with self._cond:
+            return self._background > 0
+
+    def _wait_idle(self, slot: threading.Lock) -> None:
+        """``slot`` let go until no background work runs, then held again (never while holding
+        the gate's own lock: a holder of the slot may be entering the gate)."""
+        slot.release()
+        try:
+            with self._cond:
+                self._cond.wait_for(lambda: self._background == 0)
+        finally:
+            slot.acquire()
 
     def _enter(self, timing: bool) -> None:
         with self._cond:
@@ -178,10 +199,14 @@ class DeviceGate:
 
 
 class _Held:
-    def __init__(self, gate: DeviceGate, timing: bool):
-        self.gate, self.is_timing = gate, timing
+    def __init__(self, gate: DeviceGate, timing: bool, slot: Optional[threading.Lock] = None):
+        self.gate, self.is_timing, self.slot = gate, timing, slot
 
     def __enter__(self) -> "_Held":
+        if self.slot is not None and self.gate.busy():
+            # not registered as a timing while the slot is let go: background work may start
+            # meanwhile, and the timing then waits for it holding the slot, as before
+            self.gate._wait_idle(self.slot)
         self.gate._enter(self.is_timing)
         return self
 

@@ -192,11 +192,12 @@ class GpuWatch:
 
 
 @contextlib.contextmanager
-def timing_window(gate: Any, gpu: Optional[str], device: str) -> Iterator[Optional[GpuWatch]]:
-    """The slot's device held for timing (``gate``: a ``DeviceGate``'s ``timing()``, or None), and
+def timing_window(gate: Any, gpu: Optional[str], device: str, slot: Any = None) -> Iterator[Optional[GpuWatch]]:
+    """The slot's device held for timing (``gate``: a ``DeviceGate``'s ``timing()``, or None;
+    ``slot``: the slot's lock, let go while the gate waits for background work), and
     the GPU watched from the moment it is held. A watch started before the gate was held would
     count the background work the gate waited for (a warm worker warming up, a reference
     starting) as use during the window: on an H100 that flagged every honest candidate
     ``contended`` ("not quiet before the timed runs: pid N used 1% of the SMs")."""
-    with (gate.timing() if gate is not None else contextlib.nullcontext()):
+    with (gate.timing(slot) if gate is not None else contextlib.nullcontext()):
         yield GpuWatch(gpu) if device == "cuda" else None
