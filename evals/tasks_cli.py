@@ -344,9 +344,14 @@ def check_command(paths: Optional[list[str]] = PathsArgument, device: Optional[s
                   set_: Optional[list[str]] = SetOption, precision: Optional[str] = PrecisionOption,
                   math: Optional[str] = MathOption, db: Optional[str] = DbOption,
                   memory: bool = typer.Option(True, "--memory/--no-memory",
-                                              help="measure each task's memory needs (stored) and say whether it fits")) -> None:
+                                              help="measure each task's memory needs (stored) and say whether it fits"),
+                  remeasure: bool = typer.Option(False, "--remeasure",
+                                                 help="measure every task's memory needs again, even where the store "
+                                                      "has them for this device, torch and numerics")) -> None:
     """Flag degenerate tasks (constant, near-zero, insensitive outputs...) and tasks too large for
-    the device's memory budget; exit code 1 when any is flagged."""
+    the device's memory budget; exit code 1 when any is flagged. Memory needs already in the store
+    for this device, torch version and numerics are read, not measured again (``--remeasure``): a
+    check of KernelBench's 250 tasks stopped part way goes on where it stopped."""
     from rich.table import Table
 
     from evals.taskcheck import FLAGS, CheckIssue, check_task
@@ -367,17 +372,20 @@ def check_command(paths: Optional[list[str]] = PathsArgument, device: Optional[s
     store = _maybe_store(db) if memory else None
     gate = _memory_gate(dev, numerics, store) if memory else None
     footprints: list[tuple[str, Any, Optional[str]]] = []
+    reused = 0
     for spec in specs:
         issues: list[CheckIssue] = []
         if gate is not None:
             sized = with_device_sizes(spec, dev)
+            fp = None if remeasure else gate.book.known(sized, dev, numerics)
+            stored = fp is not None
+            reused += stored
             try:
-                fp = gate.book.measure(sized, dev, numerics, env=gate.slot_env(0))
+                fp = fp or gate.book.measure(sized, dev, numerics, env=gate.slot_env(0))
             except RuntimeError as exc:
-                fp = None
                 issues.append(CheckIssue(spec.name, "runtime_error", str(exc)))
             if fp is not None:
-                if store is not None:
+                if store is not None and not stored:
                     import torch
 
                     from store.repo import save_footprint
@@ -400,6 +408,8 @@ def check_command(paths: Optional[list[str]] = PathsArgument, device: Optional[s
     if footprints:
         budgets = ", ".join(f"{k} {human_bytes(v)}" for k, v in gate.admission.budgets.items())
         console.print(footprint_table(footprints, f"memory on {dev} · {numerics.label} · budgets: {budgets}"))
+        console.print(f"memory needs: {len(footprints) - reused} measured now, {reused} read from the store "
+                      f"(--remeasure measures them again)", highlight=False)
     if flagged:
         console.print(table)
         for flag in sorted(seen_flags):

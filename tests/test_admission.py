@@ -353,6 +353,29 @@ def test_tasks_check_stores_the_figures_and_show_prints_them(tmp_path: Path):
     assert "reference peak" in text and "shm 2.00 MiB" in text
 
 
+def test_tasks_check_reads_stored_needs_instead_of_measuring_again(tmp_path: Path, monkeypatch):
+    import sandbox.footprint as footprint
+
+    db = str(tmp_path / "k.db")
+    first = _invoke(["tasks", "check", "level1/leaky_relu", "level1/relu", "--device", "cpu", "--db", db])
+    assert first.exit_code == 0, first.output
+    assert "2 measured now, 0 read from the store" in " ".join(first.output.split())
+    measured: list[str] = []
+    real = footprint.FootprintBook.measure
+
+    def counting(self, spec, *a, **k):
+        measured.append(spec.name)
+        return real(self, spec, *a, **k)
+
+    monkeypatch.setattr(footprint.FootprintBook, "measure", counting)
+    again = _invoke(["tasks", "check", "level1/leaky_relu", "level1/relu", "--device", "cpu", "--db", db])
+    text = " ".join(again.output.split())
+    assert again.exit_code == 0 and not measured, again.output
+    assert "0 measured now, 2 read from the store" in text and "4.00 MiB" in text     # the stored figures shown
+    forced = _invoke(["tasks", "check", "level1/leaky_relu", "--device", "cpu", "--db", db, "--remeasure"])
+    assert forced.exit_code == 0 and measured == ["level1/leaky_relu"], forced.output
+
+
 def test_tasks_check_flags_a_task_too_large_for_the_budget(tmp_path: Path):
     out = _invoke(["tasks", "check", "level1/leaky_relu", "--device", "cpu", "--db", str(tmp_path / "k.db")],
                   env={"KERNELLOOP_HOST_MEMORY": "64MiB"})
