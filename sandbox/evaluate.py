@@ -41,7 +41,7 @@ from sandbox.checks import CandidateChecks
 from sandbox.footprint import FootprintBook, human_bytes
 from sandbox.harness import cpu_model
 from sandbox.phases import Stages, phase
-from sandbox.pool import DeviceGate, WarmPool
+from sandbox.pool import DeviceGate, SlotLock, WarmPool
 from sandbox.quiet import TimingHistory
 from sandbox.process import WorkerDied, WorkerProcess, WorkerTimeout, kill_all_workers
 from sandbox.reference import Precomputed, ReferenceWorker
@@ -95,7 +95,7 @@ class Sandbox:
         self.build_jobs = max(2, min(8, cores // max(1, build_slots or 1)))
         self._build_sem = threading.Semaphore(build_slots or max(1, cores // 4))
         self.slots: list[Optional[str]] = (gpus or visible_gpus() or [None]) if device == "cuda" else [None]
-        self._slot_locks = [threading.Lock() for _ in self.slots]
+        self._slot_locks = [SlotLock() for _ in self.slots]
         self._slot_load = [0 for _ in self.slots]
         self._slot_pick = threading.Lock()
         # cpu: every timed worker with the same small thread count (sandbox.slots.cpu_timing_threads)

@@ -29,6 +29,22 @@ import torch
 
 HANDOFF_ENV = "KERNELLOOP_OUTPUT_HANDOFF"
 IPC_HANDLE_BYTES = 64                  # sizeof(cudaIpcMemHandle_t)
+# torch's shareable handle: a version byte, a type byte, then the payload. Only the type of a
+# plain cudaMalloc block ('c', whose payload is a cudaIpcMemHandle_t) is taken: the other type
+# (expandable segments) names a process and a file descriptor for the receiver to take from it.
+# The versions are the ones torch has written ('c' payload the same in both); a torch that writes
+# another sends its outputs through a file (the candidate's side applies the same rule).
+TORCH_HANDLE_VERSIONS = (2, 3)
+CUDA_MALLOC_TYPE = ord("c")
+
+
+def plain_ipc_handle(handle: bytes) -> bool:
+    """Whether ``handle`` is a CUDA IPC handle of one plain device allocation: a bare
+    ``cudaIpcMemHandle_t`` (torch before versioned handles) or torch's versioned ``'c'`` handle."""
+    if len(handle) == IPC_HANDLE_BYTES:
+        return True
+    return (len(handle) == IPC_HANDLE_BYTES + 2 and handle[0] in TORCH_HANDLE_VERSIONS
+            and handle[1] == CUDA_MALLOC_TYPE)
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
@@ -69,8 +85,8 @@ class Exported:
             if x.numel():
                 _dev, handle, _size, offset, counter, counter_offset, _event, _sync = x.untyped_storage()._share_cuda_()
                 held.append((x, bytes(counter), int(counter_offset)))
-                if len(handle) != IPC_HANDLE_BYTES:     # an allocator whose memory shares otherwise
-                    raise ValueError(f"a {len(handle)}-byte IPC handle")
+                if not plain_ipc_handle(bytes(handle)):     # expandable segments, or a torch to come
+                    raise ValueError(f"not a plain CUDA IPC handle ({len(handle)} bytes)")
                 item.update(handle=bytes(handle).hex(), offset=int(offset) + x.storage_offset() * x.element_size())
             else:
                 held.append((x, b"", 0))
@@ -187,8 +203,11 @@ def _copy_shared(i: int, item: dict[str, Any], dtype: torch.dtype, shape: list[i
         raise Rejected(f"shared output {i}: the handle is not hex") from None
     offset = item["offset"]
     element = dtype.itemsize
-    if len(handle) != IPC_HANDLE_BYTES or offset < 0 or offset % element:
-        raise Rejected(f"shared output {i}: a {len(handle)}-byte handle at offset {offset}")
+    if not plain_ipc_handle(handle):
+        raise Rejected(f"shared output {i}: not a plain CUDA IPC handle ({len(handle)} bytes, "
+                       f"{handle[:2].hex()}...)")
+    if offset < 0 or offset % element:
+        raise Rejected(f"shared output {i}: at offset {offset}")
     try:
         # no share count of the candidate's is touched (an empty name: the release finds none), and
         # no event of the candidate's is waited on (its worker synchronised before answering)

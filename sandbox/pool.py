@@ -150,44 +150,56 @@ class DeviceGate:
 
     A timing that finds background work running (a reference starting: its warm-up
     ``torch.compile`` takes 10-19 s at KernelBench's sizes) may let its slot go while that
-    work ends (``timing(slot=lock)``): another candidate's trials use the slot meanwhile,
-    where they used to wait behind a timing that waited."""
+    work ends (``timing(slot=...)``, a ``SlotLock``): another candidate's trials use the slot
+    meanwhile, where they used to wait behind a timing that waited (6-11 s per GEMM candidate
+    on an H100). New background work waits from the moment a timing asks, slot let go or not."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._background = 0
         self._timing = 0
 
-    def background(self) -> "_Held":
-        return _Held(self, timing=False)
+    def background(self, abandon: Optional[threading.Event] = None) -> "_Held":
+        """Held for background work; where ``abandon`` is set while it still waits (``wake``),
+        it is not entered (``entered`` False)."""
+        return _Held(self, timing=False, abandon=abandon)
 
-    def timing(self, slot: Optional[threading.Lock] = None) -> "_Held":
-        """Held for a timing; ``slot`` (held by the caller) is let go, once, while background
-        work already running ends, and held again before the timing is."""
+    def wake(self) -> None:
+        """Waiters look at their ``abandon`` events again."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def timing(self, slot: Optional["SlotLock"] = None) -> "_Held":
+        """Held for a timing; ``slot`` (held by the caller) is let go while background work
+        already running ends, and taken back, ahead of candidates arriving at the slot, before
+        the timing is held."""
         return _Held(self, timing=True, slot=slot)
 
-    def busy(self) -> bool:
+    def _enter(self, timing: bool, slot: Optional["SlotLock"] = None,
+               abandon: Optional[threading.Event] = None) -> bool:
         with self._cond:
-            return self._background > 0
-
-    def _wait_idle(self, slot: threading.Lock) -> None:
-        """``slot`` let go until no background work runs, then held again (never while holding
-        the gate's own lock: a holder of the slot may be entering the gate)."""
+            if not timing:
+                self._cond.wait_for(lambda: self._timing == 0 or (abandon is not None and abandon.is_set()))
+                if self._timing and abandon is not None and abandon.is_set():
+                    return False
+                self._background += 1
+                return True
+            # registered at once: no background work starts from now on, so the wait is bounded
+            # by what runs already, and a stream of warm-ups and loads cannot starve the timing
+            self._timing += 1
+            if slot is None or self._background == 0:
+                self._cond.wait_for(lambda: self._background == 0)
+                return True
+        # The slot goes to another candidate's trials meanwhile. Not under the gate's own lock: a
+        # holder of the slot may be entering the gate. Nothing holding a slot waits for background
+        # work to start (a trial-0 precompute still at the gate is abandoned: Precomputed.wait).
         slot.release()
         try:
             with self._cond:
                 self._cond.wait_for(lambda: self._background == 0)
         finally:
-            slot.acquire()
-
-    def _enter(self, timing: bool) -> None:
-        with self._cond:
-            if timing:
-                self._timing += 1
-                self._cond.wait_for(lambda: self._background == 0)
-            else:
-                self._cond.wait_for(lambda: self._timing == 0)
-                self._background += 1
+            slot.acquire(first=True)
+        return True
 
     def _exit(self, timing: bool) -> None:
         with self._cond:
@@ -198,17 +210,61 @@ class DeviceGate:
             self._cond.notify_all()
 
 
-class _Held:
-    def __init__(self, gate: DeviceGate, timing: bool, slot: Optional[threading.Lock] = None):
-        self.gate, self.is_timing, self.slot = gate, timing, slot
+class SlotLock:
+    """A slot's exclusive hold (trials, timing, spot checks of one candidate at a time). A
+    candidate that let it go while its timing waited takes it back first (``acquire(first=True)``),
+    ahead of candidates arriving for their trials: otherwise it queued behind all of them (on an
+    H200, 50-125 s)."""
 
-    def __enter__(self) -> "_Held":
-        if self.slot is not None and self.gate.busy():
-            # not registered as a timing while the slot is let go: background work may start
-            # meanwhile, and the timing then waits for it holding the slot, as before
-            self.gate._wait_idle(self.slot)
-        self.gate._enter(self.is_timing)
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._held = False
+        self._first = 0
+
+    def acquire(self, first: bool = False) -> None:
+        with self._cond:
+            if first:
+                self._first += 1
+            try:
+                self._cond.wait_for(lambda: not self._held and (first or self._first == 0))
+            finally:
+                if first:
+                    self._first -= 1
+            self._held = True
+
+    def release(self) -> None:
+        with self._cond:
+            if not self._held:
+                raise RuntimeError("release of a slot not held")
+            self._held = False
+            self._cond.notify_all()
+
+    def locked(self) -> bool:
+        return self._held
+
+    def __enter__(self) -> "SlotLock":
+        self.acquire()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.gate._exit(self.is_timing)
+        self.release()
+
+
+class _Held:
+    def __init__(self, gate: DeviceGate, timing: bool, slot: Optional["SlotLock"] = None,
+                 abandon: Optional[threading.Event] = None):
+        self.gate, self.is_timing, self.slot, self.abandon = gate, timing, slot, abandon
+        self.entered = False
+
+    def __enter__(self) -> "_Held":
+        try:
+            self.entered = self.gate._enter(self.is_timing, self.slot, self.abandon)
+        except BaseException:
+            if self.is_timing:
+                self.gate._exit(True)
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.entered:
+            self.gate._exit(self.is_timing)

@@ -141,6 +141,7 @@ class Precomputed:
         self._release, self._held = release, None
         self._released = threading.Lock()
         self._done = threading.Event()
+        self._gate, self._abandon = gate, threading.Event()
         if hold is not None:
             self._held = hold()
             if self._held is None:
@@ -159,8 +160,8 @@ class Precomputed:
     def _run(self, gate: Any) -> None:
         try:
             if gate is not None:
-                with gate.background():
-                    reply = self._ask()
+                with gate.background(abandon=self._abandon) as held:
+                    reply = self._ask() if held.entered else {"ok": True, "skipped": "its trial came first"}
             else:
                 reply = self._ask()
             self.kept = bool(reply.get("ok")) and not reply.get("skipped")
@@ -177,7 +178,13 @@ class Precomputed:
                              "output_bytes": 0})
 
     def wait(self, timeout: float = REFERENCE_TIMEOUT_S) -> bool:
-        """Whether the outputs are kept (after the computation ends, however it ends)."""
+        """Whether the outputs are kept (after the computation ends, however it ends). One still
+        waiting at the device gate (behind a timing) is abandoned, not waited for, and its trial
+        runs as any trial: the caller holds the slot, and a timing waiting at the gate may be
+        waiting for that slot (``DeviceGate``)."""
+        if self._gate is not None:
+            self._abandon.set()
+            self._gate.wake()
         self._done.wait(timeout)
         return self._done.is_set() and self.kept
 

@@ -59,7 +59,7 @@ def test_a_file_of_anything_but_plain_tensors_is_refused(tmp_path):
         handoff.receive({"path": str(path)}, "cpu", 1 << 20, _load)
 
 
-GOOD = {"dtype": "float32", "shape": [4, 4], "handle": "ab" * 64, "offset": 0}
+GOOD = {"dtype": "float32", "shape": [4, 4], "handle": "0363" + "ab" * 64, "offset": 0}
 
 
 @pytest.mark.parametrize("item, why", [
@@ -70,7 +70,9 @@ GOOD = {"dtype": "float32", "shape": [4, 4], "handle": "ab" * 64, "offset": 0}
     ({**GOOD, "handle": None}, "has no handle"),
     ({**GOOD, "offset": "0"}, "has no handle"),
     ({**GOOD, "handle": "zz" * 64}, "not hex"),
-    ({**GOOD, "handle": "ab" * 16}, "16-byte handle"),
+    ({**GOOD, "handle": "ab" * 16}, "not a plain CUDA IPC handle .16 bytes"),
+    ({**GOOD, "handle": "0365" + "ab" * 64}, "not a plain CUDA IPC handle .66 bytes, 0365"),   # 'e': expandable
+    ({**GOOD, "handle": "0963" + "ab" * 64}, "not a plain CUDA IPC handle .66 bytes, 0963"),   # unknown version
     ({**GOOD, "offset": -4}, "at offset -4"),
     ({**GOOD, "offset": 2}, "at offset 2"),            # not on a float32 boundary
     ("float32", "is not described"),
@@ -126,7 +128,8 @@ def test_outputs_shared_by_another_process_arrive_intact_and_forgeries_are_caugh
             handoff.receive({"ipc": [{**item, "shape": [1 << 28]}]}, "cuda", 1 << 40, _load)
         # a well-formed handle nobody shared: not judged, sent again as a file
         with pytest.raises(handoff.Unmapped):
-            handoff.receive({"ipc": [{**item, "handle": "00" * 64}]}, "cuda", 1 << 30, _load)
+            forged = item["handle"][:-128] + "00" * 64          # torch's prefix, a payload nobody shared
+            handoff.receive({"ipc": [{**item, "handle": forged}]}, "cuda", 1 << 30, _load)
         # this process still computes: nothing above left the device in an error state
         assert float(torch.ones(4, device="cuda").sum()) == 4.0
         proc.stdin.write("\n")

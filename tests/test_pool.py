@@ -13,7 +13,7 @@ import torch
 
 from sandbox.evaluate import Sandbox
 from sandbox.harness import flatten_outputs, make_inputs, make_model
-from sandbox.pool import DeviceGate, WarmPool
+from sandbox.pool import DeviceGate, SlotLock, WarmPool
 from sandbox.process import WorkerProcess
 from sandbox.reference import Precomputed, ReferenceWorker
 from sandbox.result import EvalConfig, Status
@@ -78,15 +78,15 @@ def test_device_gate_keeps_background_work_out_of_timing():
 
 
 
-def test_a_timing_that_waits_for_background_work_lets_its_slot_go_meanwhile():
-    gate, slot = DeviceGate(), threading.Lock()
+def test_a_timing_that_waits_for_background_work_lets_its_slot_go_and_takes_it_back_first():
+    gate, slot = DeviceGate(), SlotLock()
     log: list[str] = []
-    bg_in, release_bg, other_in, release_other = (threading.Event() for _ in range(4))
+    ev = {k: threading.Event() for k in ("bg_in", "bg_go", "other_in", "other_go", "queued_in")}
 
     def background():
         with gate.background():
-            bg_in.set()
-            release_bg.wait(5)
+            ev["bg_in"].set()
+            ev["bg_go"].wait(5)
             log.append("bg end")
 
     def timing():
@@ -95,29 +95,64 @@ def test_a_timing_that_waits_for_background_work_lets_its_slot_go_meanwhile():
                 assert slot.locked()                 # held again before the timed runs
                 log.append("timing")
 
-    def other_candidate():                           # another candidate's trials on the same slot
-        with slot:
-            other_in.set()
-            log.append("other trials")
-            release_other.wait(5)
+    def candidate(name: str, entered: threading.Event, go: threading.Event = None):
+        with slot:                                   # another candidate's trials on the same slot
+            entered.set()
+            log.append(name)
+            if go is not None:
+                go.wait(5)
 
     b = threading.Thread(target=background)
     b.start()
-    assert bg_in.wait(5)
+    assert ev["bg_in"].wait(5)
     t = threading.Thread(target=timing)
     t.start()
     time.sleep(0.2)
-    o = threading.Thread(target=other_candidate)
+    o = threading.Thread(target=candidate, args=("other trials", ev["other_in"], ev["other_go"]))
     o.start()
-    assert other_in.wait(5), "the waiting timing kept its slot"
-    release_bg.set()
+    assert ev["other_in"].wait(5), "the waiting timing kept its slot"
+    late = threading.Thread(target=lambda: (gate.background().__enter__(), log.append("late bg")))
+    late.start()
+    ev["bg_go"].set()
     time.sleep(0.2)
-    assert log == ["other trials", "bg end"]         # the timing waits for the slot again
-    release_other.set()
-    for th in (b, t, o):
+    assert log == ["other trials", "bg end"]         # no new background work; the slot is still taken
+    q = threading.Thread(target=candidate, args=("queued trials", ev["queued_in"]))
+    q.start()                                        # arrives for the slot before the timing gets it back
+    time.sleep(0.2)
+    ev["other_go"].set()
+    for th in (b, o, t, q):
         th.join(5)
-    assert log == ["other trials", "bg end", "timing"]
+    late.join(5)
+    # the timing takes its slot back ahead of the candidate that queued; background waits for it
+    assert log[:3] == ["other trials", "bg end", "timing"], log
+    assert set(log[3:]) == {"queued trials", "late bg"}
     assert not slot.locked()
+
+
+def test_a_precompute_still_at_the_gate_is_abandoned_by_its_trial_not_waited_for():
+    # The trial holds the slot; a timing waits for the slot with new background work barred.
+    # A precompute still waiting at the gate would wait for that timing forever.
+    gate = DeviceGate()
+    asked: list[dict] = []
+
+    class Ref:
+        def ask_if_running(self, req, *a):
+            asked.append(req)
+            return {"ok": True}
+
+    bg = gate.background()
+    bg.__enter__()                                   # background work running: the timing waits
+    timer = threading.Thread(target=lambda: gate.timing().__enter__())
+    timer.start()
+    time.sleep(0.1)
+    pre = Precomputed(Ref(), fp64=False, gate=gate)
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    assert pre.wait(5) is False and time.monotonic() - t0 < 1.0
+    assert asked == [] and "its trial came first" in (pre.note or "")
+    bg.__exit__(None, None, None)
+    timer.join(5)
+
 
 @pytest.mark.slow
 def test_a_warm_worker_is_handed_out_once_with_a_fresh_folder_and_a_dead_one_is_replaced():
