@@ -6,6 +6,7 @@ TASK and PATHS arguments take files, directories or bundled names (``seeds``,
 from __future__ import annotations
 
 import ast
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -372,37 +373,49 @@ def check_command(paths: Optional[list[str]] = PathsArgument, device: Optional[s
     store = _maybe_store(db) if memory else None
     gate = _memory_gate(dev, numerics, store) if memory else None
     footprints: list[tuple[str, Any, Optional[str]]] = []
-    reused = 0
-    for spec in specs:
-        issues: list[CheckIssue] = []
-        if gate is not None:
-            sized = with_device_sizes(spec, dev)
-            fp = None if remeasure else gate.book.known(sized, dev, numerics)
-            stored = fp is not None
-            reused += stored
-            try:
-                fp = fp or gate.book.measure(sized, dev, numerics, env=gate.slot_env(0))
-            except RuntimeError as exc:
-                issues.append(CheckIssue(spec.name, "runtime_error", str(exc)))
-            if fp is not None:
-                if store is not None and not stored:
-                    import torch
+    reused = done = 0
+    interrupted = False
 
-                    from store.repo import save_footprint
+    def memory_issues(spec: Any) -> list[CheckIssue]:
+        """The task's memory needs (read from the store, else measured and stored) and whether it fits."""
+        nonlocal reused
+        sized = with_device_sizes(spec, dev)
+        fp = None if remeasure else gate.book.known(sized, dev, numerics)
+        stored = fp is not None
+        reused += stored
+        try:
+            fp = fp or gate.book.measure(sized, dev, numerics, env=gate.slot_env(0))
+        except RuntimeError as exc:
+            return [CheckIssue(spec.name, "runtime_error", str(exc))]
+        if store is not None and not stored:
+            import torch
 
-                    with store.session() as s:
-                        save_footprint(s, sized, fp, torch.__version__)
-                big = gate.too_large(sized, fp)
-                footprints.append((spec.name, fp, big.reason if big else None))
-                if big is not None:
-                    issues.append(CheckIssue(spec.name, "too_large", big.reason))
-        if not issues:
-            issues = check_task(spec, dev, numerics=numerics)
-        if issues:
-            flagged += 1
-        for issue in issues:
-            seen_flags.add(issue.flag)
-            table.add_row(spec.name, issue.flag, issue.message.splitlines()[0] if issue.message else "")
+            from store.repo import save_footprint
+
+            with store.session() as s:
+                save_footprint(s, sized, fp, torch.__version__)
+        big = gate.too_large(sized, fp)
+        footprints.append((spec.name, fp, big.reason if big else None))
+        return [CheckIssue(spec.name, "too_large", big.reason)] if big is not None else []
+
+    try:
+        for spec in specs:
+            t0 = time.monotonic()
+            issues = memory_issues(spec) if gate is not None else []
+            if not issues:
+                issues = check_task(spec, dev, numerics=numerics)
+            done += 1
+            if issues:
+                flagged += 1
+            for issue in issues:
+                seen_flags.add(issue.flag)
+                table.add_row(spec.name, issue.flag, issue.message.splitlines()[0] if issue.message else "")
+            if len(specs) > 1:      # a line per task as it ends: KernelBench's 250 take about half an hour on a GPU
+                verdict = ", ".join(sorted({i.flag for i in issues})) or "ok"
+                console.print(f"[{done}/{len(specs)}] {spec.name}: {verdict} ({time.monotonic() - t0:.1f} s)",
+                              highlight=False)
+    except KeyboardInterrupt:
+        interrupted = True
     if store is not None:
         store.close()
     if footprints:
@@ -414,6 +427,12 @@ def check_command(paths: Optional[list[str]] = PathsArgument, device: Optional[s
         console.print(table)
         for flag in sorted(seen_flags):
             console.print(f"  {flag}: {FLAGS.get(flag, '')}", highlight=False)
+    if interrupted:
+        console.print(f"[bold yellow]interrupted after {done} of {len(specs)} tasks ({flagged} flagged); run it again: "
+                      f"the memory needs measured so far are read from the store, not measured again[/]",
+                      highlight=False)
+        raise typer.Exit(130)
+    if flagged:
         console.print(f"[bold red]{flagged} of {len(specs)} tasks flagged[/]", highlight=False)
         raise typer.Exit(1)
     console.print(f"[green]{len(specs)} tasks checked on {dev} ({numerics.label}): none flagged[/]", highlight=False)

@@ -376,6 +376,29 @@ def test_tasks_check_reads_stored_needs_instead_of_measuring_again(tmp_path: Pat
     assert forced.exit_code == 0 and measured == ["level1/leaky_relu"], forced.output
 
 
+def test_tasks_check_says_each_task_as_it_ends_and_what_an_interrupt_kept(tmp_path: Path, monkeypatch):
+    import evals.taskcheck as taskcheck
+
+    db = str(tmp_path / "k.db")
+    calls: list[str] = []
+
+    def interrupted_on_the_second(spec, *a, **k):
+        calls.append(spec.name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return []
+
+    monkeypatch.setattr(taskcheck, "check_task", interrupted_on_the_second)
+    out = _invoke(["tasks", "check", "level1/leaky_relu", "level1/relu", "--device", "cpu", "--db", db])
+    text = " ".join(out.output.split())
+    assert out.exit_code == 130, out.output
+    assert "[1/2] level1/leaky_relu: ok" in text and "[2/2]" not in text
+    assert "interrupted after 1 of 2 tasks" in text
+    # both tasks' memory needs were measured before the interrupt and are read next time
+    again = _invoke(["tasks", "check", "level1/leaky_relu", "level1/relu", "--device", "cpu", "--db", db])
+    assert "0 measured now, 2 read from the store" in " ".join(again.output.split()), again.output
+
+
 def test_tasks_check_flags_a_task_too_large_for_the_budget(tmp_path: Path):
     out = _invoke(["tasks", "check", "level1/leaky_relu", "--device", "cpu", "--db", str(tmp_path / "k.db")],
                   env={"KERNELLOOP_HOST_MEMORY": "64MiB"})
