@@ -13,7 +13,7 @@ from sandbox import failures
 from sandbox.backends import backend_for
 from sandbox.compare import fp64_verdict
 from sandbox.phases import Stages
-from sandbox.process import WorkerProcess, ended_worker_pids
+from sandbox.process import WorkerProcess, worker_pids
 from sandbox.quiet import GpuWatch, IdleWatch, TimingHistory, timing_window
 from sandbox.reference import Precomputed, ReferenceWorker
 from sandbox.result import EvalConfig, EvalResult, FlagKind, KernelStat, OutputCheck, Status, Timing, Trial
@@ -241,7 +241,7 @@ class CandidateChecks:
             if gpu.note not in result.stderr:
                 result.stderr += f"\n[kernelloop] {gpu.note}"
             return set()
-        found = gpu.foreign(os.getpid(), [timed], ended_worker_pids())
+        found = gpu.foreign(os.getpid(), [timed], worker_pids())
         if gpu.unread and gpu.unread not in result.stderr:
             result.stderr += f"\n[kernelloop] {gpu.unread}"
         if found:

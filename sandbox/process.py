@@ -59,15 +59,22 @@ def outputs_root() -> Optional[str]:
 
 _LIVE: "weakref.WeakSet[WorkerProcess]" = weakref.WeakSet()
 _LIVE_LOCK = threading.Lock()
-# Pids of workers (and keepers) this process has ended, the newest last: NVML may list a worker
-# a moment after its end, while the driver tears its CUDA context down (``sandbox.quiet``).
-_ENDED: "collections.deque[int]" = collections.deque(maxlen=1024)
+# Pids of workers (and keepers) this process started, the newest last, remembered past their end:
+# NVML lists a worker for a moment after it left this process's tree, while the driver tears its
+# CUDA context down (``sandbox.quiet``), whether the sandbox ended it or it ended by itself (a
+# reference closed, a candidate that crashed).
+_STARTED: "collections.deque[int]" = collections.deque(maxlen=1024)
 
 
-def ended_worker_pids() -> frozenset[int]:
-    """The pids of workers this process started and has since ended (at most the last 1024)."""
+def _remember(*pids: Optional[int]) -> None:
     with _LIVE_LOCK:
-        return frozenset(_ENDED)
+        _STARTED.extend(p for p in pids if p and p not in _STARTED)
+
+
+def worker_pids() -> frozenset[int]:
+    """The pids of the workers (and keepers) this process started, alive or ended (the last 1024)."""
+    with _LIVE_LOCK:
+        return frozenset(_STARTED)
 
 
 def kill_all_workers() -> int:
@@ -124,6 +131,7 @@ class WorkerProcess:
             cwd=self.workdir, stdin=subprocess.DEVNULL, stdout=self._stdout, stderr=self._stderr,
             pass_fds=(child_sock.fileno(), keeper_child.fileno()), env=child_env, start_new_session=True,
             preexec_fn=preexec)
+        _remember(self.proc.pid)
         child_sock.close()
         keeper_child.close()
         self.conn = Connection(os.dup(parent_sock.fileno()))
@@ -158,6 +166,7 @@ class WorkerProcess:
             if isinstance(msg, dict) and msg.get("event") == "hello":
                 self.worker_pid, self.containment = msg.get("pid"), msg.get("mode")
                 self.cgroup_path = msg.get("cgroup")
+                _remember(self.worker_pid)
 
     def _keeper_message(self, timeout: float) -> Optional[dict[str, Any]]:
         """The keeper's next message; None where it said nothing in time or is gone."""
@@ -172,6 +181,7 @@ class WorkerProcess:
         if msg.get("event") == "hello":
             self.worker_pid, self.containment = msg.get("pid"), msg.get("mode")
             self.cgroup_path = msg.get("cgroup")
+            _remember(self.worker_pid)
             return self._keeper_message(timeout)
         return msg
 
@@ -302,8 +312,7 @@ class WorkerProcess:
 
     def kill(self) -> None:
         """Kill the worker and every process it started (``strays`` says which besides itself)."""
-        with _LIVE_LOCK:
-            _ENDED.extend(p for p in (self.worker_pid, self.proc.pid) if p)
+        _remember(self.worker_pid, self.proc.pid)
         if not self.keeper.closed:
             self.end(idle=not self.busy)
             self.keeper.close()

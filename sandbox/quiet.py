@@ -153,22 +153,23 @@ class GpuWatch:
             self.since = int(time.time() * 1e6)
 
     def foreign(self, own_root: int, allowed: Iterable[Optional[int]] = (),
-                ended: Iterable[int] = ()) -> list[tuple[int, str]]:
+                workers: Iterable[int] = ()) -> list[tuple[int, str]]:
         """Compute processes on this GPU that are neither this sandbox nor below it, and SM use
         since ``start`` by any process but the ``allowed`` pids (the worker being timed); each
         ``(pid, description)``. Empty where NVML is unavailable. Starts the next window.
 
-        ``ended``: this sandbox's workers that it has killed (``sandbox.process.ended_worker_pids``).
-        The driver lists a killed worker, with its memory, while it tears the worker's CUDA context
-        down, after the worker left this sandbox's process tree. On two H100s, 3 of 78 honest
-        builtin candidates were flagged ``contended`` by processes of their own run that were no
-        longer in its tree ("pid N holds 636 MiB on the GPU": a bare CUDA context; "1492 MiB": a
-        released reference's, by its size). Such a listing is not judged; their SM use still is
-        (a kernel still running would disturb the timing)."""
+        ``workers``: the workers this sandbox started, alive or ended (``sandbox.process.worker_pids``).
+        The driver lists a worker, with its memory, while it tears the worker's CUDA context down,
+        after the worker left this sandbox's process tree. On two H100s, 3 of 78 honest builtin
+        candidates were flagged ``contended`` by processes of their own run no longer in its tree
+        ("pid N holds 636 MiB on the GPU": a bare CUDA context; "1492 MiB": a released reference's,
+        by its size); counting only the workers the sandbox killed, 4 of 40 on one H100 still were
+        (references closed by a request to exit, candidates that ended by themselves). Such a
+        listing is not judged; their SM use still is (a kernel still running would disturb the timing)."""
         if self.handle is None:
             return []
         nv = self.nvml
-        ours = {own_root} | descendants(own_root, process_table()) | set(ended)
+        ours = {own_root} | descendants(own_root, process_table()) | set(workers)
         allowed = {p for p in allowed if p}
         found: list[tuple[int, str]] = []
         try:
