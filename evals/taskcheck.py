@@ -37,7 +37,8 @@ FLAGS: dict[str, str] = {
     "weight_insensitive": "the output does not change when the weights change",
     "nondeterministic": "the same model and inputs give different outputs",
     "too_large": "the task's measured memory needs exceed the device's budget even with nothing else running",
-    "unchecked": "the checks above ran out of device memory: the task's values were not checked",
+    "unchecked": "the harness could not check the task (its checks, or the measurement of its memory needs, "
+                 "ran out of device memory): the detail says which; not a verdict on the task",
 }
 
 # The correctness check's fp32 tolerance (sandbox.numerics: 1e-4 at fp32; check_task uses its numerics').
@@ -208,8 +209,20 @@ def check_task(spec: TaskSpec, device: str = "cpu", seed: int = 0,
     """Every degeneracy flag of ``spec`` at the sizes used on ``device``, under ``numerics``
     (model and inputs in its precision, its math mode, its tolerance); empty when the task is fine."""
     numerics = numerics or Numerics()
-    with numerics.enforced():
-        return _check_task(spec, device, seed, numerics)
+    try:
+        with numerics.enforced():
+            return _check_task(spec, device, seed, numerics)
+    finally:
+        if device == "cuda":
+            # what the checks held goes back to the GPU: the caching allocator kept it reserved
+            # in this process (40 GiB after level1/19_ReLU on an H100), and the next task's memory
+            # was then measured beside it and ran out
+            import gc
+
+            import torch
+
+            gc.collect()
+            torch.cuda.empty_cache()
 
 
 def _check_task(spec: TaskSpec, device: str, seed: int, numerics: Numerics) -> list[CheckIssue]:

@@ -356,6 +356,7 @@ def check_command(paths: Optional[list[str]] = PathsArgument, device: Optional[s
     from rich.table import Table
 
     from evals.taskcheck import FLAGS, CheckIssue, check_task
+    from sandbox.failures import InfraFailure
     from sandbox.footprint import human_bytes
 
     dev = resolve_device(device)
@@ -385,6 +386,8 @@ def check_command(paths: Optional[list[str]] = PathsArgument, device: Optional[s
         reused += stored
         try:
             fp = fp or gate.book.measure(sized, dev, numerics, env=gate.slot_env(0))
+        except InfraFailure as exc:     # the harness's own failure: said, and the next task goes on
+            return [CheckIssue(spec.name, "unchecked", f"its memory needs were not measured: {exc}")]
         except RuntimeError as exc:
             return [CheckIssue(spec.name, "runtime_error", str(exc))]
         if store is not None and not stored:
