@@ -260,8 +260,11 @@ def test_a_task_that_fits_only_without_the_float64_copy_runs_without_the_float64
     assert result.status is Status.correct and seen["fp64_check"] is False
     assert result.config.numerics.fp64_check is False and sandbox.config.numerics.fp64_check is True
     assert "float64 check skipped" in result.stderr and "60.00 MiB" in result.stderr
-    with pytest.raises(TaskTooLarge):
+    with pytest.raises(TaskTooLarge) as raised:
         sandbox.evaluate(huge, "")
+    # it names the least it would need, without the float64 copy and run (60 MiB less of the peak)
+    need_without = sandbox.memory.too_large(huge, big.without_fp64()).needed
+    assert raised.value.needed == need_without < sandbox.memory._too_large_as(huge, big).needed
     # with room for it, the float64 check stays on
     roomy = Sandbox("cpu", EvalConfig(), footprints=_PresetBook({lean.key: fp}),
                     memory_budgets={"host": 200 * MiB, "shm": 1 << 30})
