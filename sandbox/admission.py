@@ -333,7 +333,7 @@ class MemoryGate:
         if self._too_large_as(spec, fp, slot) is None:
             return fp, True
         # fits without them, or not at all: then its too_large names the least it would need
-        # (on an H100, level1/25_Swish said 111 GiB, its need with the float64 copy; it needs 81)
+        # (on an H100, level1/25_Swish said 111 GiB, its need with the float64 copy; without it, 87)
         return fp.without_fp64(), False
 
     def fp64_runs(self, spec: Any, slot: int = 0) -> bool:
