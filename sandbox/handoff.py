@@ -46,6 +46,7 @@ def plain_ipc_handle(handle: bytes) -> bool:
     return (len(handle) == IPC_HANDLE_BYTES + 2 and handle[0] in TORCH_HANDLE_VERSIONS
             and handle[1] == CUDA_MALLOC_TYPE)
 
+
 _DTYPES = {str(d).replace("torch.", ""): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
@@ -202,11 +203,10 @@ def _copy_shared(i: int, item: dict[str, Any], dtype: torch.dtype, shape: list[i
     except ValueError:
         raise Rejected(f"shared output {i}: the handle is not hex") from None
     offset = item["offset"]
-    element = dtype.itemsize
     if not plain_ipc_handle(handle):
         raise Rejected(f"shared output {i}: not a plain CUDA IPC handle ({len(handle)} bytes, "
                        f"{handle[:2].hex()}...)")
-    if offset < 0 or offset % element:
+    if offset < 0 or offset % dtype.itemsize:
         raise Rejected(f"shared output {i}: at offset {offset}")
     try:
         # no share count of the candidate's is touched (an empty name: the release finds none), and

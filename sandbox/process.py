@@ -312,7 +312,6 @@ class WorkerProcess:
 
     def kill(self) -> None:
         """Kill the worker and every process it started (``strays`` says which besides itself)."""
-        _remember(self.worker_pid, self.proc.pid)
         if not self.keeper.closed:
             self.end(idle=not self.busy)
             self.keeper.close()

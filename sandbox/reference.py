@@ -148,7 +148,7 @@ class Precomputed:
                 self.note = "not computed ahead: its memory does not fit beside the runs admitted on the device"
                 self._done.set()
                 return
-        self._thread = threading.Thread(target=self._run, args=(gate,), daemon=True, name="precompute")
+        self._thread = threading.Thread(target=self._run, daemon=True, name="precompute")
         self._thread.start()
 
     def _give_back(self) -> None:
@@ -157,10 +157,10 @@ class Precomputed:
         if held is not None:
             self._release(held)
 
-    def _run(self, gate: Any) -> None:
+    def _run(self) -> None:
         try:
-            if gate is not None:
-                with gate.background(abandon=self._abandon) as held:
+            if self._gate is not None:
+                with self._gate.background(abandon=self._abandon) as held:
                     reply = self._ask() if held.entered else {"ok": True, "skipped": "its trial came first"}
             else:
                 reply = self._ask()

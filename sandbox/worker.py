@@ -303,7 +303,7 @@ class Worker:
         if tensors is None:
             return {"ok": False, "error_type": "ProtocolError", "error_message": f"no outputs shared as {name!r}"}
         self.step = "saving the outputs"
-        return {"ok": True, "outputs": {"path": str(self._save_outputs([x.to("cpu").contiguous() for x in tensors], name))}}
+        return {"ok": True, "outputs": handoff.send(tensors, "file", self.exported, self._save_outputs, name)}
 
     def _save_outputs(self, tensors: list[torch.Tensor], name: str) -> Path:
         """Into the outputs folder (memory-backed where it has room), else, where that file
@@ -362,8 +362,8 @@ class Worker:
 
         index = int(req["index"])
         kept = getattr(self, "kept_reference", None)
+        self.kept_reference = None
         if kept is None or kept[0] != index:
-            self.kept_reference = None
             return {"ok": False, "error_type": "ProtocolError",
                     "error_message": f"no reference outputs kept for trial {index}"}
         from sandbox.failures import resource_exhausted
@@ -375,17 +375,15 @@ class Worker:
             data = handoff.receive(desc, self.device, 2 * ref_bytes + (16 << 20),
                                    lambda path: torch.load(path, map_location=self.device, weights_only=True))
         except handoff.Unmapped as exc:
-            return {"ok": True, "unmapped": str(exc)}      # kept for the same outputs sent as a file
+            self.kept_reference = kept      # kept for the same outputs sent as a file
+            return {"ok": True, "unmapped": str(exc)}
         except handoff.Rejected as exc:
-            self.kept_reference = None
             return {"ok": True, "passed": False, "checks": [], "reason": f"the candidate's outputs were refused: {exc}"}
         except Exception as exc:  # noqa: BLE001
             if resource_exhausted(type(exc).__name__, str(exc), getattr(exc, "errno", None)):
                 raise                   # the trusted side found no memory: the harness's failure
-            self.kept_reference = None
             return {"ok": True, "passed": False, "checks": [],
                     "reason": f"the candidate's outputs could not be read as plain tensors ({type(exc).__name__})"}
-        self.kept_reference = None
         config = EvalConfig.model_validate(req["config"])
         passed, reason, checks = compare_outputs(kept[1], data, config)
         flat64 = kept[2]
