@@ -7,6 +7,11 @@
 #                                     # starts after it, default 300); footprints read from a carried .gpu-store/fp32.db
 #   bash scripts/gpu_scale.sh big     # tasks check + optimize on the level-1 tasks that ran out of memory before
 #   bash scripts/gpu_scale.sh tests   # the GPU tests of the sandbox (adversarial, admission, pool, failures)
+#   bash scripts/gpu_scale.sh kb-check     # tasks check over KernelBench levels 1-3 (CHECK_S box, default 540)
+#   bash scripts/gpu_scale.sh kb-optimize  # optimize level 1, rounds 1, samples 2 (LOOP_S box, default 540;
+#                                          # RESUME=<run> goes on with that run)
+# The kb stages read and write a carried .gpu-store/fp32.db (footprints, runs): each call goes on
+# where the last stopped once its returned out/fp32.db is copied back to .gpu-store/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -33,6 +38,18 @@ case "${1:-bench}" in
     box ${TESTS_S:-560} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 500 tests/test_sandbox_adversarial.py \
       tests/test_admission.py tests/test_pool.py tests/test_sandbox_failures.py 2>&1 | tail -15 | tee "$OUT/tests.txt"
     ;;
-  *) echo "unknown stage $1 (bench, big, tests)"; exit 2 ;;
+  kb-check|kb-optimize)
+    mkdir -p .gpu-store; [ -f .gpu-store/fp32.db ] && cp .gpu-store/fp32.db /tmp/kb.db
+    export KERNELLOOP_DB=/tmp/kb.db
+    if [ "$1" = kb-check ]; then
+      box ${CHECK_S:-540} $KL tasks check .kb/level1 .kb/level2 .kb/level3 --device cuda 2>&1 | grep -v USDT \
+        > "$OUT/kb_check.txt"
+    else
+      box ${LOOP_S:-540} $KL optimize .kb/level1 --model builtin --rounds 1 --samples 2 --device cuda \
+        ${RESUME:+--resume $RESUME} 2>&1 | grep -v USDT > "$OUT/kb_optimize.txt"
+    fi
+    tail -c 6000 "$OUT"/kb_*.txt; cp /tmp/kb.db "$OUT/fp32.db"
+    ;;
+  *) echo "unknown stage $1 (bench, big, tests, kb-check, kb-optimize)"; exit 2 ;;
 esac
 cp "$KERNELLOOP_DB" "$OUT/" 2>/dev/null
