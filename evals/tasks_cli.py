@@ -348,14 +348,19 @@ def check_command(paths: Optional[list[str]] = PathsArgument, device: Optional[s
                                               help="measure each task's memory needs (stored) and say whether it fits"),
                   remeasure: bool = typer.Option(False, "--remeasure",
                                                  help="measure every task's memory needs again, even where the store "
-                                                      "has them for this device, torch and numerics")) -> None:
+                                                      "has them for this device, torch and numerics"),
+                  recheck: bool = typer.Option(False, "--recheck",
+                                               help="run the degeneracy checks again, even where the store has "
+                                                    "their verdict for this device, torch, numerics and checks")) -> None:
     """Flag degenerate tasks (constant, near-zero, insensitive outputs...) and tasks too large for
-    the device's memory budget; exit code 1 when any is flagged. Memory needs already in the store
-    for this device, torch version and numerics are read, not measured again (``--remeasure``): a
-    check of KernelBench's 250 tasks stopped part way goes on where it stopped."""
+    the device's memory budget; exit code 1 when any is flagged. Memory needs and verdicts already
+    in the store for this device, torch version and numerics are read, not measured or checked
+    again (``--remeasure``, ``--recheck``): a check of KernelBench's 250 tasks stopped part way goes
+    on where it stopped."""
     from rich.table import Table
 
-    from evals.taskcheck import FLAGS, CheckIssue, check_task
+    import evals.taskcheck as taskcheck
+    from evals.taskcheck import FLAGS, CheckIssue
     from sandbox.failures import InfraFailure
     from sandbox.footprint import human_bytes
 
@@ -371,11 +376,19 @@ def check_command(paths: Optional[list[str]] = PathsArgument, device: Optional[s
         table.add_column(col, no_wrap=col != "detail")
     flagged = 0
     seen_flags: set[str] = set()
-    store = _maybe_store(db) if memory else None
+    store = _maybe_store(db)
     gate = _memory_gate(dev, numerics, store) if memory else None
     footprints: list[tuple[str, Any, Optional[str]]] = []
-    reused = done = 0
+    reused = done = checks_read = checks_run = 0
     interrupted = False
+    where = None
+    if store is not None:
+        import torch
+
+        from sandbox.evaluate import _device_name
+
+        where = {"device": dev, "device_name": _device_name(dev), "torch_version": torch.__version__,
+                 "numerics": numerics.label, "checker": taskcheck.checker_version()}
 
     def memory_issues(spec: Any) -> list[CheckIssue]:
         """The task's memory needs (read from the store, else measured and stored) and whether it fits."""
@@ -401,12 +414,34 @@ def check_command(paths: Optional[list[str]] = PathsArgument, device: Optional[s
         footprints.append((spec.name, fp, big.reason if big else None))
         return [CheckIssue(spec.name, "too_large", big.reason)] if big is not None else []
 
+    def degeneracy_issues(spec: Any) -> list[CheckIssue]:
+        """The degeneracy checks' verdict: read from the store, else run and stored (an
+        ``unchecked`` one, the harness's failure, is not stored)."""
+        nonlocal checks_read, checks_run
+        key = with_device_sizes(spec, dev).key
+        if store is not None and not recheck:
+            with store.reader() as s:
+                stored = latest_task_check(s, key, where)
+            if stored is not None:
+                checks_read += 1
+                return [CheckIssue(**row) for row in stored]
+        t0 = time.monotonic()
+        issues = taskcheck.check_task(spec, dev, numerics=numerics)
+        checks_run += 1
+        if store is not None and not any(i.flag == "unchecked" for i in issues):
+            with store.session() as s:
+                save_task_check(s, with_device_sizes(spec, dev), where, [i.to_dict() for i in issues],
+                                time.monotonic() - t0)
+        return issues
+
+    if store is not None:
+        from store.repo import latest_task_check, save_task_check
     try:
         for spec in specs:
-            t0 = time.monotonic()
+            t0, read_before = time.monotonic(), checks_read
             issues = memory_issues(spec) if gate is not None else []
             if not issues:
-                issues = check_task(spec, dev, numerics=numerics)
+                issues = degeneracy_issues(spec)
             done += 1
             if issues:
                 flagged += 1
@@ -415,7 +450,8 @@ def check_command(paths: Optional[list[str]] = PathsArgument, device: Optional[s
                 table.add_row(spec.name, issue.flag, issue.message.splitlines()[0] if issue.message else "")
             if len(specs) > 1:      # a line per task as it ends: KernelBench's 250 take about half an hour on a GPU
                 verdict = ", ".join(sorted({i.flag for i in issues})) or "ok"
-                console.print(f"[{done}/{len(specs)}] {spec.name}: {verdict} ({time.monotonic() - t0:.1f} s)",
+                how = ", verdict read from the store" if checks_read > read_before else ""
+                console.print(f"[{done}/{len(specs)}] {spec.name}: {verdict} ({time.monotonic() - t0:.1f} s{how})",
                               highlight=False)
     except KeyboardInterrupt:
         interrupted = True
@@ -426,13 +462,16 @@ def check_command(paths: Optional[list[str]] = PathsArgument, device: Optional[s
         console.print(footprint_table(footprints, f"memory on {dev} · {numerics.label} · budgets: {budgets}"))
         console.print(f"memory needs: {len(footprints) - reused} measured now, {reused} read from the store "
                       f"(--remeasure measures them again)", highlight=False)
+    if store is not None and checks_read + checks_run:
+        console.print(f"degeneracy checks: {checks_run} run now, {checks_read} verdicts read from the store "
+                      f"(--recheck runs them again)", highlight=False)
     if flagged:
         console.print(table)
         for flag in sorted(seen_flags):
             console.print(f"  {flag}: {FLAGS.get(flag, '')}", highlight=False)
     if interrupted:
         console.print(f"[bold yellow]interrupted after {done} of {len(specs)} tasks ({flagged} flagged); run it again: "
-                      f"the memory needs measured so far are read from the store, not measured again[/]",
+                      f"the memory needs and verdicts found so far are read from the store, not found again[/]",
                       highlight=False)
         raise typer.Exit(130)
     if flagged:

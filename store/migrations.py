@@ -12,6 +12,7 @@ from typing import Callable
 import sqlalchemy as sa
 
 from store.migration_backend import m007_backend
+from store.migration_task_checks import m008_task_checks
 
 APP_ID = "kernelloop"
 
@@ -200,5 +201,6 @@ MIGRATIONS: list[Callable[[sa.Connection], None]] = [
     m005_model_call_reasoning_and_limits,
     m006_evaluation_containment,
     m007_backend,          # store/migration_backend.py
+    m008_task_checks,      # store/migration_task_checks.py
 ]
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -197,3 +197,21 @@ class TaskFootprint(Base):
     details: Mapped[dict[str, Any]] = mapped_column(JSON)             # Footprint.to_dict()
     created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)
     task: Mapped[Task] = relationship()
+
+
+class TaskCheck(Base):
+    """The degeneracy checks' verdict on a task (``evals.taskcheck``): its flags as
+    ``CheckIssue.to_dict()`` rows, empty when the task is fine."""
+    __tablename__ = "task_checks"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    task_id: Mapped[int] = mapped_column(ForeignKey("tasks.id"), index=True)
+    task_key: Mapped[str] = mapped_column(String(32), index=True)     # source hash + size overrides
+    device: Mapped[str] = mapped_column(String(16))
+    device_name: Mapped[str] = mapped_column(String(200))
+    torch_version: Mapped[str] = mapped_column(String(64))
+    numerics: Mapped[str] = mapped_column(String(32))
+    checker: Mapped[str] = mapped_column(String(32))                  # hash of the checks' source
+    issues: Mapped[list[Any]] = mapped_column(JSON)
+    seconds: Mapped[float] = mapped_column(Float)                     # how long the checks took
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)
+    task: Mapped[Task] = relationship()

@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 from sandbox.footprint import Footprint, FootprintBook
 from sandbox.result import EvalConfig, EvalResult
 from sandbox.tasks import TaskSpec
-from store.models import Analysis, Attempt, Evaluation, Run, Task, TaskFootprint
+from store.models import Analysis, Attempt, Evaluation, Run, Task, TaskCheck, TaskFootprint
 
 
 def call_fields(c, left_out: Optional[list[str]] = None) -> dict:
@@ -146,3 +146,20 @@ def footprint_book(store, device_name: str, torch_version: str) -> FootprintBook
             save_footprint(s, spec, fp, torch_version)
 
     return FootprintBook(load=load, save=save)
+
+
+def save_task_check(session: Session, spec: TaskSpec, where: dict, issues: list[dict], seconds: float) -> TaskCheck:
+    """Store the degeneracy checks' verdict on ``spec``; ``where`` names device, device_name,
+    torch_version, numerics and checker (``evals.taskcheck.checker_version``)."""
+    row = TaskCheck(task_id=upsert_task(session, spec).id, task_key=spec.key, issues=issues, seconds=seconds, **where)
+    session.add(row)
+    session.flush()
+    return row
+
+
+def latest_task_check(session: Session, task_key: str, where: dict) -> Optional[list[dict]]:
+    """The newest stored verdict on the task with exactly these ``where`` fields, else None."""
+    q = sa.select(TaskCheck).where(TaskCheck.task_key == task_key,
+                                   *(getattr(TaskCheck, k) == v for k, v in where.items()))
+    row = session.scalar(q.order_by(TaskCheck.id.desc()).limit(1))
+    return list(row.issues) if row is not None else None

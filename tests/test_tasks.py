@@ -283,3 +283,41 @@ def test_tasks_check_unknown_task_is_a_usage_error():
     result = runner.invoke(tasks_app, ["check", "level1/no_such_task", "--device", "cpu"])
     assert result.exit_code == 2
     assert "no_such_task" in result.output
+
+
+def test_tasks_check_stores_its_verdicts_and_a_second_check_reads_them(tmp_path, monkeypatch):
+    # KernelBench's 250 tasks take about half an hour of one GPU: a check stopped part way goes on
+    # where it stopped, reading the verdicts already found instead of running every check again.
+    db = str(tmp_path / "k.db")
+    args = ["check", str(DEGENERATE / "constant.py"), "level1/relu", "--device", "cpu", "--db", db]
+    wide = {"COLUMNS": "250"}
+    first = runner.invoke(tasks_app, args, env=wide)
+    assert first.exit_code == 1 and "constant" in first.output, first.output
+    assert "degeneracy checks: 2 run now, 0 verdicts read from the store" in first.output
+    real, ran = taskcheck.check_task, []
+    monkeypatch.setattr(taskcheck, "check_task", lambda spec, *a, **k: ran.append(spec.name) or real(spec, *a, **k))
+    again = runner.invoke(tasks_app, args, env=wide)
+    assert again.exit_code == 1 and ran == [], again.output
+    assert "constant" in again.output and "1 of 2 tasks flagged" in again.output
+    assert "0 run now, 2 verdicts read from the store" in again.output
+    assert "level1/relu: ok" in again.output and "verdict read from the store" in again.output
+    forced = runner.invoke(tasks_app, args + ["--recheck"], env=wide)
+    assert forced.exit_code == 1 and len(ran) == 2, forced.output
+    # checks whose source changed do not take the old verdicts as theirs
+    monkeypatch.setattr(taskcheck, "checker_version", lambda: "changed")
+    runner.invoke(tasks_app, args, env=wide)
+    assert len(ran) == 4
+
+
+def test_an_unchecked_verdict_is_not_stored(tmp_path, monkeypatch):
+    from evals.taskcheck import CheckIssue
+
+    db = str(tmp_path / "k.db")
+    args = ["check", "level1/relu", "--device", "cpu", "--db", db]
+    monkeypatch.setattr(taskcheck, "check_task",
+                        lambda spec, *a, **k: [CheckIssue(spec.name, "unchecked", "the checks ran out of cpu memory")])
+    out = runner.invoke(tasks_app, args)
+    assert out.exit_code == 1 and "unchecked" in out.output, out.output
+    monkeypatch.undo()
+    again = runner.invoke(tasks_app, args)
+    assert again.exit_code == 0 and "1 run now, 0 verdicts read" in " ".join(again.output.split()), again.output
