@@ -336,6 +336,14 @@ class MemoryGate:
         # (on an H100, level1/25_Swish said 111 GiB, its need with the float64 copy; without it, 87)
         return fp.without_fp64(), False
 
+    def candidate_share(self, spec: Any, slot: int = 0) -> int:
+        """Device bytes a run admits its candidate worker for (its context and estimated peak);
+        0 off cuda or where the footprint is not known."""
+        fp = self.book.known(spec, self.device, self.numerics)
+        if self.device != "cuda" or fp is None:
+            return 0
+        return self.context + self.plan(spec, fp, slot)[0].candidate_peak_bytes
+
     def fp64_runs(self, spec: Any, slot: int = 0) -> bool:
         """Whether the task's float64 check runs (its footprint is measured first if not known)."""
         return self.plan(spec, self.footprint(spec, slot), slot)[1]

@@ -67,7 +67,7 @@ class CandidateChecks:
                 c = cand.ask(ask, cfg.run_timeout_s)
             output_bytes = r.get("output_bytes", 0)
             if not c.get("ok"):
-                _raise_if_infra(c)      # the harness's failure: no trial of the candidate's to record
+                _raise_if_infra(c, cand)    # the harness's failure: no trial of the candidate's to record
             trial = Trial(index=index, candidate_first=candidate_first, passed=False)
             result.trials.append(trial)
             if not c.get("ok"):
@@ -128,7 +128,7 @@ class CandidateChecks:
             ct = cand.ask({**timed, "check_runs": check_runs, "sample": True}, cfg.run_timeout_s)
             cand_wall = time.monotonic() - w0
             if not ct.get("ok"):
-                _raise_if_infra(ct)
+                _raise_if_infra(ct, cand)
                 result.status = Status.runtime_error
                 result.error_type = ct.get("error_type")
                 result.error_message = f"while timing: {ct.get('error_message')}"
@@ -137,7 +137,7 @@ class CandidateChecks:
             result.candidate_time = Timing(**ct["timing"])
             outs = cand.ask({"op": "timed_outputs"}, cfg.run_timeout_s)
             if not outs.get("ok"):
-                _raise_if_infra(outs)
+                _raise_if_infra(outs, cand)
             result.add_strays(cand.sweep(), "during its timed runs")
             self._foreign(gpu, result, "while the candidate was timed", cand.worker_pid)
             idle = IdleWatch(cand.worker_pid)
@@ -261,7 +261,7 @@ class CandidateChecks:
                 result.stderr += note
             again = cand.ask({"op": "resend", "name": outputs.get("name")}, self.config.run_timeout_s)
             if not again.get("ok"):
-                _raise_if_infra(again)
+                _raise_if_infra(again, cand)
                 return False, f"the candidate's outputs could not be sent again: {again.get('error_message')}", []
             reply = ref.ask({**ask, "outputs": again["outputs"]})
         if not reply.get("ok") or reply.get("unmapped"):
@@ -336,8 +336,11 @@ class CandidateChecks:
                             f"(every fp32 GEMM and convolution FLOP at the TF32 rate)")
 
 
-def _raise_if_infra(reply: dict) -> None:
-    """A failed reply of the candidate worker that is the harness's doing ends the run as infra."""
-    verdict = failures.candidate_reply(reply)
+def _raise_if_infra(reply: dict, cand: Any = None) -> None:
+    """A failed reply of the candidate worker that is the harness's doing ends the run as infra:
+    a harness step's (``failures.candidate_reply``), or the candidate's own code out of device
+    memory it was admitted for but could not have (``failures.candidate_oom``)."""
+    verdict = (failures.candidate_reply(reply)
+               or failures.candidate_oom(reply, getattr(cand, "device_share", 0)))
     if verdict is not None and verdict.infra:
         raise failures.InfraFailure(verdict.message, verdict.error_type)

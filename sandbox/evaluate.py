@@ -438,6 +438,7 @@ class Sandbox:
         try:
             with phase(result, "worker"):
                 cand = self._candidate_worker(slot)
+            cand.device_share = self.memory.candidate_share(spec, slot)     # read by sandbox.failures.candidate_oom
         except BaseException:
             if first is not None:
                 first.discard()

@@ -15,7 +15,9 @@ candidate does can take it back); a death before that event is the harness's, on
 is the candidate's, whatever the exit code (``os._exit(0)`` included). A harness step that
 fails inside the candidate's process after its code ran is the harness's only when it ran out
 of memory or disk space while the process held no more than the harness's own buffers need
-(``RESOURCE_SLACK`` over them); anything else is the candidate's, as before.
+(``RESOURCE_SLACK`` over them); anything else is the candidate's, as before. The candidate's own
+code running out of device memory is the harness's when the candidate could not have had the
+memory it was admitted for (``candidate_oom``): other processes held more than theirs.
 """
 from __future__ import annotations
 
@@ -155,6 +157,26 @@ def candidate_reply(reply: dict[str, Any]) -> Optional[Verdict]:
                    f"the harness ran out of {kind} while {where} in the candidate's worker "
                    f"({reply.get('error_type')}: {str(reply.get('error_message'))[:300]}; the process held "
                    f"{held / 2**30:.2f} GiB, the harness's buffers need {need / 2**30:.2f} GiB)")
+
+
+def candidate_oom(reply: dict[str, Any], share: int) -> Optional[Verdict]:
+    """A candidate's own code that ran out of device memory where it could not have had its
+    admitted ``share`` (``MemoryGate.candidate_share``): what it held plus what the device had
+    free was less, so other processes held more than they were admitted for. The harness's
+    failure, retried; None where the candidate had its share (its own excess) or the figures
+    are missing."""
+    if share <= 0 or reply.get("harness_error") or "device_free" not in reply:
+        return None
+    if resource_exhausted(reply.get("error_type"), reply.get("error_message")) != "memory":
+        return None
+    held, free = int(reply.get("memory_held") or 0), int(reply["device_free"])
+    if held + free + RESOURCE_SLACK >= share:
+        return None
+    return Verdict(True, "InfraError",
+                   f"the candidate ran out of device memory holding {held / 2**30:.2f} GiB with "
+                   f"{free / 2**30:.2f} GiB free, less than the {share / 2**30:.2f} GiB it was admitted for: "
+                   f"other processes held more than theirs ({reply.get('error_type')}: "
+                   f"{str(reply.get('error_message'))[:200]})")
 
 
 def classify(exc: BaseException, candidate_worker: Any = None) -> Verdict:

@@ -97,6 +97,7 @@ class WorkerProcess:
     def __init__(self, role: str, hide_gpu: bool = False, memory_limit_mb: Optional[int] = None,
                  env: Optional[dict[str, str]] = None):
         self.role = role
+        self.device_share = 0       # device bytes its run admitted it for (sandbox.failures.candidate_oom)
         self.workdir = Path(tempfile.mkdtemp(prefix=f"kl-{role}-"))
         self.out_dir = Path(tempfile.mkdtemp(prefix=f"kl-{role}-out-", dir=outputs_root()))
         parent_sock, child_sock = socket.socketpair()

@@ -59,8 +59,15 @@ def _recv(conn: Connection) -> dict[str, Any]:
 
 
 def _exc_payload(exc: BaseException) -> dict[str, Any]:
-    return {"error_type": type(exc).__name__, "error_message": str(exc)[:4000],
-            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-8000:]}
+    payload = {"error_type": type(exc).__name__, "error_message": str(exc)[:4000],
+               "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-8000:]}
+    if isinstance(exc, torch.OutOfMemoryError) and torch.cuda.is_initialized():
+        # what this process held and what the device had free when it ran out: the parent
+        # tells the candidate's own excess from other processes holding more than admitted
+        # (sandbox.failures.candidate_oom)
+        payload["memory_held"] = _memory_held("cuda")
+        payload["device_free"] = int(torch.cuda.mem_get_info()[0])
+    return payload
 
 
 class Worker:
@@ -171,21 +178,23 @@ class Worker:
         return {"ok": True, "threads_started": threading.active_count() - threads_before}
 
     # ---- requests ---------------------------------------------------------------
-    def _poison(self, nbytes: int) -> None:
-        """Fill memory the candidate might read uninitialised with NaN."""
-        if self.role != "candidate" or nbytes <= 0:
+    def _poison(self, sizes: list[int]) -> None:
+        """Fill memory the candidate might read uninitialised with NaN: one block per size the
+        run is about to allocate (the inputs' copies, its outputs), freed into the caching
+        allocator, which hands those blocks out again for allocations of those sizes. The poison
+        thus holds no memory beyond what the run takes anyway. (It was poured in 256 MiB chunks:
+        on cuda those could not serve a 6 GiB copy or output and stayed reserved beside them, 24
+        GiB at level1/19_ReLU's sizes, which ran the same run's reference out of memory.)"""
+        if self.role != "candidate":
             return
         if self.device == "cuda":
             torch.cuda.empty_cache()
-        # In chunks, as much as fits: the poison is a harness buffer and must not be what runs
-        # the device out of memory (at KernelBench's published sizes it was 4x the inputs).
-        chunk, left, held = 256 << 20, max(nbytes, 1 << 20), []
-        try:
-            while left > 0:
-                held.append(torch.full((min(chunk, left) // 4,), float("nan"), device=self.device))
-                left -= chunk
-        except (torch.OutOfMemoryError, MemoryError, RuntimeError):
-            pass
+        held = []
+        for nbytes in sorted((n for n in sizes if n > 0), reverse=True):
+            try:        # as much as fits: the poison is a harness buffer, never what runs out of memory
+                held.append(torch.full(((nbytes + 3) // 4,), float("nan"), device=self.device))
+            except (torch.OutOfMemoryError, MemoryError, RuntimeError):
+                continue
         del held
 
     def precompute(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -232,7 +241,8 @@ class Worker:
         in_bytes = sum(x.numel() * x.element_size() for x in tensors)
         self.harness_bytes = 2 * in_bytes + 2 * int(req.get("output_bytes", 0))
         self.step = "poisoning free memory"
-        self._poison(2 * in_bytes + int(req.get("output_bytes", 0)) * 2)
+        out_bytes = int(req.get("output_bytes", 0))
+        self._poison([x.numel() * x.element_size() for x in tensors] + [out_bytes, out_bytes])
         self.step = "copying the inputs"
         originals = [x.clone() for x in tensors]
         ptrs = {x.data_ptr() for x in tensors if x.numel()}

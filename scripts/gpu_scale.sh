@@ -7,6 +7,7 @@
 #                                     # starts after it, default 300); footprints read from a carried .gpu-store/fp32.db
 #   bash scripts/gpu_scale.sh big     # tasks check + optimize on the level-1 tasks that ran out of memory before
 #   bash scripts/gpu_scale.sh tests   # the GPU tests of the sandbox (adversarial, admission, pool, failures)
+#   bash scripts/gpu_scale.sh kb-memory    # GPU tests of sandbox failures; per-worker GPU memory on four 6 GiB tasks
 #   bash scripts/gpu_scale.sh kb-check     # tasks check over KernelBench levels 1-3 (CHECK_S box, default 540)
 #   bash scripts/gpu_scale.sh kb-optimize  # optimize level 1, rounds 1, samples 2 (LOOP_S box, default 540;
 #                                          # RESUME=<run> goes on with that run)
@@ -38,6 +39,18 @@ case "${1:-bench}" in
     box ${TESTS_S:-560} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 500 tests/test_sandbox_adversarial.py \
       tests/test_admission.py tests/test_pool.py tests/test_sandbox_failures.py 2>&1 | tail -15 | tee "$OUT/tests.txt"
     ;;
+  kb-memory)
+    # the new GPU tests of the sandbox's failures, then what each worker really holds (scripts/gpu_memwatch.py)
+    # while four 6 GiB level-1 tasks run (a copy of the store: nothing of it comes back)
+    box ${TESTS_S:-200} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 180 tests/test_sandbox_failures.py \
+      2>&1 | tail -8 | tee "$OUT/memory_tests.txt"
+    [ -f .gpu-store/fp32.db ] && cp .gpu-store/fp32.db /tmp/kbm.db
+    python3 scripts/gpu_memwatch.py > "$OUT/memwatch.txt" & watch=$!
+    KERNELLOOP_DB=/tmp/kbm.db box ${LOOP_S:-200} $KL optimize $(named level1/19_ReLU level1/21_Sigmoid level1/23_Softmax \
+      level1/24_LogSoftmax) --model builtin --rounds 1 --samples 2 --device cuda 2>&1 | grep -v USDT > "$OUT/optimize_memory.txt"
+    kill -INT $watch; wait $watch
+    tail -25 "$OUT/optimize_memory.txt"; cat "$OUT/memwatch.txt"
+    ;;
   kb-check|kb-optimize)
     mkdir -p .gpu-store; [ -f .gpu-store/fp32.db ] && cp .gpu-store/fp32.db /tmp/kb.db
     export KERNELLOOP_DB=/tmp/kb.db
@@ -50,6 +63,6 @@ case "${1:-bench}" in
     fi
     tail -c 6000 "$OUT"/kb_*.txt; cp /tmp/kb.db "$OUT/fp32.db"
     ;;
-  *) echo "unknown stage $1 (bench, big, tests, kb-check, kb-optimize)"; exit 2 ;;
+  *) echo "unknown stage $1 (bench, big, tests, kb-memory, kb-check, kb-optimize)"; exit 2 ;;
 esac
 cp "$KERNELLOOP_DB" "$OUT/" 2>/dev/null

@@ -154,3 +154,97 @@ def test_a_task_whose_reference_cannot_load_stops_with_its_cause_without_retries
     with Sandbox("cpu", CFG) as sandbox:
         with pytest.raises(TaskFailed, match="this task is broken"):
             sandbox.evaluate(read_spec(path), CANDIDATE)
+
+
+GiB = 1 << 30
+
+
+def test_a_candidate_out_of_device_memory_it_was_admitted_for_is_the_harness_s_failure():
+    """On an H100 at KernelBench's published sizes (level1/24_LogSoftmax), candidates ran out of
+    memory in their forward holding 12.6 GiB with 2 GiB free, admitted for 36 GiB, because another
+    worker held 62 GiB: that was stored as the candidates' runtime_error."""
+    from sandbox.failures import candidate_oom
+
+    oom = {"ok": False, "error_type": "OutOfMemoryError",
+           "error_message": "CUDA out of memory. Tried to allocate 6.00 GiB.",
+           "memory_held": int(12.6 * GiB), "device_free": int(2 * GiB)}
+    verdict = candidate_oom(oom, 36 * GiB)
+    assert verdict is not None and verdict.infra
+    assert "holding 12.60 GiB with 2.00 GiB free" in verdict.message and "36.00 GiB" in verdict.message
+    assert candidate_oom({**oom, "memory_held": 40 * GiB}, 36 * GiB) is None     # held beyond its share: its own
+    assert candidate_oom({**oom, "device_free": 30 * GiB}, 36 * GiB) is None     # its share was there to take
+    assert candidate_oom(oom, 0) is None                                         # no share known (cpu)
+    assert candidate_oom({k: v for k, v in oom.items() if k != "device_free"}, 36 * GiB) is None
+    assert candidate_oom({**oom, "error_type": "ValueError", "error_message": "bad shape"}, 36 * GiB) is None
+    assert candidate_oom({**oom, "harness_error": True}, 36 * GiB) is None       # candidate_reply judges those
+
+
+@pytest.mark.gpu
+def test_the_poison_is_reused_by_the_runs_allocations_not_held_beside_them():
+    """The NaN poison before a candidate's run was poured in 256 MiB chunks, which could not
+    serve a 6 GiB copy or output and stayed reserved beside them (24 GiB at level1/19_ReLU's
+    sizes). Poured as blocks of the sizes the run allocates, it is what they are carved from."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from sandbox.worker import Worker
+
+    torch.cuda.empty_cache()
+    x = torch.randn(256 << 20, device="cuda")                       # 1 GiB of inputs
+    base = torch.cuda.memory_reserved()
+    Worker._poison(SimpleNamespace(role="candidate", device="cuda"), [x.nbytes, x.nbytes])   # copy, output
+    copy = x.clone()
+    out = torch.empty_like(x)
+    assert torch.isnan(out).all()                                   # handed the poisoned block
+    assert torch.cuda.memory_reserved() - base <= 2 * x.nbytes + (64 << 20)      # in chunks: 4 GiB
+    del copy, out, x
+    torch.cuda.empty_cache()
+
+
+CANDIDATE_ALLOCATING = textwrap.dedent('''
+    import torch
+    import torch.nn as nn
+
+
+    class ModelNew(nn.Module):
+        def forward(self, x):
+            scratch = torch.empty({numel}, device=x.device)
+            return torch.relu(x) + 0 * scratch[:1]
+''')
+
+
+@pytest.mark.gpu
+def test_a_candidate_starved_by_another_process_is_infra_and_its_own_excess_is_its_own(tmp_path):
+    """A process outside the admission's accounting holds all but 6 GiB of the GPU: a candidate
+    admitted for 20 GiB that then cannot have 8 gets ``infra_error`` with the figures, never
+    ``runtime_error``; with the GPU free, a candidate asking more than the GPU has keeps its
+    ``runtime_error``."""
+    import subprocess
+    import sys
+
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    spec = _spec(tmp_path, rows=4096, cols=16384)                   # 256 MiB of inputs
+    with Sandbox("cuda", CFG) as sandbox:
+        sandbox.memory.footprint(spec)                              # measured before the hog arrives
+        # the candidate's admitted share, as for a task whose candidates may hold 20 GiB
+        sandbox.memory.candidate_share = lambda spec, slot=0: 20 * GiB
+        free = torch.cuda.mem_get_info()[0]
+        hog = subprocess.Popen([sys.executable, "-c",
+                                "import sys, torch; x = torch.empty(int(sys.argv[1]), dtype=torch.uint8, "
+                                "device='cuda'); print('held', flush=True); sys.stdin.read()",
+                                str(free - 6 * GiB)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        try:
+            assert hog.stdout.readline().strip() == b"held"
+            starved = sandbox.evaluate(spec, CANDIDATE_ALLOCATING.format(numel=(8 * GiB) // 4))
+        finally:
+            hog.kill()
+            hog.wait()
+        assert starved.status is Status.infra_error, (starved.status, starved.error_message)
+        assert "less than the" in starved.error_message and "admitted for" in starved.error_message
+        assert len(starved.infra_retries) == MAX_INFRA_RETRIES
+        greedy = sandbox.evaluate(spec, CANDIDATE_ALLOCATING.format(numel=(400 * GiB) // 4))
+        assert greedy.status is Status.runtime_error and "OutOfMemoryError" in (greedy.error_type or ""), greedy
