@@ -502,3 +502,46 @@ def test_a_run_interrupted_while_a_footprint_is_measured_keeps_no_footprint_and_
     assert not raised, raised                     # before: TaskTooLarge ("the measuring worker died")
     assert results[0].status is not Status.correct and "interrupted" in (results[0].error_message or "")
     assert sandbox.memory.book.known(spec, "cpu", sandbox.config.numerics) is None   # nothing kept
+
+
+class _MeasuringWorker:
+    """What measure_in_worker uses of a reference worker, with a compare that fails as given."""
+
+    def __init__(self, tmp_path: Path, compare_raises: BaseException):
+        import torch
+
+        from sandbox.tasks import load_task
+
+        self.device, self.numerics, self.model = "cpu", Numerics(), torch.nn.ReLU()
+        self.task = load_task(read_spec(discover(["level1/relu"])[0]))
+        self.tmp, self.raises, self.kept_reference, self.step = tmp_path, compare_raises, None, ""
+
+    def trial(self, req):
+        import torch
+
+        self.kept_reference = (0, [torch.zeros(4)], None, req["seed"])
+        return {"ok": True}
+
+    def _save_outputs(self, tensors, name):
+        return self.tmp / name
+
+    def compare(self, req):
+        raise self.raises
+
+
+def test_a_measurement_out_of_memory_in_its_compare_is_the_tasks_size_not_the_harness(tmp_path: Path):
+    """The measuring worker has its device alone: on an H100, level1/45_Average_Pooling_2D's
+    compare asked 16 GiB beside 64 and the task was reported `unchecked` (the harness's
+    failure); the figures are lower bounds and the task too_large."""
+    import errno
+
+    import torch
+
+    from sandbox.footprint import measure_in_worker
+
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB. GPU 0 has a total capacity of 79.18 GiB")
+    reply = measure_in_worker(_MeasuringWorker(tmp_path, oom), {})
+    assert reply["ok"] and reply["footprint"]["oom"].startswith("OutOfMemoryError")
+    assert reply["footprint"]["reference_peak_bytes"] >= 16 << 30
+    with pytest.raises(OSError):        # a full disk stays the harness's failure (the worker says harness_error)
+        measure_in_worker(_MeasuringWorker(tmp_path, OSError(errno.ENOSPC, "No space left on device")), {})
