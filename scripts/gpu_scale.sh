@@ -58,8 +58,10 @@ case "${1:-bench}" in
       box ${CHECK_S:-540} $KL tasks check .kb/level1 .kb/level2 .kb/level3 --device cuda 2>&1 | grep -v USDT \
         > "$OUT/kb_check.txt"
     else
+      python3 scripts/gpu_memwatch.py > "$OUT/kb_optimize_memwatch.txt" & watch=$!
       box ${LOOP_S:-540} $KL optimize .kb/level1 --model builtin --rounds 1 --samples 2 --device cuda \
         ${RESUME:+--resume $RESUME} 2>&1 | grep -v USDT > "$OUT/kb_optimize.txt"
+      kill -INT $watch; wait $watch; cat "$OUT/kb_optimize_memwatch.txt"
     fi
     tail -c 6000 "$OUT"/kb_*.txt; cp /tmp/kb.db "$OUT/fp32.db"
     ;;
