@@ -33,6 +33,7 @@ def main() -> None:
     pynvml.nvmlInit()
     handle = pynvml.nvmlDeviceGetHandleByIndex(args.gpu)
     peaks: dict[int, tuple[int, str]] = {}
+    roles: dict[int, str] = {}
     total_peak, total_at = 0, ""
     stop = []
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -45,8 +46,10 @@ def main() -> None:
             procs = []
         now = {p.pid: int(p.usedGpuMemory or 0) for p in procs}
         for pid, used in now.items():
+            if pid not in roles or roles[pid] == "?":
+                roles[pid] = role_of(pid)       # read while the process lives: it may be gone at its peak
             if used > peaks.get(pid, (0, ""))[0]:
-                peaks[pid] = (used, role_of(pid))
+                peaks[pid] = (used, roles[pid])
         if sum(now.values()) > total_peak:
             total_peak = sum(now.values())
             total_at = ", ".join(f"{peaks[p][1]} {p}: {u / 2**30:.2f} GiB" for p, u in sorted(now.items()))
