@@ -7,9 +7,12 @@ A sandbox's workers are admitted from their task's measured footprint (``sandbox
   task's run needs the room and it is idle (least recently used first);
 * a **candidate run** holds its candidate worker's resident bytes, the host memory and files
   of outputs in transit, and a *transient* figure: the trial peaks of its reference and its
-  candidate together. Transients happen only while a run holds its slot's device lock, one run
-  per slot at a time, so a pool counts the largest transient of its runs, not their sum:
-  ``usage = sum(resident) + max(transient)``.
+  candidate together. A pool counts every holding's resident and transient bytes:
+  ``usage = sum(resident + transient)``. (It once counted only the largest transient, for runs
+  whose peaks were thought to take turns under the slot's device lock. They do not: a candidate
+  worker keeps its peak reserved in its caching allocator until it exits, and loads, trials and
+  precomputes of several runs overlap with a timing. On an H100 two level-1 candidates of 6 GiB
+  tasks held 32 GiB each at once, and the references beside them ran out of memory.)
 
 A run waits until its needs fit (closing idle references of other tasks first); one whose
 needs exceed a budget with nothing else admitted raises ``TaskTooLarge``, naming the bytes
@@ -139,9 +142,7 @@ class Admission:
     def usage(self, pool: str, extra: Optional[list[Needs]] = None, without: frozenset = frozenset()) -> int:
         holdings = [r.needs for k, r in self._refs.items() if k not in without] + [n for _, n in self._runs.values()]
         holdings += extra or []
-        resident = sum(n.get(pool, (0, 0))[0] for n in holdings)
-        transient = max((n.get(pool, (0, 0))[1] for n in holdings), default=0)
-        return resident + transient
+        return sum(sum(n.get(pool, (0, 0))) for n in holdings)
 
     def _fits(self, extra: list[Needs], without: frozenset = frozenset()) -> bool:
         return all(self.usage(p, extra, without) <= b for p, b in self.budgets.items())
@@ -149,7 +150,7 @@ class Admission:
     def too_large(self, task: str, needs: list[Needs], detail: str = "") -> Optional[TaskTooLarge]:
         """The first pool these needs exceed with nothing else admitted, if any."""
         for pool, budget in self.budgets.items():
-            need = sum(n.get(pool, (0, 0))[0] for n in needs) + max((n.get(pool, (0, 0))[1] for n in needs), default=0)
+            need = sum(sum(n.get(pool, (0, 0))) for n in needs)
             if need > budget:
                 return TaskTooLarge(task, pool, need, budget, detail)
         return None

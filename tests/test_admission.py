@@ -68,12 +68,16 @@ def test_two_runs_that_fit_one_at_a_time_run_sequentially_and_both_finish():
     assert adm.usage("gpu0") == 0
 
 
-def test_transients_count_once_per_pool_residents_add_up():
+def test_runs_held_at_once_count_their_transients_together():
+    """On an H100 two level-1 candidates of 6 GiB tasks held 32 GiB each at once (a worker's
+    caching allocator keeps its peak until it exits) while the ledger counted one transient,
+    and the references beside them ran out of memory: transients add up like residents."""
     adm = Admission({"gpu0": 100})
     adm.admit("a", {"gpu0": (20, 50)})
-    # 20 + 20 resident, max(50, 50) transient = 90: fits although 2 x 70 would not
-    adm.admit("b", {"gpu0": (20, 50)})
-    assert adm.usage("gpu0") == 90
+    assert adm.usage("gpu0") == 70
+    assert adm.try_admit("b", {"gpu0": (20, 50)}) is None       # 140 > 100: it waits
+    assert adm.try_admit("c", {"gpu0": (10, 20)}) is not None   # 100 fits
+    assert adm.usage("gpu0") == 100
 
 
 def test_idle_references_of_other_tasks_are_closed_least_recently_used_first():
