@@ -184,7 +184,7 @@ class Sandbox:
             ref = self._refs.pop(key, None)
         if ref is not None:
             with ref.lock:
-                ref.close()
+                ref.close("idle, its memory admitted to another task's run")
 
     def prepare(self, spec: TaskSpec) -> None:
         """Start the task's reference in the background (never blocks): its footprint measured if
@@ -248,7 +248,7 @@ class Sandbox:
             refs = [self._refs.pop(k) for k in [k for k in self._refs if k[0] == spec.key]]
         for ref in refs:
             with ref.lock:
-                ref.close()
+                ref.close("its task ended")
         for slot in range(len(self.slots)):
             self.memory.forget_reference((spec.key, slot))
 

@@ -126,6 +126,8 @@ def exit_cause(worker: Any, code: Optional[int]) -> str:
     """Why a worker went away, in words: exit code or signal, out-of-memory evidence, and the
     last lines of its stderr (``worker`` is a ``sandbox.process.WorkerProcess``)."""
     parts = [f"the {worker.role} worker {describe_exit(code)}"]
+    if getattr(worker, "stopped", None):
+        parts[0] += f": the sandbox ended it ({worker.stopped})"
     tail = stderr_tail(worker.output("stderr"))
     before, now = getattr(worker, "oom_kills_at_start", None), oom_kills()
     if code == -signal.SIGKILL and before is not None and now is not None and now > before:

@@ -85,6 +85,7 @@ def kill_all_workers() -> int:
     killed = 0
     for w in workers:
         if w.proc.poll() is None:
+            w.stopped = w.stopped or "the run was interrupted"
             try:
                 os.killpg(w.proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -98,6 +99,7 @@ class WorkerProcess:
                  env: Optional[dict[str, str]] = None):
         self.role = role
         self.device_share = 0       # device bytes its run admitted it for (sandbox.failures.candidate_oom)
+        self.stopped: Optional[str] = None      # why the sandbox itself ended it (close, kill): its exit's cause
         self.workdir = Path(tempfile.mkdtemp(prefix=f"kl-{role}-"))
         self.out_dir = Path(tempfile.mkdtemp(prefix=f"kl-{role}-out-", dir=outputs_root()))
         parent_sock, child_sock = socket.socketpair()
@@ -320,7 +322,8 @@ class WorkerProcess:
         self._stdout.close()
         self._stderr.close()
 
-    def close(self, grace: float = 5.0) -> None:
+    def close(self, grace: float = 5.0, why: str = "closed") -> None:
+        self.stopped = self.stopped or why
         if self.proc.poll() is None:
             try:
                 self.send({"op": "exit"})

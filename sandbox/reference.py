@@ -97,6 +97,7 @@ class ReferenceWorker:
     def discard(self) -> None:
         """Kill the worker after a failure: the next ``ensure`` starts a fresh one."""
         if self.proc is not None:
+            self.proc.stopped = "reference restarted after a harness failure in an evaluation of its task"
             self.proc.kill()
             self.proc.cleanup()
             self.proc = None
@@ -111,9 +112,9 @@ class ReferenceWorker:
                 return {"ok": False, "error_message": "the reference worker is not running"}
             return proc.ask(payload, timeout)
 
-    def close(self) -> None:
+    def close(self, why: str = "its task ended, or its memory was needed by another task's run") -> None:
         if self.proc is not None:
-            self.proc.close()
+            self.proc.close(why=f"reference closed: {why}")
             self.proc.cleanup()
             self.proc = None
 

@@ -249,3 +249,19 @@ def test_a_candidate_starved_by_another_process_is_infra_and_its_own_excess_is_i
         assert len(starved.infra_retries) == MAX_INFRA_RETRIES
         greedy = sandbox.evaluate(spec, CANDIDATE_ALLOCATING.format(numel=(400 * GiB) // 4))
         assert greedy.status is Status.runtime_error and "OutOfMemoryError" in (greedy.error_type or ""), greedy
+
+
+def test_a_worker_the_sandbox_ended_says_so_in_its_cause(tmp_path):
+    """On an H100 a reference 'exited with code 0; its stderr is empty' under an evaluation of
+    its task, a cause that named nothing: a worker the sandbox itself closed or restarted says
+    that it did, and why."""
+    from sandbox.reference import ReferenceWorker
+
+    spec = _spec(tmp_path)
+    ref = ReferenceWorker(spec, "cpu", 0)
+    proc = ref.ensure()
+    ref.close("its task ended")
+    with pytest.raises(WorkerDied) as info:
+        proc.ask({"op": "trial", "seed": 1, "index": 0}, 30)
+    text = str(info.value)
+    assert "exited with code 0" in text and "the sandbox ended it (reference closed: its task ended)" in text
