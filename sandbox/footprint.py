@@ -358,6 +358,10 @@ class FootprintBook:
                     self._save(spec, fp)
             return fp
 
+    def remember(self, spec: Any, device: str, numerics: Any, fp: Footprint) -> None:
+        """Keep ``fp`` as the task's footprint (measured elsewhere; the caller stores it)."""
+        self._known[(spec.key, device, numerics.label)] = fp
+
     def measure(self, spec: Any, device: str, numerics: Any, env: Optional[dict[str, str]] = None) -> Footprint:
         return self._measure(spec, device, numerics, env=env)
 

@@ -549,3 +549,41 @@ def test_a_measurement_out_of_memory_in_its_compare_is_the_tasks_size_not_the_ha
     assert reply["footprint"]["reference_peak_bytes"] >= 16 << 30
     with pytest.raises(OSError):        # a full disk stays the harness's failure (the worker says harness_error)
         measure_in_worker(_MeasuringWorker(tmp_path, OSError(errno.ENOSPC, "No space left on device")), {})
+
+
+def test_tasks_check_measures_needs_several_at_a_time_and_one_short_of_memory_again_alone(tmp_path: Path, monkeypatch):
+    """KernelBench's 250 tasks took about 3.5 s each on an H100, most of it a measuring worker
+    starting: --jobs measures them side by side first. A measurement that ran out of memory beside
+    the others is not stored; the task's own turn measures it again, alone."""
+    import sandbox.footprint as footprint
+
+    real = footprint.FootprintBook.measure
+    calls: list[str] = []
+    at_once, most = [0], [0]
+    lock = threading.Lock()
+
+    def measuring(self, spec, *a, **k):
+        with lock:
+            calls.append(spec.name)
+            at_once[0] += 1
+            most[0] = max(most[0], at_once[0])
+        try:
+            time.sleep(0.3)
+            fp = real(self, spec, *a, **k)
+            if spec.name == "level1/relu" and calls.count("level1/relu") == 1:
+                fp.oom = "CUDA out of memory (beside the others)"
+            return fp
+        finally:
+            with lock:
+                at_once[0] -= 1
+
+    monkeypatch.setattr(footprint.FootprintBook, "measure", measuring)
+    tasks = ["level1/leaky_relu", "level1/relu", "level1/tanh", "level1/sigmoid"]
+    out = _invoke(["tasks", "check", *tasks, "--device", "cpu", "--db", str(tmp_path / "k.db"), "--jobs", "3"])
+    text = " ".join(out.output.split())
+    assert out.exit_code == 0, out.output
+    assert "measuring 4 tasks' memory needs, 3 at a time" in text and most[0] >= 2
+    assert sorted(calls) == sorted(tasks + ["level1/relu"])          # relu measured again, alone
+    assert "4 measured now, 0 read from the store" in text
+    again = _invoke(["tasks", "check", *tasks, "--device", "cpu", "--db", str(tmp_path / "k.db"), "--jobs", "3"])
+    assert "0 measured now, 4 read from the store" in " ".join(again.output.split()), again.output
