@@ -10,7 +10,7 @@ import datetime as dt
 from typing import Any, Optional
 
 from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, String, Text, UniqueConstraint
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.orm import DeclarativeBase, Mapped, declared_attr, mapped_column, relationship
 
 
 def utcnow() -> dt.datetime:
@@ -173,9 +173,8 @@ class Analysis(Base):
     created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)
 
 
-class TaskFootprint(Base):
-    """A task's memory needs on one device under one numerics (``sandbox.footprint.Footprint``)."""
-    __tablename__ = "task_footprints"
+class _TaskOnDevice:
+    """What keys a figure found for one task at its sizes, on one device, torch and numerics."""
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     task_id: Mapped[int] = mapped_column(ForeignKey("tasks.id"), index=True)
     task_key: Mapped[str] = mapped_column(String(32), index=True)     # source hash + size overrides
@@ -183,6 +182,16 @@ class TaskFootprint(Base):
     device_name: Mapped[str] = mapped_column(String(200))
     torch_version: Mapped[str] = mapped_column(String(64))
     numerics: Mapped[str] = mapped_column(String(32))                 # precision/math mode
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)
+
+    @declared_attr
+    def task(cls) -> Mapped[Task]:
+        return relationship()
+
+
+class TaskFootprint(_TaskOnDevice, Base):
+    """A task's memory needs on one device under one numerics (``sandbox.footprint.Footprint``)."""
+    __tablename__ = "task_footprints"
     params_bytes: Mapped[int] = mapped_column(BigInteger)
     inputs_bytes: Mapped[int] = mapped_column(BigInteger)
     outputs_bytes: Mapped[int] = mapped_column(BigInteger)
@@ -195,23 +204,12 @@ class TaskFootprint(Base):
     shm_bytes: Mapped[int] = mapped_column(BigInteger)                # files of outputs in transit
     oom: Mapped[Optional[str]] = mapped_column(Text)                  # the measurement ran out of memory
     details: Mapped[dict[str, Any]] = mapped_column(JSON)             # Footprint.to_dict()
-    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)
-    task: Mapped[Task] = relationship()
 
 
-class TaskCheck(Base):
+class TaskCheck(_TaskOnDevice, Base):
     """The degeneracy checks' verdict on a task (``evals.taskcheck``): its flags as
     ``CheckIssue.to_dict()`` rows, empty when the task is fine."""
     __tablename__ = "task_checks"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    task_id: Mapped[int] = mapped_column(ForeignKey("tasks.id"), index=True)
-    task_key: Mapped[str] = mapped_column(String(32), index=True)     # source hash + size overrides
-    device: Mapped[str] = mapped_column(String(16))
-    device_name: Mapped[str] = mapped_column(String(200))
-    torch_version: Mapped[str] = mapped_column(String(64))
-    numerics: Mapped[str] = mapped_column(String(32))
     checker: Mapped[str] = mapped_column(String(32))                  # hash of the checks' source
     issues: Mapped[list[Any]] = mapped_column(JSON)
     seconds: Mapped[float] = mapped_column(Float)                     # how long the checks took
-    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)
-    task: Mapped[Task] = relationship()
