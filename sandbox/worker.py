@@ -40,7 +40,7 @@ from sandbox import handoff, runcheck, timing  # noqa: F401 - runcheck binds its
 from sandbox.harness import flatten_outputs, is_plain_tensor, make_inputs, make_model
 from sandbox.numerics import Numerics
 from sandbox.tasks import TaskSpec, exec_source, load_task
-from sandbox.worker_util import _PREWARMED, _equal_nan, _memory_held, _save_to, warm_up
+from sandbox.worker_util import _PREWARMED, _equal_nan, _exc_payload, _memory_held, _save_to, warm_up
 
 # Reference outputs precomputed for trials to come (each a full set of outputs on the device).
 MAX_PRECOMPUTED = 3
@@ -56,18 +56,6 @@ def _send(conn: Connection, payload: dict[str, Any]) -> None:
 
 def _recv(conn: Connection) -> dict[str, Any]:
     return json.loads(conn.recv_bytes().decode())
-
-
-def _exc_payload(exc: BaseException) -> dict[str, Any]:
-    payload = {"error_type": type(exc).__name__, "error_message": str(exc)[:4000],
-               "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-8000:]}
-    if isinstance(exc, torch.OutOfMemoryError) and torch.cuda.is_initialized():
-        # what this process held and what the device had free when it ran out: the parent
-        # tells the candidate's own excess from other processes holding more than admitted
-        # (sandbox.failures.candidate_oom)
-        payload["memory_held"] = _memory_held("cuda")
-        payload["device_free"] = int(torch.cuda.mem_get_info()[0])
-    return payload
 
 
 class Worker:

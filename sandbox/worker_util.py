@@ -4,6 +4,7 @@ the functions they call are bound here at import, so a candidate that patches ``
 from __future__ import annotations
 
 import os
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,18 @@ def _memory_held(device: str) -> int:
         return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def _exc_payload(exc: BaseException) -> dict[str, Any]:
+    payload = {"error_type": type(exc).__name__, "error_message": str(exc)[:4000],
+               "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-8000:]}
+    if isinstance(exc, torch.OutOfMemoryError) and torch.cuda.is_initialized():
+        # what this process held and what the device had free when it ran out: the parent
+        # tells the candidate's own excess from other processes holding more than admitted
+        # (sandbox.failures.candidate_oom)
+        payload["memory_held"] = _memory_held("cuda")
+        payload["device_free"] = int(torch.cuda.mem_get_info()[0])
+    return payload
 
 
 def _save_to(obj: Any, path: Path) -> None:
