@@ -17,12 +17,14 @@ _PREWARMED: dict[str, bool] = {}
 
 _save = torch.save
 _equal = torch.equal
+_memory_reserved = torch.cuda.memory_reserved
+_mem_get_info = torch.cuda.mem_get_info
 
 
 def _memory_held(device: str) -> int:
     """Bytes this process holds where the harness's buffers live (the device's, else host RSS)."""
     if device == "cuda":
-        return int(torch.cuda.memory_reserved())
+        return int(_memory_reserved())
     try:
         return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
@@ -37,7 +39,7 @@ def _exc_payload(exc: BaseException) -> dict[str, Any]:
         # tells the candidate's own excess from other processes holding more than admitted
         # (sandbox.failures.candidate_oom)
         payload["memory_held"] = _memory_held("cuda")
-        payload["device_free"] = int(torch.cuda.mem_get_info()[0])
+        payload["device_free"] = int(_mem_get_info()[0])
     return payload
 
 
