@@ -173,7 +173,7 @@ def test_sandbox_runs_of_two_tasks_that_fit_one_at_a_time_wait_and_close_the_idl
 
     def fake_run_on(slot, spec, source, result):
         sandbox._refs[(spec.key, slot)] = type("Ref", (), {"lock": threading.Lock(),
-                                                           "close": lambda self: closed.append(spec.name)})()
+                                                           "close": lambda self, why="": closed.append(spec.name)})()
         with lock:
             inside[0] += 1
             most[0] = max(most[0], inside[0])
