@@ -407,13 +407,8 @@ def check_command(paths: Optional[list[str]] = PathsArgument, device: Optional[s
             return [CheckIssue(spec.name, "unchecked", f"its memory needs were not measured: {exc}")]
         except RuntimeError as exc:
             return [CheckIssue(spec.name, "runtime_error", str(exc))]
-        if store is not None and not stored:
-            import torch
-
-            from store.repo import save_footprint
-
-            with store.session() as s:
-                save_footprint(s, sized, fp, torch.__version__)
+        if not stored:
+            gate.book.remember(sized, dev, numerics, fp)       # stored through the book's store
         big = gate.too_large(sized, fp)
         footprints.append((spec.name, fp, big.reason if big else None))
         return [CheckIssue(spec.name, "too_large", big.reason)] if big is not None else []
@@ -423,10 +418,6 @@ def check_command(paths: Optional[list[str]] = PathsArgument, device: Optional[s
         out of memory (beside the others they may have: the task's own loop measures those again,
         alone). Each measuring worker reads its own allocator, so the others leave its figures be."""
         from concurrent.futures import ThreadPoolExecutor, as_completed
-
-        import torch
-
-        from store.repo import save_footprint
 
         sized = [with_device_sizes(spec, dev) for spec in todo]
         unknown = [sp for sp in sized if remeasure or gate.book.known(sp, dev, numerics) is None]
@@ -444,10 +435,7 @@ def check_command(paths: Optional[list[str]] = PathsArgument, device: Optional[s
                     continue
                 if fp.oom is None:
                     ahead.add(sp.key)
-                    gate.book.remember(sp, dev, numerics, fp)
-                    if store is not None:
-                        with store.session() as s:
-                            save_footprint(s, sp, fp, torch.__version__)
+                    gate.book.remember(sp, dev, numerics, fp)   # stored through the book's store
                 if n % 25 == 0:
                     console.print(f"  measured {n} of {len(unknown)}", highlight=False)
         except KeyboardInterrupt:
@@ -462,10 +450,10 @@ def check_command(paths: Optional[list[str]] = PathsArgument, device: Optional[s
         """The degeneracy checks' verdict: read from the store, else run and stored (an
         ``unchecked`` one, the harness's failure, is not stored)."""
         nonlocal checks_read, checks_run
-        key = with_device_sizes(spec, dev).key
+        sized = with_device_sizes(spec, dev)
         if store is not None and not recheck:
             with store.reader() as s:
-                stored = latest_task_check(s, key, where)
+                stored = latest_task_check(s, sized.key, where)
             if stored is not None:
                 checks_read += 1
                 return [CheckIssue(**row) for row in stored]
@@ -474,8 +462,7 @@ def check_command(paths: Optional[list[str]] = PathsArgument, device: Optional[s
         checks_run += 1
         if store is not None and not any(i.flag == "unchecked" for i in issues):
             with store.session() as s:
-                save_task_check(s, with_device_sizes(spec, dev), where, [i.to_dict() for i in issues],
-                                time.monotonic() - t0)
+                save_task_check(s, sized, where, [i.to_dict() for i in issues], time.monotonic() - t0)
         return issues
 
     if store is not None:

@@ -112,6 +112,11 @@ def default_budgets(device: str, slots: int) -> dict[str, int]:
 
 # --------------------------------------------------------------------------- the ledger
 
+def _bytes(pool: str, needs: list[Needs]) -> int:
+    """What ``needs`` take of ``pool``: every resident and transient byte (see the module's notes)."""
+    return sum(sum(n.get(pool, (0, 0))) for n in needs)
+
+
 @dataclass
 class _Reference:
     needs: Needs
@@ -141,8 +146,7 @@ class Admission:
 
     def usage(self, pool: str, extra: Optional[list[Needs]] = None, without: frozenset = frozenset()) -> int:
         holdings = [r.needs for k, r in self._refs.items() if k not in without] + [n for _, n in self._runs.values()]
-        holdings += extra or []
-        return sum(sum(n.get(pool, (0, 0))) for n in holdings)
+        return _bytes(pool, holdings + (extra or []))
 
     def _fits(self, extra: list[Needs], without: frozenset = frozenset()) -> bool:
         return all(self.usage(p, extra, without) <= b for p, b in self.budgets.items())
@@ -150,7 +154,7 @@ class Admission:
     def too_large(self, task: str, needs: list[Needs], detail: str = "") -> Optional[TaskTooLarge]:
         """The first pool these needs exceed with nothing else admitted, if any."""
         for pool, budget in self.budgets.items():
-            need = sum(sum(n.get(pool, (0, 0))) for n in needs)
+            need = _bytes(pool, needs)
             if need > budget:
                 return TaskTooLarge(task, pool, need, budget, detail)
         return None

@@ -193,6 +193,10 @@ def measure_in_worker(worker: Any, req: dict[str, Any]) -> dict[str, Any]:
     meter.reset()
     base = meter.current()
     fig["reference_resident_bytes"] = base
+    # The measuring worker has its device alone: running out of memory anywhere below (the
+    # forward, the trial, the compare: level1/45_Average_Pooling_2D's asked 16 GiB more beside
+    # 64) is the task's size, so its figures are lower bounds and the task too_large, never
+    # `unchecked`; any other exception (a full disk, say) is the harness's (sandbox.failures).
     try:
         inputs = make_inputs(worker.task, seed, worker.device, worker.numerics)
         fig["inputs_bytes"] = _tensor_bytes(inputs)
@@ -204,37 +208,24 @@ def measure_in_worker(worker: Any, req: dict[str, Any]) -> dict[str, Any]:
                              if isinstance(model, torch.nn.Module) else 0) + _fp64_bytes(inputs) + _fp64_bytes(out)
         fig["forward_peak_bytes"] = max(meter.peak() - base, fig["inputs_bytes"] + fig["outputs_bytes"])
         del inputs, out
-    except BaseException as exc:  # noqa: BLE001
-        if not _is_oom(exc):
-            raise               # a full disk, say: the harness's failure (sandbox.failures)
-        return _failed(fig, meter, base, exc)
 
-    meter.reset()
-    fp64 = bool(worker.numerics.fp64_check)
-    try:
+        meter.reset()
+        fp64 = bool(worker.numerics.fp64_check)
         reply = worker.trial({"seed": seed, "index": 0, "fp64": fp64})
-    except BaseException as exc:  # noqa: BLE001 - out of memory: lower bounds (see below)
-        if not _is_oom(exc):
-            raise
-        return _failed(fig, meter, base, exc)
-    if not reply.get("ok"):
-        return _failed(fig, meter, base, f"{reply.get('error_type')}: {reply.get('error_message')}")
-    if reply.get("fp64_note"):
-        fig["note"] = reply["fp64_note"]
-        if _is_oom(reply["fp64_note"]):
-            fig["oom"] = f"the float64 run: {reply['fp64_note']}"
-    # The candidate's side of the exchange, played with the reference's own outputs.
-    worker.step = "saving the outputs"
-    try:
-        # the measuring worker has its device alone: out of memory here (level1/45_Average_Pooling_2D's
-        # compare asked 16 GiB more beside 64) is the task's size, not the harness failing, so
-        # its figures are lower bounds and the task too_large, never `unchecked`
+        if not reply.get("ok"):
+            return _failed(fig, meter, base, f"{reply.get('error_type')}: {reply.get('error_message')}")
+        if reply.get("fp64_note"):
+            fig["note"] = reply["fp64_note"]
+            if _is_oom(reply["fp64_note"]):
+                fig["oom"] = f"the float64 run: {reply['fp64_note']}"
+        # The candidate's side of the exchange, played with the reference's own outputs.
+        worker.step = "saving the outputs"
         path = worker._save_outputs([x.to("cpu").contiguous() for x in worker.kept_reference[1]], "footprint_0.pt")
         cmp = worker.compare({"index": 0, "path": str(path),
                               "config": EvalConfig(numerics=worker.numerics).model_dump(mode="json")})
     except BaseException as exc:  # noqa: BLE001
         if not _is_oom(exc):
-            raise               # a full disk, say: the harness's failure (sandbox.failures)
+            raise
         return _failed(fig, meter, base, exc)
     if not cmp.get("ok"):
         return _failed(fig, meter, base, f"{cmp.get('error_type')}: {cmp.get('error_message')}")
@@ -353,14 +344,14 @@ class FootprintBook:
             fp = self.known(spec, device, numerics)
             if fp is None:
                 fp = measure_with()
-                self._known[key] = fp
-                if self._save is not None:
-                    self._save(spec, fp)
+                self.remember(spec, device, numerics, fp)
             return fp
 
     def remember(self, spec: Any, device: str, numerics: Any, fp: Footprint) -> None:
-        """Keep ``fp`` as the task's footprint (measured elsewhere; the caller stores it)."""
+        """Keep ``fp`` as the task's footprint, and store it where the book has a store."""
         self._known[(spec.key, device, numerics.label)] = fp
+        if self._save is not None:
+            self._save(spec, fp)
 
     def measure(self, spec: Any, device: str, numerics: Any, env: Optional[dict[str, str]] = None) -> Footprint:
         return self._measure(spec, device, numerics, env=env)

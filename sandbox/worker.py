@@ -227,9 +227,9 @@ class Worker:
         inputs = make_inputs(self.task, seed, self.device, self.numerics)
         tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
         in_bytes = sum(x.numel() * x.element_size() for x in tensors)
-        self.harness_bytes = 2 * in_bytes + 2 * int(req.get("output_bytes", 0))
-        self.step = "poisoning free memory"
         out_bytes = int(req.get("output_bytes", 0))
+        self.harness_bytes = 2 * in_bytes + 2 * out_bytes
+        self.step = "poisoning free memory"
         self._poison([x.numel() * x.element_size() for x in tensors] + [out_bytes, out_bytes])
         self.step = "copying the inputs"
         originals = [x.clone() for x in tensors]
