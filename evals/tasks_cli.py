@@ -206,6 +206,15 @@ def _memory_gate(dev: str, numerics: Any, store: Any) -> Any:
     return MemoryGate(dev, 1 if dev == "cpu" else slots, numerics, book)
 
 
+def _reference_peak(fp: Any) -> str:
+    """The reference trial's peak, and without the float64 run where that was measured apart."""
+    from sandbox.footprint import human_bytes
+
+    lean = fp.reference_peak_no_fp64_bytes
+    return human_bytes(fp.reference_peak_bytes) + (
+        f" ({human_bytes(lean)} without float64)" if lean is not None and lean != fp.reference_peak_bytes else "")
+
+
 def footprint_table(rows: list[tuple[str, Any, Optional[str]]], title: str) -> Any:
     """One row per task: its footprint's figures and whether it fits (``too_large`` and the bytes)."""
     from rich.table import Table
@@ -219,7 +228,7 @@ def footprint_table(rows: list[tuple[str, Any, Optional[str]]], title: str) -> A
     for name, fp, verdict in rows:
         table.add_row(name, human_bytes(fp.inputs_bytes), human_bytes(fp.outputs_bytes), human_bytes(fp.params_bytes),
                       human_bytes(fp.fp64_bytes), human_bytes(fp.forward_peak_bytes),
-                      human_bytes(fp.reference_peak_bytes), human_bytes(fp.candidate_peak_bytes),
+                      _reference_peak(fp), human_bytes(fp.candidate_peak_bytes),
                       f"{human_bytes(fp.host_transit_bytes)} / {human_bytes(fp.shm_bytes)}", verdict or "yes")
     return table
 
@@ -326,7 +335,7 @@ def show_command(task: str = typer.Argument(..., help="a task file or bundled na
             f"memory on {fp.device_name or dev} ({fp.numerics}): inputs {human_bytes(fp.inputs_bytes)}, outputs "
             f"{human_bytes(fp.outputs_bytes)}, params {human_bytes(fp.params_bytes)}, float64 copy "
             f"{human_bytes(fp.fp64_bytes)}, forward peak {human_bytes(fp.forward_peak_bytes)}, reference peak "
-            f"{human_bytes(fp.reference_peak_bytes)} (resident {human_bytes(fp.reference_resident_bytes)}), "
+            f"{_reference_peak(fp)}, resident {human_bytes(fp.reference_resident_bytes)}, "
             f"candidate est. {human_bytes(fp.candidate_peak_bytes)}, host in transit "
             f"{human_bytes(fp.host_transit_bytes)}, shm {human_bytes(fp.shm_bytes)}; by {fp.measured_by}"
             + (f"; ran out of memory: {fp.oom}" if fp.oom else ""), highlight=False)

@@ -5,9 +5,10 @@ its own and reports (``measure_in_worker``, the worker's ``footprint`` request):
 
 * the exact bytes of the model's parameters and buffers, of one call's inputs and outputs
   (``Tensor.nbytes``: exact on any device), and of the float64 copy (model, inputs, outputs);
-* the peak of one forward, and the peak of a whole reference trial: the forward, the float64
-  run and the ``compare`` of its own outputs read back from a file, i.e. the same code a
-  reference worker runs for a candidate. On ``cuda`` from the caching allocator
+* the peak of one forward, and the peak of a whole reference trial and the ``compare`` of its
+  own outputs read back from a file, i.e. the same code a reference worker runs for a
+  candidate: once without the float64 run, once with it (a task that fits only without it runs
+  so, and is admitted for the first figure). On ``cuda`` from the caching allocator
   (``torch.cuda.max_memory_reserved``, what the process takes from the GPU); on ``cpu`` from the
   process's resident set (``VmHWM`` after resetting it through ``/proc/self/clear_refs``,
   ``ru_maxrss`` where that is not possible).
@@ -44,6 +45,7 @@ class Footprint:
     forward_peak_bytes: int = 0         # one forward above the loaded model: inputs, workspace, outputs
     reference_resident_bytes: int = 0   # a reference worker between trials (model and its float64 copy)
     reference_peak_bytes: int = 0       # at its peak: a trial with its float64 run, then a compare
+    reference_peak_no_fp64_bytes: Optional[int] = None   # the same without the float64 run (None: not measured)
     measured_by: str = ""               # how the peaks were read
     oom: Optional[str] = None           # the measurement ran out of memory: figures are lower bounds
     note: Optional[str] = None          # e.g. why the float64 run did not happen
@@ -59,13 +61,17 @@ class Footprint:
 
     def without_fp64(self) -> "Footprint":
         """The figures of runs without the float64 check: no float64 copy of the model in the
-        reference worker, no float64 run in its trials."""
+        reference worker, no float64 run in its trials. The trial's peak is the one measured
+        without the float64 run; a footprint stored before that was measured subtracts the
+        float64 bytes from the peak with it, which leaves the float64 forward's own workspace in
+        (on an H100, level1/25_Swish's 67.5 GiB peak less 24 GiB of float64 copies left 43.5)."""
         per = {"fp32": 2, "fp16": 4, "bf16": 4}.get(self.numerics.split("/")[0], 2)
         model64 = min(self.params_bytes * per, self.fp64_bytes)
         oom = None if (self.oom or "").startswith("the float64 run") else self.oom
-        return dataclasses.replace(self, fp64_bytes=0, oom=oom,
-                                   reference_resident_bytes=max(0, self.reference_resident_bytes - model64),
-                                   reference_peak_bytes=max(0, self.reference_peak_bytes - self.fp64_bytes))
+        peak = (self.reference_peak_no_fp64_bytes if self.reference_peak_no_fp64_bytes is not None
+                else max(0, self.reference_peak_bytes - self.fp64_bytes))
+        return dataclasses.replace(self, fp64_bytes=0, oom=oom, reference_peak_bytes=peak,
+                                   reference_resident_bytes=max(0, self.reference_resident_bytes - model64))
 
     @property
     def candidate_resident_bytes(self) -> int:
@@ -177,11 +183,11 @@ def _is_oom(exc_or_type: Any) -> bool:
 
 def measure_in_worker(worker: Any, req: dict[str, Any]) -> dict[str, Any]:
     """The ``footprint`` request of a reference worker (``sandbox.worker.Worker``): one forward,
-    then one reference trial with the float64 run and a compare against its own saved outputs."""
+    then a reference trial and a compare against its own saved outputs, without the float64 run
+    and (where the numerics check against float64) again with it."""
     import torch
 
     from sandbox.harness import make_inputs
-    from sandbox.result import EvalConfig
     from sandbox.timing import device_sync
 
     meter = _Meter(worker.device)
@@ -208,28 +214,27 @@ def measure_in_worker(worker: Any, req: dict[str, Any]) -> dict[str, Any]:
                              if isinstance(model, torch.nn.Module) else 0) + _fp64_bytes(inputs) + _fp64_bytes(out)
         fig["forward_peak_bytes"] = max(meter.peak() - base, fig["inputs_bytes"] + fig["outputs_bytes"])
         del inputs, out
-
-        meter.reset()
         fp64 = bool(worker.numerics.fp64_check)
-        reply = worker.trial({"seed": seed, "index": 0, "fp64": fp64})
-        if not reply.get("ok"):
-            return _failed(fig, meter, base, f"{reply.get('error_type')}: {reply.get('error_message')}")
-        if reply.get("fp64_note"):
-            fig["note"] = reply["fp64_note"]
-            if _is_oom(reply["fp64_note"]):
-                fig["oom"] = f"the float64 run: {reply['fp64_note']}"
-        # The candidate's side of the exchange, played with the reference's own outputs.
-        worker.step = "saving the outputs"
-        path = worker._save_outputs([x.to("cpu").contiguous() for x in worker.kept_reference[1]], "footprint_0.pt")
-        cmp = worker.compare({"index": 0, "path": str(path),
-                              "config": EvalConfig(numerics=worker.numerics).model_dump(mode="json")})
+        meter.reset()
+        failed = _trial_and_compare(worker, seed, fig, fp64=False)
+        if failed:
+            return _failed(fig, meter, base, failed)
+        fig["reference_peak_no_fp64_bytes"] = max(meter.peak(), base + fig["forward_peak_bytes"])
+        fig["reference_peak_bytes"] = fig["reference_peak_no_fp64_bytes"]
+        if fp64:
+            # measured afresh: the first trial's cached blocks given back, its peak forgotten
+            if worker.device == "cuda":
+                torch.cuda.empty_cache()
+            meter.reset()
+            failed = _trial_and_compare(worker, seed, fig, fp64=True)
+            if failed:
+                return _failed(fig, meter, base, failed, "the float64 run: ")
+            fig["reference_peak_bytes"] = max(meter.peak(), fig["reference_peak_no_fp64_bytes"])
     except BaseException as exc:  # noqa: BLE001
         if not _is_oom(exc):
             raise
-        return _failed(fig, meter, base, exc)
-    if not cmp.get("ok"):
-        return _failed(fig, meter, base, f"{cmp.get('error_type')}: {cmp.get('error_message')}")
-    fig["reference_peak_bytes"] = max(meter.peak(), base + fig["forward_peak_bytes"])
+        # out of memory after the trial without the float64 run was measured: the float64 run's
+        return _failed(fig, meter, base, exc, "the float64 run: " if "reference_peak_no_fp64_bytes" in fig else "")
     if worker.device == "cuda":
         torch.cuda.empty_cache()
         fig["reference_resident_bytes"] = meter.current()   # now with the float64 copy of the model
@@ -240,8 +245,29 @@ def measure_in_worker(worker: Any, req: dict[str, Any]) -> dict[str, Any]:
     return {"ok": True, "footprint": fig}
 
 
-def _failed(fig: dict[str, Any], meter: _Meter, base: int, exc: Any) -> dict[str, Any]:
-    """Out of memory: the figures so far, and at least the peak reached plus what was asked for."""
+def _trial_and_compare(worker: Any, seed: int, fig: dict[str, Any], fp64: bool) -> Optional[str]:
+    """One reference trial (with the float64 run or not), then the candidate's side of the
+    exchange played with the reference's own outputs: saved, read back, compared. None, or why
+    it failed."""
+    from sandbox.result import EvalConfig
+
+    reply = worker.trial({"seed": seed, "index": 0, "fp64": fp64})
+    if not reply.get("ok"):
+        return f"{reply.get('error_type')}: {reply.get('error_message')}"
+    if reply.get("fp64_note"):
+        fig["note"] = reply["fp64_note"]
+        if _is_oom(reply["fp64_note"]):
+            fig["oom"] = f"the float64 run: {reply['fp64_note']}"
+    worker.step = "saving the outputs"
+    path = worker._save_outputs([x.to("cpu").contiguous() for x in worker.kept_reference[1]], "footprint_0.pt")
+    cmp = worker.compare({"index": 0, "path": str(path),
+                          "config": EvalConfig(numerics=worker.numerics).model_dump(mode="json")})
+    return None if cmp.get("ok") else f"{cmp.get('error_type')}: {cmp.get('error_message')}"
+
+
+def _failed(fig: dict[str, Any], meter: _Meter, base: int, exc: Any, phase: str = "") -> dict[str, Any]:
+    """Out of memory: the figures so far, and at least the peak reached plus what was asked for
+    (``phase``: where, when that is not the task's whole trial)."""
     text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
     if not _is_oom(exc):
         return {"ok": False, "error_type": "FootprintError", "error_message": text[:2000]}
@@ -251,8 +277,9 @@ def _failed(fig: dict[str, Any], meter: _Meter, base: int, exc: Any) -> dict[str
         asked = int(float(m.group(1)) * {"GiB": 1 << 30, "MiB": 1 << 20, "KiB": 1 << 10, "B": 1}[m.group(2)])
     reached = meter.peak() + asked
     fig["reference_peak_bytes"] = max(fig.get("reference_peak_bytes", 0), reached)
-    fig["forward_peak_bytes"] = max(fig.get("forward_peak_bytes", 0), reached - base)
-    fig["oom"] = text.splitlines()[0][:500]
+    if not phase:       # (the float64 run's peak says nothing of a forward at the run's precision)
+        fig["forward_peak_bytes"] = max(fig.get("forward_peak_bytes", 0), reached - base)
+    fig["oom"] = (phase + text.splitlines()[0])[:500]
     return {"ok": True, "footprint": fig}
 
 

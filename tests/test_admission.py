@@ -2,6 +2,7 @@
 least recently used first, and tasks too large even alone (sandbox.admission, sandbox.footprint)."""
 from __future__ import annotations
 
+import re
 import sqlite3
 import threading
 import time
@@ -292,6 +293,9 @@ def test_footprint_of_a_cpu_task_has_exact_tensor_bytes_in_its_precision():
     assert fp32.fp64_bytes == 4 * MiB                       # inputs and outputs in float64
     assert fp32.forward_peak_bytes >= 2 * MiB and fp32.reference_peak_bytes > fp32.reference_resident_bytes > 0
     assert fp32.oom is None and fp32.device_name
+    # the trial without the float64 run is measured on its own, and is what runs without it are admitted for
+    assert fp32.reference_resident_bytes < fp32.reference_peak_no_fp64_bytes <= fp32.reference_peak_bytes
+    assert fp32.without_fp64().reference_peak_bytes == fp32.reference_peak_no_fp64_bytes
     fp16 = measure_footprint(spec, "cpu", Numerics(precision="fp16"))
     assert (fp16.inputs_bytes, fp16.outputs_bytes, fp16.fp64_bytes) == (MiB // 2, MiB // 2, 4 * MiB)
 
@@ -358,6 +362,7 @@ def test_tasks_check_stores_the_figures_and_show_prints_them(tmp_path: Path):
     text = " ".join(shown.output.split())
     assert "inputs 1.00 MiB" in text and "outputs 1.00 MiB" in text and "float64 copy 4.00 MiB" in text
     assert "reference peak" in text and "shm 2.00 MiB" in text
+    assert re.search(r"reference peak [0-9.]+ MiB \([0-9.]+ MiB without float64\), resident", text), text
 
 
 def test_tasks_check_reads_stored_needs_instead_of_measuring_again(tmp_path: Path, monkeypatch):
@@ -462,6 +467,8 @@ def test_cuda_footprint_reads_the_allocator_and_counts_the_float64_run():
     assert fp.inputs_bytes == fp.outputs_bytes == 16 * MiB
     # the trial holds inputs, their clone, outputs, float64 inputs and outputs, and the compare's read
     assert fp.reference_peak_bytes >= 2 * 16 * MiB + 2 * 32 * MiB + 16 * MiB
+    # without the float64 run: inputs, their clone, outputs and the compare's read, and less than with it
+    assert 4 * 16 * MiB <= fp.reference_peak_no_fp64_bytes < fp.reference_peak_bytes
     assert fp.reference_resident_bytes < 16 * MiB          # between requests only the models stay
 
 
@@ -509,9 +516,10 @@ def test_a_run_interrupted_while_a_footprint_is_measured_keeps_no_footprint_and_
 
 
 class _MeasuringWorker:
-    """What measure_in_worker uses of a reference worker, with a compare that fails as given."""
+    """What measure_in_worker uses of a reference worker, with a compare that fails as given
+    (``fp64_only``: only the compare of the trial with the float64 run)."""
 
-    def __init__(self, tmp_path: Path, compare_raises: BaseException):
+    def __init__(self, tmp_path: Path, compare_raises: BaseException, fp64_only: bool = False):
         import torch
 
         from sandbox.tasks import load_task
@@ -519,10 +527,12 @@ class _MeasuringWorker:
         self.device, self.numerics, self.model = "cpu", Numerics(), torch.nn.ReLU()
         self.task = load_task(read_spec(discover(["level1/relu"])[0]))
         self.tmp, self.raises, self.kept_reference, self.step = tmp_path, compare_raises, None, ""
+        self.fp64_only, self.trials = fp64_only, []
 
     def trial(self, req):
         import torch
 
+        self.trials.append(req["fp64"])
         self.kept_reference = (0, [torch.zeros(4)], None, req["seed"])
         return {"ok": True}
 
@@ -530,6 +540,8 @@ class _MeasuringWorker:
         return self.tmp / name
 
     def compare(self, req):
+        if self.fp64_only and not self.trials[-1]:
+            return {"ok": True, "passed": True}
         raise self.raises
 
 
@@ -549,6 +561,40 @@ def test_a_measurement_out_of_memory_in_its_compare_is_the_tasks_size_not_the_ha
     assert reply["footprint"]["reference_peak_bytes"] >= 16 << 30
     with pytest.raises(OSError):        # a full disk stays the harness's failure (the worker says harness_error)
         measure_in_worker(_MeasuringWorker(tmp_path, OSError(errno.ENOSPC, "No space left on device")), {})
+
+
+def test_a_measurement_out_of_memory_only_in_its_float64_run_leaves_the_task_runnable_without_it(tmp_path: Path):
+    """The trial without the float64 run is measured first: where only the float64 one runs out
+    of memory, the task runs without the float64 check (as level1/19_ReLU does on an H100),
+    admitted for the first trial's figures, not too_large."""
+    import torch
+
+    from sandbox.footprint import measure_in_worker
+
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 24.00 GiB.")
+    worker = _MeasuringWorker(tmp_path, oom, fp64_only=True)
+    fig = measure_in_worker(worker, {})["footprint"]
+    assert worker.trials == [False, True]
+    assert fig["oom"].startswith("the float64 run: OutOfMemoryError")
+    assert fig["reference_peak_bytes"] >= 24 << 30 > fig["reference_peak_no_fp64_bytes"]
+    assert fig["forward_peak_bytes"] < 24 << 30     # the float64 run's peak is not the forward's
+    fp = Footprint(task_key="k", device="cpu", device_name="test", numerics="fp32/default", **fig)
+    lean = fp.without_fp64()
+    assert lean.oom is None and lean.reference_peak_bytes == fig["reference_peak_no_fp64_bytes"]
+    # without the float64 check the float64 trial is not run at all
+    worker = _MeasuringWorker(tmp_path, oom, fp64_only=True)
+    worker.numerics = Numerics(fp64_check=False)
+    fig = measure_in_worker(worker, {})["footprint"]
+    assert worker.trials == [False] and fig.get("oom") is None
+    assert fig["reference_peak_bytes"] == fig["reference_peak_no_fp64_bytes"]
+
+
+def test_a_footprint_stored_before_the_trial_without_float64_was_measured_derives_it():
+    old = Footprint(task_key="k", device="cuda", device_name="H100", numerics="fp32/default", inputs_bytes=6 << 30,
+                    outputs_bytes=6 << 30, fp64_bytes=24 << 30, forward_peak_bytes=18 << 30,
+                    reference_peak_bytes=int(67.5 * (1 << 30)))
+    assert Footprint.from_dict(old.to_dict()).reference_peak_no_fp64_bytes is None
+    assert old.without_fp64().reference_peak_bytes == int(43.5 * (1 << 30))
 
 
 def test_tasks_check_measures_needs_several_at_a_time_and_one_short_of_memory_again_alone(tmp_path: Path, monkeypatch):
