@@ -8,7 +8,8 @@
 #   bash scripts/gpu_scale.sh big     # tasks check + optimize on the level-1 tasks that ran out of memory before
 #   bash scripts/gpu_scale.sh tests   # the GPU tests of the sandbox (adversarial, admission, pool, failures)
 #   bash scripts/gpu_scale.sh kb-memory    # GPU tests of sandbox failures; per-worker GPU memory on four 6 GiB tasks
-#   bash scripts/gpu_scale.sh kb-check     # tasks check over KernelBench levels 1-3 (CHECK_S box, default 540)
+#   bash scripts/gpu_scale.sh kb-check     # tasks check over KernelBench levels 1-3 (CHECK_S box, default 540;
+#                                          # KB_TASKS: other task paths; CHECK_ARGS: e.g. --remeasure)
 #   bash scripts/gpu_scale.sh kb-optimize  # optimize level 1, rounds 1, samples 2 (LOOP_S box, default 540;
 #                                          # RESUME=<run> goes on with that run)
 # The kb stages read and write a carried .gpu-store/fp32.db (footprints, runs): each call goes on
@@ -55,8 +56,8 @@ case "${1:-bench}" in
     mkdir -p .gpu-store; [ -f .gpu-store/fp32.db ] && cp .gpu-store/fp32.db /tmp/kb.db
     export KERNELLOOP_DB=/tmp/kb.db
     if [ "$1" = kb-check ]; then
-      box ${CHECK_S:-540} $KL tasks check .kb/level1 .kb/level2 .kb/level3 --device cuda 2>&1 | grep -v USDT \
-        > "$OUT/kb_check.txt"
+      box ${CHECK_S:-540} $KL tasks check ${KB_TASKS:-.kb/level1 .kb/level2 .kb/level3} --device cuda \
+        ${CHECK_ARGS:-} 2>&1 | grep -v USDT > "$OUT/kb_check.txt"
     else
       python3 scripts/gpu_memwatch.py > "$OUT/kb_optimize_memwatch.txt" & watch=$!
       box ${LOOP_S:-540} $KL optimize .kb/level1 --model builtin --rounds 1 --samples 2 --device cuda \
