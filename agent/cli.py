@@ -61,11 +61,14 @@ def _load_specs(tasks: list[str], overrides: dict[str, Any]) -> list[Any]:
 
 def _summary_table(progress: list[Any], title: str) -> Table:
     table = Table(title=title)
-    for col in ("task", "round", "attempts", "correct", "eager ms", "compile ms", "best ms", "floor ms",
+    for col in ("task", "round", "attempts", "correct", "clean", "eager ms", "compile ms", "best ms", "floor ms",
                 "vs eager", "vs compile", "stopped"):
         table.add_column(col, justify="left" if col in ("task", "stopped") else "right")
+    table.caption = ("correct: the verdict; clean: correct with no flag (no custom kernel, precision, ...); "
+                     "best ms and speedups: the fastest clean attempt, reference and candidate timed in one evaluation")
     for p in progress:
-        table.add_row(p.name, str(p.round), str(p.attempts), str(p.correct), _fmt(p.eager_ms), _fmt(p.compile_ms),
+        table.add_row(p.name, str(p.round), str(p.attempts), str(p.correct), str(p.clean), _fmt(p.eager_ms),
+                      _fmt(p.compile_ms),
                       _fmt(p.best_ms), _fmt(p.floor_ms), _fmt(p.best_speedup, "x"), _fmt(p.best_compile_speedup, "x"),
                       p.error or p.stopped)
     return table
@@ -233,15 +236,15 @@ def optimize_command(
 def progress_line(p: Any, last: Optional[tuple]) -> tuple[Optional[str], tuple]:
     """(the log line for a task's progress ``p``, or None when nothing changed since ``last``;
     the new ``last``). A round's start, its results and the task's end are each said once."""
-    key = (p.round, p.attempts, p.correct, p.best_speedup, p.stopped)
+    key = (p.round, p.attempts, p.correct, p.clean, p.best_speedup, p.stopped)
     if key == last:
         return None, key
-    tally = (f"{p.correct} of {p.attempts} attempt(s) correct so far, best "
+    tally = (f"{p.correct} of {p.attempts} attempt(s) correct ({p.clean} clean) so far, best "
              + (f"{_fmt(p.best_speedup, 'x')} vs eager" if p.best_speedup is not None else "none yet"))
     if p.stopped:
         if p.error:
             return f"{p.name}: stopped: {p.error}", key
-        if last is not None and last[:4] == key[:4]:
+        if last is not None and last[:5] == key[:5]:
             return f"{p.name}: finished ({p.stopped})", key
         return f"{p.name}: finished ({p.stopped}); {tally}", key
     if last is None or last[0] != p.round:

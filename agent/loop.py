@@ -68,7 +68,8 @@ class TaskProgress:
     name: str
     round: int = 0
     attempts: int = 0
-    correct: int = 0
+    correct: int = 0                    # the verdict correct
+    clean: int = 0                      # correct, and no flag (no custom kernel, precision, ...)
     best_speedup: Optional[float] = None
     best_ms: Optional[float] = None
     eager_ms: Optional[float] = None
@@ -183,9 +184,10 @@ class OptimizeLoop:
         with self.store.reader() as s:
             return attempt_views(s, run_id, task_id)
 
-    def _progress(self, progress: TaskProgress, views: list[AttemptView]) -> None:
+    def _progress(self, progress: TaskProgress, views: list[AttemptView], announce: bool = True) -> None:
         progress.attempts = len(views)
-        progress.correct = sum(1 for v in views if v.result is not None and v.result.clean)
+        progress.correct = sum(1 for v in views if v.correct)
+        progress.clean = sum(1 for v in views if v.correct and v.result.clean)
         best = best_clean(views)
         # The reference times shown are those measured in the same evaluation as the best
         # attempt (its speedups were computed from them), else the latest measured.
@@ -199,7 +201,8 @@ class OptimizeLoop:
             progress.eager_ms = source.eager_time.median_ms
             progress.compile_ms = source.compile_time.median_ms if source.compile_time else None
             progress.floor_ms = source.floor_ms
-        self.on_progress(progress)
+        if announce:
+            self.on_progress(progress)
 
     def _optimize_task(self, run_id: int, spec: TaskSpec) -> TaskProgress:
         from agent.backends.base import BackendError
@@ -232,19 +235,22 @@ class OptimizeLoop:
         if big is not None:
             raise big
         best_so_far: Optional[float] = None
-        rounds_without_gain = 0
+        rounds_without_gain = stored_rounds = 0
         for rnd in range(cfg.rounds):
             if self._stop.is_set():
                 progress.stopped = "interrupted"
                 return
             progress.round = rnd
             views = self._views(run_id, task_id)
-            self._progress(progress, views)
             done_rounds = {v.round for v in views}
-            # A round whose attempts and analysis are all stored is complete; skip it on resume.
-            if rnd in done_rounds and self._round_complete(run_id, task_id, rnd):
+            # A round whose attempts and analysis are all stored is complete; skip it on resume
+            # (unannounced: a resumed run says "round N started" only for rounds it runs).
+            stored = rnd in done_rounds and self._round_complete(run_id, task_id, rnd)
+            if stored:
                 prior = [v for v in views if v.round <= rnd]
+                stored_rounds += 1
             else:
+                self._progress(progress, views)
                 # harness failures (infra_error) are no verdicts: not shown to the model
                 self._propose_round(run_id, task_id, spec, eval_spec, rnd,
                                     [v for v in views if v.round < rnd and not (v.result and v.result.infra)])
@@ -257,7 +263,7 @@ class OptimizeLoop:
                     return
                 self._critique(run_id, spec)
                 prior = self._views(run_id, task_id)
-            self._progress(progress, prior)
+            self._progress(progress, prior, announce=not stored)
             best = best_clean(prior)
             best_speed = best.result.speedup_eager if best is not None else None
             if best_speed is not None and (best_so_far is None or best_speed > best_so_far * 1.001):
@@ -271,7 +277,8 @@ class OptimizeLoop:
                 progress.stopped = f"no improvement in {cfg.patience} round(s)"
                 break
         else:
-            progress.stopped = f"{cfg.rounds} round(s) done"
+            progress.stopped = f"{cfg.rounds} round(s) done" + (
+                f", {stored_rounds} of them stored before this --resume" if stored_rounds else "")
         self.on_progress(progress)
 
     def _round_complete(self, run_id: int, task_id: int, rnd: int) -> bool:

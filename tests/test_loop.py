@@ -188,10 +188,32 @@ def test_progress_lines_say_each_change_once(first_run: LoopRun) -> None:
     lines = [line for line in first_run.output.splitlines() if line.startswith(f"{TASK_NAME}: ")]
     said = [line[len(TASK_NAME) + 2:] for line in lines]
     assert said[0] == "round 0 started", lines
-    assert said[1].startswith("round 0 evaluated: ") and " of 2 attempt(s) correct so far" in said[1], lines
+    assert said[1].startswith("round 0 evaluated: ") and " of 2 attempt(s) correct (" in said[1], lines
     assert said[2].startswith("round 1 started (") and said[3].startswith("round 1 evaluated: "), lines
     assert said[4:] == ["finished (2 round(s) done)"], lines
     assert len(set(lines)) == len(lines) and not any("0 of 0" in line or "0/0" in line for line in lines)
+
+
+def test_a_resume_of_a_task_whose_rounds_are_all_stored_says_only_that_it_finished(
+        first_run: LoopRun, loop_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """On an H100 a resumed KernelBench run printed "round 0 started" for each of 50 tasks it
+    had finished before, then "finished": it now says once that they finished, and that their
+    rounds were stored before. The summary counts correct verdicts and clean ones apart."""
+    import shutil
+
+    db = tmp_path / "copy.db"
+    shutil.copy(first_run.db, db)
+    with serving(loop_env) as server:
+        result = invoke(["optimize", "--resume", str(first_run.run_id), "--db", str(db)])
+        asked = len(server.requests)
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    assert asked == 0
+    lines = [line for line in result.output.splitlines() if line.startswith(f"{TASK_NAME}: ")]
+    assert len(lines) == 1 and "started" not in lines[0], lines
+    assert lines[0].startswith(f"{TASK_NAME}: finished (2 round(s) done, 2 of them stored before this --resume); "
+                               "1 of 4 attempt(s) correct (1 clean) so far"), lines
+    text = flat(result.output)
+    assert "correct:theverdict;clean:correctwithnoflag" in text
 
 
 def test_model_calls_one_per_sample_with_templates_hash_tokens_latency(first_run: LoopRun) -> None:
@@ -457,10 +479,10 @@ def test_progress_line_for_an_error_and_for_an_end_with_new_results() -> None:
 
     p = TaskProgress(name="t", round=2, attempts=6, correct=3, best_speedup=1.5)
     line, last = progress_line(p, None)
-    assert line == "t: round 2 started (3 of 6 attempt(s) correct so far, best 1.5x vs eager)"
+    assert line == "t: round 2 started (3 of 6 attempt(s) correct (0 clean) so far, best 1.5x vs eager)"
     assert progress_line(p, last) == (None, last)
-    p.attempts, p.stopped = 8, "target 1.5x reached"
-    assert progress_line(p, last)[0] == ("t: finished (target 1.5x reached); 3 of 8 attempt(s) correct so far, "
-                                         "best 1.5x vs eager")
+    p.attempts, p.clean, p.stopped = 8, 2, "target 1.5x reached"
+    assert progress_line(p, last)[0] == ("t: finished (target 1.5x reached); 3 of 8 attempt(s) correct (2 clean) "
+                                         "so far, best 1.5x vs eager")
     p.stopped, p.error = "error", "RuntimeError: the store is gone"
     assert progress_line(p, last)[0] == "t: stopped: RuntimeError: the store is gone"
