@@ -15,6 +15,7 @@ evaluations are not redone, nothing is duplicated.
 from __future__ import annotations
 
 import datetime as dt
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from sandbox.result import EvalConfig, EvalResult
 from sandbox.tasks import TaskSpec, with_device_sizes
 from store import Store
 from store.models import Analysis, Attempt, Evaluation, ModelCall, Run
-from store.repo import cached_evaluation, call_fields, evaluation_row, has_verdict, upsert_task
+from store.repo import cached_evaluation, call_fields, evaluation_row, has_verdict, save_task_stop, upsert_task
 
 
 @dataclass
@@ -204,6 +205,16 @@ class OptimizeLoop:
         if announce:
             self.on_progress(progress)
 
+    def _stopped(self, run_id: int, spec: TaskSpec, status: str, reason: str) -> None:
+        """Store why the task ended without verdicts (reports list it; a store that cannot take
+        it, the likely cause of an ``error``, leaves the run to go on)."""
+        try:
+            with self.store.session() as s:
+                save_task_stop(s, run_id, upsert_task(s, spec).id, status, reason[:4000])
+        except Exception as exc:  # noqa: BLE001
+            print(f"[kernelloop] {spec.name}'s {status} was not stored: {type(exc).__name__}: {exc}",
+                  file=sys.stderr, flush=True)
+
     def _optimize_task(self, run_id: int, spec: TaskSpec) -> TaskProgress:
         from agent.backends.base import BackendError
 
@@ -214,10 +225,12 @@ class OptimizeLoop:
             raise                       # a configuration error: the run cannot go on (the CLI says why)
         except TaskTooLarge as exc:     # the task's status, not a candidate's verdict (none was stored)
             progress.stopped = exc.reason
+            self._stopped(run_id, spec, "too_large", exc.reason)
             self.on_progress(progress)
         except Exception as exc:  # noqa: BLE001 - one task's failure never ends the run
             progress.error = f"{type(exc).__name__}: {exc}"
             progress.stopped = "error"
+            self._stopped(run_id, spec, "error", progress.error)
             self.on_progress(progress)
         finally:
             release = getattr(self.sandbox, "release", None)

@@ -207,8 +207,10 @@ def build_report(data: RunData, task_paths: Optional[dict[str, str]] = None) -> 
     flagged = [{"task": t["task"], "attempt_id": a["attempt_id"], "round": a["round"], "flags": a["flags"],
                 "cause": a["cause"]}
                for t in tasks for a in t["attempts"] if a["status"] == "correct" and not a["evaluation"]]
+    not_run = [{"task": name, "reason": why} for name, why in sorted(data.not_run.items())]
     return json_safe({"run": data.run, "numerics": numerics, "summary": summary, "fast_p": fast_p_rows,
-                      "flagged": flagged, "tasks": tasks, "published": published_summary(tasks, numerics)})
+                      "flagged": flagged, "not_run": not_run, "tasks": tasks,
+                      "published": published_summary(tasks, numerics)})
 
 
 def published_summary(tasks: list[dict[str, Any]], numerics: dict[str, Any]) -> dict[str, Any]:

@@ -3,7 +3,7 @@ place that builds ``evals.metrics``' records (``AttemptRecord``, ``CallRecord``)
 attempts, evaluations and model calls; ``RunData`` holds them and computes the run's metrics."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from evals.metrics import AttemptRecord, CallRecord, RunMetrics, compute_metrics
@@ -43,6 +43,7 @@ class RunData:
     analyses: dict[str, dict[str, Any]]            # task -> latest analysis
     all_analyses: list[dict[str, Any]]
     parent_sources: dict[int, Optional[str]]      # attempt id -> source (parents outside the run too)
+    not_run: dict[str, str] = field(default_factory=dict)   # the run's tasks with no attempt -> why
 
     _metrics: Optional[RunMetrics] = None
 
@@ -105,7 +106,7 @@ def load_run(session, run_id: int) -> RunData:
     from sqlalchemy.orm import selectinload
 
     from store.models import Analysis, Attempt, ModelCall, Task
-    from store.repo import get_run
+    from store.repo import get_run, task_stops
 
     run = get_run(session, run_id)
     attempts = list(session.scalars(
@@ -146,6 +147,24 @@ def load_run(session, run_id: int) -> RunData:
         for a in session.scalars(sa.select(Attempt).where(Attempt.id.in_(wanted))):
             parent_sources[a.id] = a.source
 
+    # The run's tasks that have no attempt, and why (a stored stop: too_large, error), so a
+    # report of a KernelBench level says how many of the level's tasks its figures cover.
+    stops = task_stops(session, run_id)
+    listed = [t for t in (run.config or {}).get("tasks", []) if isinstance(t, dict) and t.get("sha256")]
+    by_sha = {t.sha256: t.id for t in session.scalars(
+        sa.select(Task).where(Task.sha256.in_([t["sha256"] for t in listed])))} if listed else {}
+    with_attempts = {a.task_id for a in attempts}
+    not_run: dict[str, str] = {}
+    for t in listed:
+        tid = by_sha.get(t["sha256"])
+        if tid not in with_attempts:
+            status, reason = stops.get(tid, ("", ""))
+            if not status:
+                reason = ("not reached: the run stopped before this task" if run.status != "finished" else
+                          "no attempt, and no reason stored (stores before schema 9 kept none; "
+                          "optimize --resume says it again)")
+            not_run[str(t.get("name") or t.get("path"))] = reason or status
+
     run_info = {
         "id": run.id, "kind": run.kind, "status": run.status, "model": run.model, "critic": run.critic,
         "device": run.device, "device_name": run.device_name, "torch_version": run.torch_version,
@@ -156,4 +175,4 @@ def load_run(session, run_id: int) -> RunData:
     return RunData(run=run_info, records=records, calls=call_recs, task_names=sorted(names.values()),
                    task_sources={names[tid]: t.source for tid, t in tasks.items()},
                    task_ids={names[tid]: tid for tid in tasks}, analyses=latest,
-                   all_analyses=all_analyses, parent_sources=parent_sources)
+                   all_analyses=all_analyses, parent_sources=parent_sources, not_run=not_run)

@@ -13,6 +13,7 @@ import sqlalchemy as sa
 
 from store.migration_backend import m007_backend
 from store.migration_task_checks import m008_task_checks
+from store.migration_task_stops import m009_task_stops
 
 APP_ID = "kernelloop"
 
@@ -202,5 +203,6 @@ MIGRATIONS: list[Callable[[sa.Connection], None]] = [
     m006_evaluation_containment,
     m007_backend,          # store/migration_backend.py
     m008_task_checks,      # store/migration_task_checks.py
+    m009_task_stops,       # store/migration_task_stops.py
 ]
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -173,6 +173,17 @@ class Analysis(Base):
     created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)
 
 
+class TaskStop(Base):
+    """Why a task of a run ended without verdicts: ``too_large`` or ``error``, in words."""
+    __tablename__ = "task_stops"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), index=True)
+    task_id: Mapped[int] = mapped_column(ForeignKey("tasks.id"))
+    status: Mapped[str] = mapped_column(String(32))             # too_large | error
+    reason: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)
+
+
 class _TaskOnDevice:
     """What keys a figure found for one task at its sizes, on one device, torch and numerics."""
     id: Mapped[int] = mapped_column(Integer, primary_key=True)

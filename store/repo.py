@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 from sandbox.footprint import Footprint, FootprintBook
 from sandbox.result import EvalConfig, EvalResult
 from sandbox.tasks import TaskSpec
-from store.models import Analysis, Attempt, Evaluation, Run, Task, TaskCheck, TaskFootprint
+from store.models import Analysis, Attempt, Evaluation, Run, Task, TaskCheck, TaskFootprint, TaskStop
 
 
 def call_fields(c, left_out: Optional[list[str]] = None) -> dict:
@@ -163,3 +163,17 @@ def latest_task_check(session: Session, task_key: str, where: dict) -> Optional[
                                    *(getattr(TaskCheck, k) == v for k, v in where.items()))
     row = session.scalar(q.order_by(TaskCheck.id.desc()).limit(1))
     return list(row.issues) if row is not None else None
+
+
+def save_task_stop(session: Session, run_id: int, task_id: int, status: str, reason: str) -> TaskStop:
+    """Why the run's task ended without verdicts (``too_large``, ``error``)."""
+    row = TaskStop(run_id=run_id, task_id=task_id, status=status, reason=reason)
+    session.add(row)
+    session.flush()
+    return row
+
+
+def task_stops(session: Session, run_id: int) -> dict[int, tuple[str, str]]:
+    """The run's latest stop of each task: task id -> (status, reason)."""
+    rows = session.scalars(sa.select(TaskStop).where(TaskStop.run_id == run_id).order_by(TaskStop.id))
+    return {r.task_id: (r.status, r.reason) for r in rows}

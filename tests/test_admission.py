@@ -451,6 +451,14 @@ def test_optimize_stops_a_too_large_task_before_any_model_call_and_stores_no_ver
         for table in ("model_calls", "attempts", "evaluations"):
             assert conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0] == 0, table
         assert conn.execute("SELECT COUNT(*) FROM task_footprints").fetchone()[0] == 1
+        # the task's status is stored with its figures, and the run's report says it did not run
+        (status, reason), = conn.execute("SELECT status, reason FROM task_stops").fetchall()
+    assert status == "too_large" and "64.00 MiB (67108864 B) available" in reason
+    report = _invoke(["report", "1", "--db", str(db)])
+    assert report.exit_code == 0, report.output
+    text = " ".join(report.output.split())
+    assert "| tasks | 0 (of the run's 1: 1 did not run, listed below) |" in text
+    assert "### Tasks that did not run" in report.output and "| level1/leaky_relu | too_large: needs" in text
 
 
 @pytest.mark.gpu

@@ -51,7 +51,7 @@ def built(tmp_path_factory):
 def test_json_has_all_numbers(built):
     info, _, out, _ = built
     r = json.loads(out["json"])
-    assert set(r) == {"run", "numerics", "summary", "fast_p", "flagged", "tasks", "published"}
+    assert set(r) == {"run", "numerics", "summary", "fast_p", "flagged", "not_run", "tasks", "published"}
     # the fixture run's config records no numerics: it ran before they were recorded (fp32/strict)
     assert r["numerics"]["label"] == "fp32/strict" and r["numerics"]["recorded"] is False
     assert r["published"]["tasks"] == 0 and all(t["published"]["available"] is False for t in r["tasks"])
