@@ -64,7 +64,8 @@ def _summary_table(progress: list[Any], title: str) -> Table:
     for col in ("task", "round", "attempts", "correct", "clean", "eager ms", "compile ms", "best ms", "floor ms",
                 "vs eager", "vs compile", "stopped"):
         table.add_column(col, justify="left" if col in ("task", "stopped") else "right")
-    table.caption = ("correct: the verdict; clean: correct with no flag (no custom kernel, precision, ...); "
+    table.caption = ("correct: the verdict; clean: correct with no disqualifying flag (no custom kernel, fallback, "
+                     "inaccurate, suspicious, ...); "
                      "best ms and speedups: the fastest clean attempt, reference and candidate timed in one evaluation")
     for p in progress:
         table.add_row(p.name, str(p.round), str(p.attempts), str(p.correct), str(p.clean), _fmt(p.eager_ms),

@@ -70,7 +70,7 @@ class TaskProgress:
     round: int = 0
     attempts: int = 0
     correct: int = 0                    # the verdict correct
-    clean: int = 0                      # correct, and no flag (no custom kernel, precision, ...)
+    clean: int = 0                      # correct, and no disqualifying flag (sandbox.result.EvalResult.clean)
     best_speedup: Optional[float] = None
     best_ms: Optional[float] = None
     eager_ms: Optional[float] = None

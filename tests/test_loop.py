@@ -213,7 +213,7 @@ def test_a_resume_of_a_task_whose_rounds_are_all_stored_says_only_that_it_finish
     assert lines[0].startswith(f"{TASK_NAME}: finished (2 round(s) done, 2 of them stored before this --resume); "
                                "1 of 4 attempt(s) correct (1 clean) so far"), lines
     text = flat(result.output)
-    assert "correct:theverdict;clean:correctwithnoflag" in text
+    assert "correct:theverdict;clean:correctwithnodisqualifyingflag" in text
 
 
 def test_model_calls_one_per_sample_with_templates_hash_tokens_latency(first_run: LoopRun) -> None:
