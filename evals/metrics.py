@@ -387,7 +387,7 @@ def compute_metrics(records: list[AttemptRecord], calls: Iterable[CallRecord] = 
     for r in records:
         status_counts[r.status or f"not_evaluated:{r.parse_status}"] = \
             status_counts.get(r.status or f"not_evaluated:{r.parse_status}", 0) + 1
-        for f in r.flags:
+        for f in dict.fromkeys(r.flags):     # attempts per flag: one flag may come with two reasons
             flag_counts[f] = flag_counts.get(f, 0) + 1
 
     prompt_tokens = sum(c.prompt_tokens or 0 for c in calls)

@@ -167,7 +167,7 @@ def build_report(data: RunData, task_paths: Optional[dict[str, str]] = None) -> 
                 "candidate_ms": rec.candidate_ms, "eager_ms": rec.eager_ms, "compile_ms": rec.compile_ms,
                 "speedup_eager": rec.speedup_eager, "speedup_compile": rec.speedup_compile,
                 "speedup_eager_ci": rec.speedup_eager_ci, "speedup_compile_ci": rec.speedup_compile_ci,
-                "floor_fraction": rec.floor_fraction, "flags": list(rec.flags),
+                "floor_fraction": rec.floor_fraction, "flags": list(dict.fromkeys(rec.flags)),
                 "cause": attempt_cause(rec, analysis), "parent_ids": list(rec.parent_ids),
                 "evaluation_id": rec.evaluation_id, "is_best": tm.best is not None and rec.attempt_id == tm.best.attempt_id,
             })

@@ -176,3 +176,13 @@ def test_empty_run():
     assert m.tasks == 0 and m.attempts == 0 and m.correctness_rate == 0.0
     assert all(v is None for v in m.fast_p_eager.values())
     assert m.geomean_speedup_eager is None and m.median_floor_fraction is None
+
+
+def test_a_flag_given_twice_with_two_reasons_counts_one_attempt():
+    """On an H100 a builtin fallback was flagged no_custom_kernel by the call counter and by the
+    profiler: the report counted 248 flags over 124 attempts and listed the flag twice."""
+    from evals.metrics import AttemptRecord, compute_metrics
+
+    rec = AttemptRecord(task="t", attempt_id=1, round=0, sample=0, parse_status="ok", status="correct",
+                        flags=["no_custom_kernel", "no_custom_kernel"])
+    assert compute_metrics([rec]).flag_counts == {"no_custom_kernel": 1}
