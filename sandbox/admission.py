@@ -6,9 +6,9 @@ A sandbox's workers are admitted from their task's measured footprint (``sandbox
   as it lives; it is closed by ``Sandbox.release`` when its task ends, or earlier when another
   task's run needs the room and it is idle (least recently used first);
 * a **candidate run** holds its candidate worker's resident bytes, the host memory and files
-  of outputs in transit, and a *transient* figure: the trial peaks of its reference and its
-  candidate together. A pool counts every holding's resident and transient bytes:
-  ``usage = sum(resident + transient)``. (It once counted only the largest transient, for runs
+  of outputs in transit, and the trial peaks of its reference and its candidate above their
+  resident bytes. A pool counts every holding's bytes: ``usage = sum(bytes)`` (``Needs``: pool
+  -> bytes). (It once counted only the largest trial peak, for runs
   whose peaks were thought to take turns under the slot's device lock. They do not: a candidate
   worker keeps its peak reserved in its caching allocator until it exits, and loads, trials and
   precomputes of several runs overlap with a timing. On an H100 two level-1 candidates of 6 GiB
@@ -53,7 +53,7 @@ CUDA_CONTEXT_BYTES = 768 << 20
 WORKER_HOST_BYTES_CUDA = 2 << 30     # a worker's torch and CUDA libraries in host memory
 WAIT_POLL_S = 1.0
 
-Needs = dict[str, tuple[int, int]]   # pool -> (resident bytes, transient bytes)
+Needs = dict[str, int]   # pool -> bytes held while admitted
 
 
 class TaskTooLarge(Exception):
@@ -113,8 +113,8 @@ def default_budgets(device: str, slots: int) -> dict[str, int]:
 # --------------------------------------------------------------------------- the ledger
 
 def _bytes(pool: str, needs: list[Needs]) -> int:
-    """What ``needs`` take of ``pool``: every resident and transient byte (see the module's notes)."""
-    return sum(sum(n.get(pool, (0, 0))) for n in needs)
+    """What ``needs`` take of ``pool`` (see the module's notes)."""
+    return sum(n.get(pool, 0) for n in needs)
 
 
 @dataclass
@@ -142,7 +142,7 @@ class Admission:
     def _blocked(self, extra: list[Needs]) -> bool:
         """Whether ``extra`` asks for a pool that a measurement waits for or holds alone: it waits
         too (else a stream of runs would keep the measurement, and its task, waiting for ever)."""
-        return any(self._alone.get(p) and any(n.get(p, (0, 0)) != (0, 0) for n in extra) for p in self.budgets)
+        return any(self._alone.get(p) and any(n.get(p, 0) for n in extra) for p in self.budgets)
 
     def usage(self, pool: str, extra: Optional[list[Needs]] = None, without: frozenset = frozenset()) -> int:
         holdings = [r.needs for k, r in self._refs.items() if k not in without] + [n for _, n in self._runs.values()]
@@ -226,14 +226,14 @@ class Admission:
             try:
                 while True:
                     check_aborted()         # an interrupted run measures nothing more
-                    if not any(n.get(pool, (0, 0)) != (0, 0) for _, n in self._runs.values()):
+                    if not any(n.get(pool, 0) for _, n in self._runs.values()):
                         break
                     self._cond.wait(WAIT_POLL_S)
             except BaseException:
                 self._alone[pool] -= 1
                 self._cond.notify_all()
                 raise
-            beside = sum(1 for r in self._refs.values() if r.needs.get(pool, (0, 0))[0] > 0)
+            beside = sum(1 for r in self._refs.values() if r.needs.get(pool, 0) > 0)
         try:
             yield beside
         finally:
@@ -282,20 +282,22 @@ class MemoryGate:
 
     # ---- footprints into needs ---------------------------------------------------------
     def reference_needs(self, fp: Footprint, slot: int) -> Needs:
-        needs: Needs = {self._device_pool(slot): (self.context + fp.reference_resident_bytes, 0)}
+        needs: Needs = {self._device_pool(slot): self.context + fp.reference_resident_bytes}
         if self.device == "cuda":
-            needs["host"] = (WORKER_HOST_BYTES_CUDA, 0)
+            needs["host"] = WORKER_HOST_BYTES_CUDA
         return needs
 
     def run_needs(self, fp: Footprint, slot: int) -> Needs:
-        transient = (max(0, fp.reference_peak_bytes - fp.reference_resident_bytes)
-                     + max(0, fp.candidate_peak_bytes - fp.candidate_resident_bytes))
+        """A run: its candidate worker at its peak, and its reference's trial peak above what the
+        reference holds between trials (that is admitted with the reference itself)."""
+        ours = (max(0, fp.reference_peak_bytes - fp.reference_resident_bytes)
+                + max(fp.candidate_peak_bytes, fp.candidate_resident_bytes))
         if self.device == "cuda":
-            return {gpu_pool(slot): (self.context + fp.candidate_resident_bytes, transient),
-                    "host": (WORKER_HOST_BYTES_CUDA + fp.host_transit_bytes, 0), "shm": (fp.shm_bytes, 0)}
+            return {gpu_pool(slot): self.context + ours,
+                    "host": WORKER_HOST_BYTES_CUDA + fp.host_transit_bytes, "shm": fp.shm_bytes}
         # on cpu a candidate worker's process costs about what the reference's did before its model
         base = max(0, fp.reference_resident_bytes - fp.params_bytes - fp.fp64_bytes)
-        return {"host": (base + fp.candidate_resident_bytes, transient), "shm": (fp.shm_bytes, 0)}
+        return {"host": base + ours, "shm": fp.shm_bytes}
 
     # ---- what the sandbox asks -----------------------------------------------------------
     def footprint(self, spec: Any, slot: int = 0,
@@ -316,7 +318,7 @@ class MemoryGate:
                 if fp.oom is None or not beside:
                     return fp
                 # out of memory beside idle references: measured again with the device to itself
-                whole = {pool: (self.admission.budgets[pool], 0)}
+                whole = {pool: self.admission.budgets[pool]}
                 token = self.admission.admit(spec.name, whole, close_reference=close_reference,
                                              check_aborted=check_aborted)
                 try:
@@ -389,20 +391,20 @@ class MemoryGate:
         if fp is None or self.too_large(spec, fp, slot) is not None:
             return None
         fp = self.plan(spec, fp, slot)[0]
-        starting = {self._device_pool(slot): (0, max(0, fp.reference_peak_bytes - fp.reference_resident_bytes))}
+        starting = {self._device_pool(slot): max(0, fp.reference_peak_bytes - fp.reference_resident_bytes)}
         return self.admission.try_admit(spec.name, starting, (spec.key, slot), self.reference_needs(fp, slot))
 
     def hold_ahead(self, spec: Any, slot: int) -> Optional[int]:
         """Room for the reference to compute a trial's outputs ahead and keep them until the
         trial (``sandbox.reference.Precomputed``), beside whatever runs meanwhile: its transient
-        bytes, held as resident until ``leave``. None where they do not fit now (or the task's
+        bytes, held until ``leave``. None where they do not fit now (or the task's
         footprint is unknown)."""
         fp = self.book.known(spec, self.device, self.numerics)
         if fp is None:
             return None
         fp = self.plan(spec, fp, slot)[0]
         ahead = max(0, fp.reference_peak_bytes - fp.reference_resident_bytes)
-        return self.admission.try_admit(f"{spec.name} (computed ahead)", {self._device_pool(slot): (ahead, 0)})
+        return self.admission.try_admit(f"{spec.name} (computed ahead)", {self._device_pool(slot): ahead})
 
     def leave(self, token: int) -> None:
         self.admission.leave(token)

@@ -50,7 +50,7 @@ def test_two_runs_that_fit_one_at_a_time_run_sequentially_and_both_finish():
     lock = threading.Lock()
 
     def run(name: str) -> None:
-        token = adm.admit(name, {"gpu0": (30, 50)})       # 80 of 100: two at once would be 30+30+50
+        token = adm.admit(name, {"gpu0": 30 + 50})       # 80 of 100: two at once would be 30+30+50
         with lock:
             inside[0] += 1
             most[0] = max(most[0], inside[0])
@@ -74,10 +74,10 @@ def test_runs_held_at_once_count_their_transients_together():
     caching allocator keeps its peak until it exits) while the ledger counted one transient,
     and the references beside them ran out of memory: transients add up like residents."""
     adm = Admission({"gpu0": 100})
-    adm.admit("a", {"gpu0": (20, 50)})
+    adm.admit("a", {"gpu0": 20 + 50})
     assert adm.usage("gpu0") == 70
-    assert adm.try_admit("b", {"gpu0": (20, 50)}) is None       # 140 > 100: it waits
-    assert adm.try_admit("c", {"gpu0": (10, 20)}) is not None   # 100 fits
+    assert adm.try_admit("b", {"gpu0": 20 + 50}) is None       # 140 > 100: it waits
+    assert adm.try_admit("c", {"gpu0": 10 + 20}) is not None   # 100 fits
     assert adm.usage("gpu0") == 100
 
 
@@ -85,12 +85,12 @@ def test_idle_references_of_other_tasks_are_closed_least_recently_used_first():
     adm = Admission({"gpu0": 100})
     closed: list = []
     for key in ("old", "newer"):
-        token = adm.admit(key, {"gpu0": (0, 0)}, ref_key=key, ref={"gpu0": (40, 0)})
+        token = adm.admit(key, {"gpu0": 0}, ref_key=key, ref={"gpu0": 40})
         adm.leave(token)
         time.sleep(0.01)
-    busy = adm.admit("busy", {"gpu0": (0, 0)}, ref_key="busy", ref={"gpu0": (10, 0)})   # in use: never closed
+    busy = adm.admit("busy", {"gpu0": 0}, ref_key="busy", ref={"gpu0": 10})   # in use: never closed
     # 40 + 40 + 10 held; the new task needs 30 + 20: closing "old" (the least recently used) is enough
-    adm.admit("new", {"gpu0": (20, 0)}, ref_key="new", ref={"gpu0": (30, 0)}, close_reference=closed.append)
+    adm.admit("new", {"gpu0": 20}, ref_key="new", ref={"gpu0": 30}, close_reference=closed.append)
     assert closed == ["old"]
     assert set(adm.references()) == {"newer", "busy", "new"}
     adm.leave(busy)
@@ -99,7 +99,7 @@ def test_idle_references_of_other_tasks_are_closed_least_recently_used_first():
 def test_a_task_larger_than_the_budget_alone_is_too_large_with_both_numbers():
     adm = Admission({"gpu0": 1000, "host": 10 ** 9})
     with pytest.raises(TaskTooLarge) as info:
-        adm.admit("big", {"gpu0": (600, 300)}, ref_key="big", ref={"gpu0": (200, 0)})
+        adm.admit("big", {"gpu0": 600 + 300}, ref_key="big", ref={"gpu0": 200})
     exc = info.value
     assert (exc.pool, exc.needed, exc.available) == ("gpu0", 1100, 1000)
     assert "too_large" in exc.reason and "1100 B" in exc.reason and "1000 B" in exc.reason
@@ -108,9 +108,9 @@ def test_a_task_larger_than_the_budget_alone_is_too_large_with_both_numbers():
 
 def test_a_measurement_waits_for_the_runs_admits_none_meanwhile_and_leaves_idle_references_resident():
     adm = Admission({"gpu0": 100, "host": 100})
-    idle = adm.admit("other", {"gpu0": (0, 0)}, ref_key="other", ref={"gpu0": (30, 0)})
+    idle = adm.admit("other", {"gpu0": 0}, ref_key="other", ref={"gpu0": 30})
     adm.leave(idle)                                     # an idle reference of another task
-    running = adm.admit("run", {"gpu0": (10, 20)})
+    running = adm.admit("run", {"gpu0": 10 + 20})
     log: list[str] = []
     measuring = threading.Event()
     done = threading.Event()
@@ -125,7 +125,7 @@ def test_a_measurement_waits_for_the_runs_admits_none_meanwhile_and_leaves_idle_
 
     def later_run():
         measuring.wait(5)
-        token = adm.admit("later", {"gpu0": (10, 20)})
+        token = adm.admit("later", {"gpu0": 10 + 20})
         log.append("later admitted")
         adm.leave(token)
 
@@ -134,10 +134,10 @@ def test_a_measurement_waits_for_the_runs_admits_none_meanwhile_and_leaves_idle_
     time.sleep(0.2)
     assert log == []                                    # the admitted run still holds the device
     # while the measurement waits, a new run is not admitted either (it would starve it) ...
-    assert adm.try_admit("sneak", {"gpu0": (1, 0)}) is None
+    assert adm.try_admit("sneak", {"gpu0": 1}) is None
     # ... nor a reference; another pool is not held
-    assert adm.try_admit("ref", {}, ref_key="r", ref={"gpu0": (1, 0)}) is None
-    host = adm.try_admit("host only", {"host": (5, 0)})
+    assert adm.try_admit("ref", {}, ref_key="r", ref={"gpu0": 1}) is None
+    host = adm.try_admit("host only", {"host": 5})
     assert host is not None
     adm.leave(host)
     later = threading.Thread(target=later_run)

@@ -315,25 +315,25 @@ def test_a_precompute_runs_only_with_its_memory_admitted_and_gives_it_back_once(
             return {"ok": True}
 
     ledger = Admission({"gpu0": 100})
-    running = ledger.admit("other task", {"gpu0": (60, 20)})          # another candidate's run: 80 of 100
-    assert ledger.try_admit("ahead", {"gpu0": (30, 0)}) is None        # 60 + 30 + its 20 in flight > 100
+    running = ledger.admit("other task", {"gpu0": 60 + 20})          # another candidate's run: 80 of 100
+    assert ledger.try_admit("ahead", {"gpu0": 30}) is None        # 60 + 30 + its 20 in flight > 100
     released: list[int] = []
 
     def hold():
-        return ledger.try_admit("ahead", {"gpu0": (15, 0)})
+        return ledger.try_admit("ahead", {"gpu0": 15})
 
     def release(token):
         released.append(token)
         ledger.leave(token)
 
-    too_big = Precomputed(Ref(), fp64=True, hold=lambda: ledger.try_admit("ahead", {"gpu0": (30, 0)}), release=release)
+    too_big = Precomputed(Ref(), fp64=True, hold=lambda: ledger.try_admit("ahead", {"gpu0": 30}), release=release)
     assert not too_big.wait(5) and asked == [] and "does not fit" in too_big.note
     too_big.discard()
     assert released == []
 
     used = Precomputed(Ref(), fp64=True, hold=hold, release=release)
     assert used.wait(5) and len(asked) == 1
-    assert ledger.try_admit("third", {"gpu0": (10, 0)}) is None       # 60 + 15 + 20 + 10 > 100 while held
+    assert ledger.try_admit("third", {"gpu0": 10}) is None       # 60 + 15 + 20 + 10 > 100 while held
     used.request({"op": "trial", "seed": 0, "index": 0})
     used.discard()
     used.discard()
@@ -342,7 +342,7 @@ def test_a_precompute_runs_only_with_its_memory_admitted_and_gives_it_back_once(
     assert unused.wait(5)
     unused.discard()                                                  # the kept outputs discarded, then given back
     assert len(released) == 2 and asked[-1]["op"] == "discard"
-    token = ledger.try_admit("third", {"gpu0": (20, 0)})              # everything held ahead is back
+    token = ledger.try_admit("third", {"gpu0": 20})              # everything held ahead is back
     assert token is not None
     ledger.leave(token)
     ledger.leave(running)
