@@ -153,11 +153,10 @@ def load_run(session, run_id: int) -> RunData:
     listed = [t for t in (run.config or {}).get("tasks", []) if isinstance(t, dict) and t.get("sha256")]
     by_sha = {t.sha256: t.id for t in session.scalars(
         sa.select(Task).where(Task.sha256.in_([t["sha256"] for t in listed])))} if listed else {}
-    with_attempts = {a.task_id for a in attempts}
     not_run: dict[str, str] = {}
     for t in listed:
         tid = by_sha.get(t["sha256"])
-        if tid not in with_attempts:
+        if tid not in tasks:        # in no figure: no attempt, model call or analysis of it
             status, reason = stops.get(tid, ("", ""))
             if not status:
                 reason = ("not reached: the run stopped before this task" if run.status != "finished" else
