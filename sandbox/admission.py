@@ -290,8 +290,7 @@ class MemoryGate:
     def run_needs(self, fp: Footprint, slot: int) -> Needs:
         """A run: its candidate worker at its peak, and its reference's trial peak above what the
         reference holds between trials (that is admitted with the reference itself)."""
-        ours = (max(0, fp.reference_peak_bytes - fp.reference_resident_bytes)
-                + max(fp.candidate_peak_bytes, fp.candidate_resident_bytes))
+        ours = fp.reference_trial_bytes + max(fp.candidate_peak_bytes, fp.candidate_resident_bytes)
         if self.device == "cuda":
             return {gpu_pool(slot): self.context + ours,
                     "host": WORKER_HOST_BYTES_CUDA + fp.host_transit_bytes, "shm": fp.shm_bytes}
@@ -391,7 +390,7 @@ class MemoryGate:
         if fp is None or self.too_large(spec, fp, slot) is not None:
             return None
         fp = self.plan(spec, fp, slot)[0]
-        starting = {self._device_pool(slot): max(0, fp.reference_peak_bytes - fp.reference_resident_bytes)}
+        starting = {self._device_pool(slot): fp.reference_trial_bytes}
         return self.admission.try_admit(spec.name, starting, (spec.key, slot), self.reference_needs(fp, slot))
 
     def hold_ahead(self, spec: Any, slot: int) -> Optional[int]:
@@ -403,8 +402,8 @@ class MemoryGate:
         if fp is None:
             return None
         fp = self.plan(spec, fp, slot)[0]
-        ahead = max(0, fp.reference_peak_bytes - fp.reference_resident_bytes)
-        return self.admission.try_admit(f"{spec.name} (computed ahead)", {self._device_pool(slot): ahead})
+        return self.admission.try_admit(f"{spec.name} (computed ahead)",
+                                        {self._device_pool(slot): fp.reference_trial_bytes})
 
     def leave(self, token: int) -> None:
         self.admission.leave(token)

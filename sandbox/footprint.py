@@ -74,6 +74,11 @@ class Footprint:
                                    reference_resident_bytes=max(0, self.reference_resident_bytes - model64))
 
     @property
+    def reference_trial_bytes(self) -> int:
+        """What a reference trial takes above what the reference worker holds between trials."""
+        return max(0, self.reference_peak_bytes - self.reference_resident_bytes)
+
+    @property
     def candidate_resident_bytes(self) -> int:
         return self.params_bytes
 
