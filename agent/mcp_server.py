@@ -180,5 +180,18 @@ def mcp_command(db: Optional[str] = DbOption,
         anyio.run(serve)
     except KeyboardInterrupt:
         pass
+    except Exception as exc:  # noqa: BLE001 - the client's pipe closed under a last reply: it went away
+        if not _only_pipe_errors(exc):
+            raise
+        print("[kernelloop mcp] the client went away (its pipe closed); session ended", file=sys.stderr, flush=True)
     finally:
         store.close()
+
+
+def _only_pipe_errors(exc: BaseException) -> bool:
+    """Whether ``exc`` (an exception group of the SDK's tasks, maybe nested) holds only errors of
+    a pipe whose other end closed."""
+    inner = getattr(exc, "exceptions", None)
+    if inner is not None:
+        return bool(inner) and all(_only_pipe_errors(e) for e in inner)
+    return isinstance(exc, (BrokenPipeError, ConnectionResetError))

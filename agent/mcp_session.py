@@ -117,6 +117,7 @@ class AgentSession:
         self._sandboxes: dict[str, Any] = {}
         self._inflight: set[int] = set()
         self._jobs: dict[int, Job] = {}
+        self._stopped = False           # an evaluation was stopped: the runs end interrupted
 
     @property
     def model(self) -> str:
@@ -364,6 +365,7 @@ class AgentSession:
                     other.interrupted = why if other is job else f"another evaluation of this session was " \
                                                                  f"cancelled ({why}); call evaluate again"
             job.interrupted = job.interrupted or why
+            self._stopped = True
             sandboxes, self._sandboxes = list(self._sandboxes.values()), {}
         for sb in sandboxes:
             sb.abort()
@@ -416,12 +418,12 @@ class AgentSession:
         from store.models import Run
 
         with self._lock:
-            stopped = bool(self._inflight)
             jobs = [self._jobs[a] for a in self._inflight if a in self._jobs]
         if jobs:
             self.cancel(jobs[0], why)
             for j in jobs:
                 j.done.wait(30)
+        stopped = self._stopped
         with self._lock:
             sandboxes, self._sandboxes = list(self._sandboxes.values()), {}
         for sb in sandboxes:
