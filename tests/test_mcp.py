@@ -19,8 +19,6 @@ from pathlib import Path
 
 import pytest
 
-mcp = pytest.importorskip("mcp", reason="the MCP SDK (pip install mcp) is not installed")
-
 ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "tests" / "fixtures" / "mcp"
 TASK = "seeds/gemm_sigmoid_gemm_logsumexp"
@@ -172,6 +170,18 @@ def test_an_agent_session_is_judged_stored_and_reported_as_eval_judges(tmp_path)
     assert TASK in report.output and "mcp:pytest-agent" in report.output
     listed = runner.invoke(app, ["runs", "--db", str(db)])
     assert listed.exit_code == 0 and "agent" in listed.output and "mcp:pytest-agent" in listed.output
+    exported = runner.invoke(app, ["export", str(run.id), "--jsonl", str(tmp_path / "run.jsonl"), "--db", str(db)])
+    assert exported.exit_code == 0, exported.output
+    records = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
+    attempts_out = [r for r in records if r["type"] == "attempt"]
+    assert [r["candidate_source"] for r in attempts_out] == [honest, cheat]
+    assert [r["correct"] for r in attempts_out] == [True, False]       # clean: the cheat is flagged
+    # replay reuses the stored evaluations (same device, torch and configuration); compare reads both runs
+    replayed = runner.invoke(app, ["replay", str(run.id), "--device", "cpu", "--db", str(db)])
+    assert replayed.exit_code == 0, replayed.output
+    compared = runner.invoke(app, ["compare", str(run.id), str(run.id + 1), "--json", "--db", str(db)])
+    assert compared.exit_code == 0, compared.output
+    assert TASK in compared.output
 
     # `eval --json` judges the same candidate alike (its build is a cache hit by now)
     cand = tmp_path / "honest.py"
