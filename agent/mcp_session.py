@@ -379,16 +379,22 @@ class AgentSession:
         from store.models import Attempt, Run, Task
         from store.repo import latest_evaluation
 
-        name = task.strip().removesuffix(".py") if task else ""
-        if not name:
+        from sandbox.tasks import discover, read_spec
+
+        if not task or not task.strip():
             raise ToolInputError("task is empty: name a task this session evaluated")
+        try:
+            paths = discover([task.strip()])
+            name = read_spec(paths[0]).name if len(paths) == 1 else task.strip()
+        except TaskError:
+            name = task.strip().removesuffix(".py")     # a task file since moved: its stored name
         runs = self.run_ids
         rows: list[dict[str, Any]] = []
         with self.store.reader() as s:
             q = (sa.select(Attempt, Task.name, Run.device).join(Task, Task.id == Attempt.task_id)
                  .join(Run, Run.id == Attempt.run_id).where(Attempt.run_id.in_(runs)))
             for a, task_name, run_device in s.execute(q):
-                if task_name != name and not task_name.endswith("/" + name.split("/")[-1]):
+                if task_name != name:
                     continue
                 if device is not None and run_device != device:
                     continue

@@ -17,8 +17,10 @@ from pathlib import Path
 import anyio
 
 ROOT = Path(__file__).resolve().parent.parent
-FIX = ROOT / "tests" / "fixtures" / "mcp"
-TASK = "seeds/gemm_sigmoid_gemm_logsumexp"
+FIX = ROOT / "tests" / "fixtures"
+TASK = "seeds/conv2d_divide_leakyrelu"
+HONEST = FIX / "critic" / "cpu" / "fused_tail.py"       # conv in PyTorch, divide + LeakyReLU fused in C++
+CHEAT = FIX / "mcp" / "calls_reference_tail.py"         # appended to the task: calls the reference Model
 
 
 def _short(value, limit: int = 400):
@@ -67,10 +69,9 @@ async def main(args: argparse.Namespace) -> None:
             await call("list_tasks", {"suite": "seeds"})
             await call("show_task", {"task": TASK, "device": args.device})
             await call("evaluate", {"task": TASK, "source": "class ModelNew(nn.Module:\n", "device": args.device})
-            await call("evaluate", {"task": TASK, "source": (FIX / "honest_sigmoid.py").read_text(),
-                                    "device": args.device}, progress=True)
-            await call("evaluate", {"task": TASK, "source": (FIX / "calls_reference.py").read_text(),
-                                    "device": args.device}, progress=True)
+            await call("evaluate", {"task": TASK, "source": HONEST.read_text(), "device": args.device}, progress=True)
+            cheat = (ROOT / "tasks" / f"{TASK}.py").read_text() + CHEAT.read_text()
+            await call("evaluate", {"task": TASK, "source": cheat, "device": args.device}, progress=True)
             await call("history", {"task": TASK})
 
 

@@ -21,8 +21,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "tests" / "fixtures" / "mcp"
-TASK = "seeds/gemm_sigmoid_gemm_logsumexp"
+TASK = "seeds/conv2d_divide_leakyrelu"
+# honest: the convolution in PyTorch, division and LeakyReLU fused in one C++ pass (the critic's fixture)
+HONEST = ROOT / "tests" / "fixtures" / "critic" / "cpu" / "fused_tail.py"
 OPTIONS = ["--no-compile", "--trials", "2", "--timed-runs", "3"]
+
+
+def calls_reference(task_source: str) -> str:
+    """A cheat: the task's own reference Model carried along and called (no kernel of its own)."""
+    return task_source + (FIX / "calls_reference_tail.py").read_text()
 
 
 def _tagged(tag: str) -> list[tuple[int, str]]:
@@ -79,7 +86,8 @@ def test_an_agent_session_is_judged_stored_and_reported_as_eval_judges(tmp_path)
     from store.models import Analysis, Attempt, Evaluation, Run
 
     db, tag = tmp_path / "kl.db", uuid.uuid4().hex
-    honest, cheat = (FIX / "honest_sigmoid.py").read_text(), (FIX / "calls_reference.py").read_text()
+    honest = HONEST.read_text()
+    cheat = calls_reference((ROOT / "tasks" / f"{TASK}.py").read_text())
     progress: list[tuple[float, str]] = []
 
     async def script(s):
@@ -92,6 +100,7 @@ def test_an_agent_session_is_judged_stored_and_reported_as_eval_judges(tmp_path)
             "empty source": {"task": TASK, "source": "  \n", "device": "cpu"},
             "not python": {"task": TASK, "source": "class ModelNew(nn.Module:\n  pass\n", "device": "cpu"},
             "no ModelNew": {"task": TASK, "source": "import torch\nx = 1\n", "device": "cpu"},
+            "directory, not a task": {"task": "seeds", "source": honest, "device": "cpu"},
             "unknown device": {"task": TASK, "source": honest, "device": "tpu"},
             "unknown precision": {"task": TASK, "source": honest, "device": "cpu", "precision": "fp7"},
         }
@@ -112,9 +121,9 @@ def test_an_agent_session_is_judged_stored_and_reported_as_eval_judges(tmp_path)
 
     out = _session(db, tag, tmp_path / "server.err", script)
     assert out["tools"] == ["baseline", "evaluate", "history", "list_tasks", "show_task"]
-    assert TASK in out["listed"] and out["listed"][TASK]["cpu_sizes"]["batch_size"] == 128
+    assert TASK in out["listed"] and out["listed"][TASK]["cpu_sizes"]["batch_size"] == 2
     shown = out["shown"]
-    assert "class Model" in shown["source"] and shown["sizes"]["hidden_size"] == 512
+    assert "class Model" in shown["source"] and shown["sizes"]["in_channels"] == 8 and shown["sizes"]["kernel_size"] == 3
     assert shown["numerics"]["default"] == "fp32/default" and shown["baselines"] == []
 
     # bad input: a tool error naming its cause, and nothing stored
@@ -123,6 +132,7 @@ def test_an_agent_session_is_judged_stored_and_reported_as_eval_judges(tmp_path)
     assert "source is empty" in errors["empty source"]
     assert "source is not Python" in errors["not python"] and "line 1" in errors["not python"]
     assert "no class ModelNew" in errors["no ModelNew"]
+    assert "names 5 task files; name one" in errors["directory, not a task"]
     assert "must be cuda or cpu, not 'tpu'" in errors["unknown device"]
     assert "fp7" in errors["unknown precision"]
     if "absent gpu" in errors:
