@@ -193,14 +193,14 @@ def test_an_agent_session_is_judged_stored_and_reported_as_eval_judges(tmp_path)
     assert compared.exit_code == 0, compared.output
     assert TASK in compared.output
 
-    # `eval --json` judges the same candidate alike (its build is a cache hit by now)
-    cand = tmp_path / "honest.py"
-    cand.write_text(honest)
+    # `eval --json` judges the same candidate alike: the same verdict and the same flags, reasons included
+    cand = tmp_path / "cheat.py"
+    cand.write_text(cheat)
     ev = runner.invoke(app, ["eval", TASK, str(cand), "--device", "cpu", *OPTIONS, "--json"])
     assert ev.exit_code == 0, ev.output
     data = json.loads(ev.output[ev.output.index("{"):])
-    assert data["status"] == h["status"] and [f["kind"] for f in data["flags"]] == [f["kind"] for f in h["flags"]]
-    assert data["config"]["numerics"]["precision"] == "fp32" and h["numerics"] == "fp32/default"
+    assert data["status"] == c["status"] and data["flags"] == c["flags"]
+    assert data["config"]["numerics"]["precision"] == "fp32" and c["numerics"] == "fp32/default"
     assert _tagged(tag) == []
 
 
