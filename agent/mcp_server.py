@@ -52,6 +52,7 @@ def build_server(store: Any, options: Any) -> tuple[Any, dict[str, Any]]:
     from mcp.server.mcpserver.exceptions import ToolError
 
     from agent.mcp_session import AgentSession, Interrupted, ToolInputError
+    from sandbox.admission import TaskTooLarge
     from kernelloop import __version__
 
     server = MCPServer(name="kernelloop", version=__version__, instructions=INSTRUCTIONS, log_level="WARNING")
@@ -141,6 +142,8 @@ def build_server(store: Any, options: Any) -> tuple[Any, dict[str, Any]]:
             exc = box["error"]
             if isinstance(exc, Interrupted):
                 raise ToolError(f"the evaluation was stopped before its verdict: {exc}")
+            if isinstance(exc, TaskTooLarge):     # the task's status on this device, not the candidate's verdict
+                raise ToolError(f"the task does not fit on this device (no verdict): {exc.reason}")
             raise ToolError(f"the harness failed, not the candidate: {type(exc).__name__}: {exc}")
         await ctx.report_progress(STEPS, STEPS, f"done: {box['out']['status']}")
         return box["out"]

@@ -326,6 +326,9 @@ class AgentSession:
         from sandbox.phases import listening
 
         with self._lock:
+            if job.interrupted is not None:     # cancelled before it started
+                job.done.set()
+                raise Interrupted(job.interrupted)
             sandbox = self._sandboxes.get(job.run_key)
             if sandbox is None:          # an earlier cancel stopped it: a fresh one
                 cfg = self._config_of(job.run_id)
@@ -367,8 +370,10 @@ class AgentSession:
             job.interrupted = job.interrupted or why
             self._stopped = True
             sandboxes, self._sandboxes = list(self._sandboxes.values()), {}
-        for sb in sandboxes:
-            sb.abort()
+            # killed under the lock: an evaluation that starts next (a fresh sandbox) starts its
+            # workers after this kill, never before it, so it is not stopped without being told
+            for sb in sandboxes:
+                sb.abort()
         for sb in sandboxes:
             sb.close()
 

@@ -1,10 +1,11 @@
 """Issue 37: ``kernelloop mcp``, the judge as an MCP server, driven by the SDK's own stdio client.
 
 One session (a real ``kernelloop mcp`` process, the SDK's ``stdio_client`` and ``ClientSession``)
-lists the tools, is refused bad input by name, evaluates an honest candidate and a cheating one
-on a seed task on ``cpu`` (with progress notifications), and reads its history; then the store
-holds a run of kind ``agent`` that ``report`` reads, and ``eval --json`` gives the same verdict and
-flags for the honest candidate. A second client goes away mid-evaluation: the server stops the
+lists the tools, is refused bad input by name, cancels a call mid-evaluation (stopped on the
+server, no verdict stored), evaluates an honest candidate and a cheating one on a seed task on
+``cpu`` (with progress notifications), and reads its history; then the store holds a run of kind
+``agent`` that ``runs``, ``report``, ``export``, ``replay`` and ``compare`` read, and ``eval --json``
+gives the same verdict and flags for the cheat. A second client goes away mid-evaluation: the server stops the
 evaluation itself, stores no verdict, and leaves no process behind.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ FIX = ROOT / "tests" / "fixtures" / "mcp"
 TASK = "seeds/conv2d_divide_leakyrelu"
 # honest: the convolution in PyTorch, division and LeakyReLU fused in one C++ pass (the critic's fixture)
 HONEST = ROOT / "tests" / "fixtures" / "critic" / "cpu" / "fused_tail.py"
+SMALL = ROOT / "tests" / "adversarial" / "task_small.py"        # the task the cancelled call evaluates
 OPTIONS = ["--no-compile", "--trials", "2", "--timed-runs", "3"]
 
 
@@ -109,6 +111,20 @@ def test_an_agent_session_is_judged_stored_and_reported_as_eval_judges(tmp_path)
         out["errors"] = {k: _error(await s.call_tool("evaluate", v)) for k, v in bad.items()}
         out["history_before"] = _json(await s.call_tool("history", {"task": TASK}))
 
+        # a call the client cancels mid-evaluation: stopped on the server, no verdict stored; the
+        # session goes on with fresh workers
+        import anyio
+
+        with anyio.CancelScope() as scope:
+            async def cancel_at_trials(p, total, message):
+                if (message or "").startswith("checks: trials"):
+                    scope.cancel()
+
+            await s.call_tool("evaluate", {"task": str(SMALL), "source": (FIX / "hangs.py").read_text(),
+                                           "device": "cpu"}, progress_callback=cancel_at_trials)
+        out["cancelled"] = scope.cancelled_caught
+        out["history_cancelled"] = _json(await s.call_tool("history", {"task": str(SMALL)}))
+
         async def on_progress(p, total, message):
             progress.append((p, message or ""))
 
@@ -139,6 +155,7 @@ def test_an_agent_session_is_judged_stored_and_reported_as_eval_judges(tmp_path)
         assert "no CUDA GPU is visible" in errors["absent gpu"]
     assert out["history_before"]["attempts"] == []
 
+    assert out["cancelled"] and "evaluation of attempt 1 stopped" in (tmp_path / "server.err").read_text()
     h, c = out["honest"], out["cheat"]
     assert h["status"] == "correct" and h["clean"] and h["flags"] == [], h
     assert h["speedup_eager"] > 0 and "speedup_compile" in h and h["speedup_compile"] is None     # --no-compile
@@ -156,6 +173,7 @@ def test_an_agent_session_is_judged_stored_and_reported_as_eval_judges(tmp_path)
     # history: this session's attempts, best (clean) first
     hist = out["history"]["attempts"]
     assert [a["attempt_id"] for a in hist] == [h["attempt_id"], c["attempt_id"]] and hist[0]["clean"]
+    assert [a["status"] for a in out["history_cancelled"]["attempts"]] == ["not evaluated (interrupted)"]
     assert out["baseline"]["in_this_session"][0]["eager_ms"] == h["eager_ms"]
 
     # the store: one run of kind agent, model mcp:<client>, two attempts with evaluations and analyses
@@ -163,12 +181,15 @@ def test_an_agent_session_is_judged_stored_and_reported_as_eval_judges(tmp_path)
     try:
         with store.reader() as s:
             runs = s.query(Run).all()
-            assert [(r.kind, r.model, r.status, r.device) for r in runs] == [("agent", "mcp:pytest-agent", "finished", "cpu")]
+            # interrupted: one of its attempts has no verdict (as an interrupted optimize run's)
+            assert [(r.kind, r.model, r.status, r.device) for r in runs] == [("agent", "mcp:pytest-agent", "interrupted",
+                                                                              "cpu")]
             run = runs[0]
             assert run.config["client"] == {"name": "pytest-agent", "version": "9.9"}
-            assert [t["name"] for t in run.config["tasks"]] == [TASK]
             attempts = s.query(Attempt).order_by(Attempt.id).all()
-            assert [(a.round, a.parent_ids) for a in attempts] == [(0, []), (1, [attempts[0].id])]
+            assert [(a.round, a.parent_ids) for a in attempts] == [(0, []), (0, []), (1, [attempts[1].id])]
+            assert [t["name"] for t in run.config["tasks"]] == ["adversarial/task_small", TASK]
+            assert [e.attempt_id for e in s.query(Evaluation).order_by(Evaluation.id)] == [h["attempt_id"], c["attempt_id"]]
             assert [e.status for e in s.query(Evaluation).order_by(Evaluation.id)] == ["correct", "correct"]
             assert s.query(Analysis).filter(Analysis.run_id == run.id).count() == 2
     finally:
@@ -184,10 +205,14 @@ def test_an_agent_session_is_judged_stored_and_reported_as_eval_judges(tmp_path)
     assert exported.exit_code == 0, exported.output
     records = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
     attempts_out = [r for r in records if r["type"] == "attempt"]
-    assert [r["candidate_source"] for r in attempts_out] == [honest, cheat]
-    assert [r["correct"] for r in attempts_out] == [True, False]       # clean: the cheat is flagged
+    by_task = {}
+    for r in attempts_out:
+        by_task.setdefault(r["task"]["name"], []).append(r)
+    assert [r["candidate_source"] for r in by_task[TASK]] == [honest, cheat]
+    assert [r["correct"] for r in by_task[TASK]] == [True, False]       # clean: the cheat is flagged
+    assert [r["evaluation"] for r in by_task["adversarial/task_small"]] == [None]
     # replay reuses the stored evaluations (same device, torch and configuration); compare reads both runs
-    replayed = runner.invoke(app, ["replay", str(run.id), "--device", "cpu", "--db", str(db)])
+    replayed = runner.invoke(app, ["replay", str(run.id), "--device", "cpu", "--tasks", TASK, "--db", str(db)])
     assert replayed.exit_code == 0, replayed.output
     compared = runner.invoke(app, ["compare", str(run.id), str(run.id + 1), "--json", "--db", str(db)])
     assert compared.exit_code == 0, compared.output
