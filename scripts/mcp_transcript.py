@@ -19,7 +19,7 @@ import anyio
 ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "tests" / "fixtures"
 TASK = "seeds/conv2d_divide_leakyrelu"
-HONEST = FIX / "critic" / "cpu" / "fused_tail.py"       # conv in PyTorch, divide + LeakyReLU fused in C++
+HONEST = FIX / "critic" / "{device}" / "fused_tail.py"  # conv in PyTorch, divide + LeakyReLU fused (C++ or CUDA)
 CHEAT = FIX / "mcp" / "calls_reference_tail.py"         # appended to the task: calls the reference Model
 
 
@@ -69,7 +69,8 @@ async def main(args: argparse.Namespace) -> None:
             await call("list_tasks", {"suite": "seeds"})
             await call("show_task", {"task": TASK, "device": args.device})
             await call("evaluate", {"task": TASK, "source": "class ModelNew(nn.Module:\n", "device": args.device})
-            await call("evaluate", {"task": TASK, "source": HONEST.read_text(), "device": args.device}, progress=True)
+            await call("evaluate", {"task": TASK, "source": Path(str(HONEST).format(device=args.device)).read_text(),
+                                    "device": args.device}, progress=True)
             cheat = (ROOT / "tasks" / f"{TASK}.py").read_text() + CHEAT.read_text()
             await call("evaluate", {"task": TASK, "source": cheat, "device": args.device}, progress=True)
             await call("history", {"task": TASK})
