@@ -24,6 +24,7 @@ COMMANDS = [
     ("evals.report_cli", "report_command", "report", "Write a run's analysis report (md, html, json)."),
     ("evals.report_cli", "export_command", "export", "Export a run's attempts as JSONL or seed-format documents."),
     ("evals.report_cli", "compare_command", "compare", "Compare two runs task by task."),
+    ("agent.mcp_server", "mcp_command", "mcp", "Serve the judge to coding agents over MCP (stdio)."),
 ]
 
 

@@ -49,18 +49,25 @@ def resolve_kernel_backend(name: Optional[str], device: str, base: Optional[str]
     """``--backend`` on ``device`` as stored in ``EvalConfig.backend``: None for the device's own
     ``load_inline`` backend (``cuda`` names the C++ one on ``--device cpu``, as CUDA's sources
     become C++ there), else the backend's name; unset: ``base`` (a stored run's)."""
-    from sandbox.backends import BackendError, backend_for, resolve_backend
+    from sandbox.backends import BackendError
+
+    try:
+        return kernel_backend(name, device, base)
+    except BackendError as exc:
+        fail(str(exc))
+
+
+def kernel_backend(name: Optional[str], device: str, base: Optional[str] = None) -> Optional[str]:
+    """``resolve_kernel_backend`` raising ``sandbox.backends.BackendError`` (naming the cause)."""
+    from sandbox.backends import backend_for, resolve_backend
 
     if name is None and base is None:
         return None
     name = base if name is None else name
     if name == "cuda" and device == "cpu":
         name = "cpu"
-    try:
-        resolved = resolve_backend(name, device)
-        backend_for(resolved, device)           # one that cannot run here says why now, not per candidate
-    except BackendError as exc:
-        fail(str(exc))
+    resolved = resolve_backend(name, device)
+    backend_for(resolved, device)           # one that cannot run here says why now, not per candidate
     return None if resolved == device else resolved
 
 
@@ -77,19 +84,27 @@ def resolve_numerics(precision: Optional[str], math: Optional[str], base=None):
 def resolve_device(device: Optional[str], gpu_needed: bool = True) -> str:
     """The device a command runs on; ``gpu_needed=False`` (building only) accepts ``cuda`` with
     a CUDA build of torch and no GPU."""
+    try:
+        return device_here(device, gpu_needed)
+    except ValueError as exc:
+        fail(str(exc))
+
+
+def device_here(device: Optional[str], gpu_needed: bool = True) -> str:
+    """``resolve_device`` raising ``ValueError`` (naming the cause) for a device that is not there."""
     import torch
 
     if device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cuda", "cpu"):
-        fail(f"--device must be cuda or cpu, not {device!r}")
+        raise ValueError(f"--device must be cuda or cpu, not {device!r}")
     if device == "cuda" and not gpu_needed:
         if not torch.version.cuda:
-            fail(f"--device cuda --build-only needs a CUDA build of torch (this is torch {torch.__version__})")
+            raise ValueError(f"--device cuda --build-only needs a CUDA build of torch (this is torch {torch.__version__})")
         return device
     if device == "cuda" and not torch.cuda.is_available():
-        fail("--device cuda: no CUDA GPU is visible to torch "
-             f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'})")
+        raise ValueError("--device cuda: no CUDA GPU is visible to torch "
+                         f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'})")
     return device
 
 

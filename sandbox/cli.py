@@ -87,6 +87,20 @@ def print_build_check(c) -> None:
         console.print(f"[yellow]flag {f.kind.value}[/]: {f.reason}", highlight=False)
 
 
+def eval_spec(task: str, set_: Optional[list[str]], device: str):
+    """The one task ``task`` names, at ``device``'s sizes under the ``--set`` overrides, loaded once
+    to check it (raises ``sandbox.tasks.TaskError`` naming the cause); ``eval`` and ``kernelloop
+    mcp``'s evaluate judge this spec."""
+    from sandbox.tasks import TaskError, discover, load_task, parse_overrides, read_spec, with_device_sizes
+
+    paths = discover([task])
+    if len(paths) != 1:
+        raise TaskError(f"{task!r} names {len(paths)} task files; name one")
+    spec = with_device_sizes(read_spec(paths[0], parse_overrides(set_)), device)
+    load_task(spec)
+    return spec
+
+
 def eval_command(task: str = typer.Argument(..., help="task file or bundled name (e.g. seeds/conv2d_divide_leakyrelu)"),
                  candidate: Path = typer.Argument(..., exists=True, dir_okay=False, help="candidate module defining ModelNew"),
                  device: Optional[str] = DeviceOption,
@@ -106,7 +120,7 @@ def eval_command(task: str = typer.Argument(..., help="task file or bundled name
     """Build, check and time one candidate against its task (in isolated worker processes)."""
     from sandbox.evaluate import Sandbox, evaluate
     from sandbox.result import EvalConfig
-    from sandbox.tasks import TaskError, discover, load_task, parse_overrides, read_spec, with_device_sizes
+    from sandbox.tasks import TaskError
 
     if arch and device is None:
         device = "cuda"                 # an architecture names a CUDA build
@@ -115,11 +129,7 @@ def eval_command(task: str = typer.Argument(..., help="task file or bundled name
     dev = resolve_device(device, gpu_needed=not build_only)
     numerics = resolve_numerics(precision, math)
     try:
-        paths = discover([task])
-        if len(paths) != 1:
-            fail(f"{task!r} names {len(paths)} task files; name one")
-        spec = with_device_sizes(read_spec(paths[0], parse_overrides(set_)), dev)
-        load_task(spec)
+        spec = eval_spec(task, set_, dev)
     except TaskError as exc:
         fail(str(exc))
     config = EvalConfig(trials=trials, timed_runs=timed_runs, time_compile=not no_compile, numerics=numerics,

@@ -8,7 +8,8 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==2.13.0"
 fi
-"$PY" -m pip install -q -e ".[test,cluster]"
+# mcp: kernelloop mcp and its tests (tests/test_mcp.py starts it through the SDK's own client)
+"$PY" -m pip install -q -e ".[test,cluster,mcp]"
 # On a GPU host, NVML for the quiet-device check (sandbox/quiet.py); the CPU target does not use it.
 if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   "$PY" -m pip install -q -e ".[gpu]"
