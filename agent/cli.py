@@ -32,7 +32,7 @@ def device_facts(device: str, sandbox_name: str, store: Any = None) -> Any:
         facts.compute_capability = f"{props.major}.{props.minor}"
         facts.sm_count = props.multi_processor_count
     try:
-        from evals.probe import get_probe
+        from store.probes import get_probe
 
         probe = get_probe(device, store=store, measure=True)   # measured once per device and torch, then cached
         if device == "cuda":

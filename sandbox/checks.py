@@ -301,8 +301,9 @@ class CandidateChecks:
 
     def _floor(self, ref: ReferenceWorker, result: EvalResult) -> None:
         try:
-            from evals.probe import get_probe
-            from evals.roofline import RooflineCounts, floor_ms
+            from hardware.counts import RooflineCounts
+            from hardware.floors import floor_ms
+            from hardware.probe import get_probe
         except ImportError:
             return
         try:

@@ -74,7 +74,8 @@ def split_gap(model, task) -> dict:
     of the GPU's clocks then shows as a spread within a variant). Printed in ms and as the
     difference from do_bench."""
     from sandbox.runcheck import Sampler
-    from sandbox.timing import L2Flusher, time_runs
+    from hardware.clock import L2Flusher
+    from sandbox.timing import time_runs
 
     flush = L2Flusher("cuda")
 

@@ -11,17 +11,26 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from evals import probe as probe_mod
+from evals.device_cli import app as device_app
+from hardware import probe as probe_mod
 from evals.baseline import baseline_command, input_factory, measure_baseline, store_baseline
-from evals.probe import Probe, get_probe, load_cached
-from evals.roofline import count_task, floor_breakdown, floor_ms, roofline_for
+from hardware.probe import Probe
+from hardware.floors import floor_breakdown, floor_ms
+from sandbox.tasks import count_task
+from store.probes import get_probe, load_cached
 from kernelloop.paths import tasks_dir
 from sandbox.harness import make_inputs
+from sandbox.numerics import Numerics
 from sandbox.tasks import TaskSpec, load_task, read_spec, with_device_sizes
 from store.models import Baseline, DeviceProbe, Task
 
 TASKS = tasks_dir()
 runner = CliRunner()
+
+
+def _tf32(probe) -> set[str]:
+    """What PyTorch's default math mode runs in TF32 on the probe's device."""
+    return Numerics().tf32_classes(probe.device)
 
 
 def _task_file(tmp_path: Path, name: str, body: str) -> TaskSpec:
@@ -145,7 +154,7 @@ def get_init_inputs():
     assert c.dtype == "fp16"
     assert c.bytes_by_dtype["fp16"] == 64 * 64 * 2
     p = _probe(bw=1e6, fp32=1.0, fp16=8.0)
-    fb = floor_breakdown(c, p)
+    fb = floor_breakdown(c, p, _tf32(p))
     expected = (2 * 128 * 64 * 64 / 8e12 + 2 * 128 * 64 * 16 / 1e12) * 1e3
     assert fb["compute_ms"] == pytest.approx(expected)
     assert fb["floor_ms"] == fb["compute_ms"] > fb["memory_ms"]
@@ -181,9 +190,9 @@ def test_floor_is_the_slower_of_memory_and_compute(tmp_path):
     spec = _task_file(tmp_path, "linear", LINEAR_TASK)
     c = count_task(spec, "cuda")
     memory_bound = _probe(bw=1.0, fp32=1000.0)       # 1 GB/s
-    assert floor_ms(c, memory_bound) == pytest.approx(c.min_bytes / 1e9 * 1e3)
+    assert floor_ms(c, memory_bound, _tf32(memory_bound)) == pytest.approx(c.min_bytes / 1e9 * 1e3)
     compute_bound = _probe(bw=1e9, fp32=1e-6)        # 1 MFLOP/s
-    assert floor_ms(c, compute_bound) == pytest.approx(c.flops / 1e6 * 1e3)
+    assert floor_ms(c, compute_bound, _tf32(compute_bound)) == pytest.approx(c.flops / 1e6 * 1e3)
 
 
 def test_tf32_eligible_fp32_work_gets_the_tf32_rate(monkeypatch):
@@ -195,31 +204,29 @@ def test_tf32_eligible_fp32_work_gets_the_tf32_rate(monkeypatch):
     assert floor_breakdown(conv, p, tf32=set())["compute_ms"] == pytest.approx(conv.flops / 50e12 * 1e3)
     assert floor_breakdown(conv, p, tf32={"conv"})["compute_ms"] == pytest.approx(conv.flops / 400e12 * 1e3)
     assert floor_breakdown(mm, p, tf32={"conv"})["compute_ms"] == pytest.approx(mm.flops / 50e12 * 1e3)
-    # By default the process's own settings decide (PyTorch's defaults: cuDNN yes, cuBLAS no).
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    assert floor_ms(conv, p) == pytest.approx(conv.flops / 400e12 * 1e3)
-    assert floor_ms(mm, p) == pytest.approx(mm.flops / 50e12 * 1e3)
+    # PyTorch's default math mode: cuDNN yes, cuBLAS no.
+    assert floor_ms(conv, p, _tf32(p)) == pytest.approx(conv.flops / 400e12 * 1e3)
+    assert floor_ms(mm, p, _tf32(p)) == pytest.approx(mm.flops / 50e12 * 1e3)
     # A cpu probe never uses a TF32 rate.
     cpu = Probe(device="cpu", device_name="c", torch_version="t", bandwidth_gbps=1e9, tflops={"fp32": 1.0, "tf32": 8.0})
-    assert floor_ms(conv, cpu) == pytest.approx(conv.flops / 1e12 * 1e3)
+    assert floor_ms(conv, cpu, _tf32(cpu)) == pytest.approx(conv.flops / 1e12 * 1e3)
 
 
 def test_missing_dtype_rate_falls_back_to_the_fastest(tmp_path):
     spec = _task_file(tmp_path, "linear", LINEAR_TASK)
     c = count_task(spec, "cuda")
     p = _probe(bw=1e9, fp16=2e-6, bf16=4e-6)         # no fp32 rate: the fastest (bf16) is used
-    assert floor_ms(c, p) == pytest.approx(c.flops / 4e6 * 1e3)
+    assert floor_ms(c, p, _tf32(p)) == pytest.approx(c.flops / 4e6 * 1e3)
 
 
-def test_roofline_for_applies_device_sizes_and_needs_a_probe_for_a_floor():
+def test_count_task_applies_device_sizes():
     spec = read_spec(TASKS / "level1" / "relu.py")
-    counts_cpu, none_floor = roofline_for(spec, "cpu", None)
-    assert none_floor is None
+    counts_cpu = count_task(spec, "cpu")
     assert counts_cpu.min_bytes == 2 * 64 * 4096 * 4
-    counts_gpu, floor = roofline_for(spec, "cuda", _probe(bw=2000.0))
+    counts_gpu = count_task(spec, "cuda")
     assert counts_gpu.min_bytes == 2 * 16384 * 32768 * 4
-    assert floor == pytest.approx(counts_gpu.min_bytes / 2e12 * 1e3)
+    p = _probe(bw=2000.0)
+    assert floor_ms(counts_gpu, p, _tf32(p)) == pytest.approx(counts_gpu.min_bytes / 2e12 * 1e3)
 
 
 # --------------------------------------------------------------------------- probes
@@ -284,14 +291,14 @@ def test_get_probe_measures_once_then_reads_the_caches(tmp_store, cache_dir, mon
 def test_device_probe_and_show_commands(tmp_path, cache_dir):
     db = str(tmp_path / "probe.db")
     env = {"KERNELLOOP_CACHE": str(cache_dir), "COLUMNS": "200"}
-    shown = runner.invoke(probe_mod.app, ["show", "--device", "cpu", "--db", db], env=env)
+    shown = runner.invoke(device_app, ["show", "--device", "cpu", "--db", db], env=env)
     assert shown.exit_code == 1 and "kernelloop device probe" in shown.output
-    probed = runner.invoke(probe_mod.app, ["probe", "--device", "cpu", "--db", db], env=env)
+    probed = runner.invoke(device_app, ["probe", "--device", "cpu", "--db", db], env=env)
     assert probed.exit_code == 0, probed.output
     assert "GB/s" in probed.output and "matmul fp32" in probed.output
-    shown = runner.invoke(probe_mod.app, ["show", "--device", "cpu", "--db", db], env=env)
+    shown = runner.invoke(device_app, ["show", "--device", "cpu", "--db", db], env=env)
     assert shown.exit_code == 0 and "cached" in shown.output
-    listed = runner.invoke(probe_mod.app, ["show", "--all", "--db", db], env=env)
+    listed = runner.invoke(device_app, ["show", "--all", "--db", db], env=env)
     assert listed.exit_code == 0 and "cpu" in listed.output
 
 
@@ -321,7 +328,7 @@ def test_measure_baseline_eager_only():
     assert r["eager_ms"] > 0 and r["eager"]["runs"] == 3
     assert r["compile_ms"] is None and r["compile"] is None
     assert r["flops"] == counts.flops == 2 * 64 * 256 * 256
-    assert r["floor_ms"] == pytest.approx(floor_ms(counts, p))
+    assert r["floor_ms"] == pytest.approx(floor_ms(counts, p, _tf32(p)))
     assert r["overrides"] == with_device_sizes(spec, "cpu").overrides
     assert r["task_key"] == with_device_sizes(spec, "cpu").key
     assert r["device"] == "cpu" and r["torch_version"] == torch.__version__

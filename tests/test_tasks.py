@@ -12,7 +12,8 @@ import torch
 from typer.testing import CliRunner
 
 from evals import taskcheck
-from evals.roofline import count_task, floor_breakdown
+from hardware.floors import floor_breakdown
+from sandbox.tasks import count_task
 from evals.taskcheck import check_task, value_issues
 from evals.tasks_cli import app as tasks_app
 from evals.tasks_cli import module_sizes, ops_summary
@@ -235,7 +236,7 @@ def test_tasks_list_shows_names_ops_and_sizes():
 
 
 def test_tasks_show_reports_sizes_shapes_counts_and_floor(tmp_path, monkeypatch):
-    from evals.probe import Probe, device_name, save
+    from hardware.probe import Probe, device_name, write_cache_file as save
 
     monkeypatch.chdir(tmp_path)                      # no ./kernelloop.db here: no store is opened
     monkeypatch.delenv("KERNELLOOP_DB", raising=False)
