@@ -4,11 +4,20 @@
 torch.compile, candidates, the device probe); ``sandbox.timing.time_runs`` summarises its
 samples into a ``Timing``.
 
-Policy (GPU): warm-up runs, then for each timed run: fresh input buffers (made before the
-clock starts), the L2 cache flushed by writing a buffer larger than it, a CUDA event
-recorded, the call, a *device-wide* synchronize (so work left on side streams is
-counted), a second event. CPU: the same policy with a monotonic clock and a buffer larger
-than the last-level cache.
+Policy (GPU), for each timed run after the warm-up runs:
+
+1. fresh input buffers, made before anything is timed;
+2. a *device-wide* synchronize: the previous run's work, side streams included, is done;
+3. queued ahead of the start event: the L2 flush (a write of a buffer larger than L2) and a
+   short spin of the GPU (``torch.cuda._sleep``), so the GPU is still busy when the call's
+   first kernel arrives and the CPU's launch latency is not on the clock;
+4. the start event, the call, the end event, on the stream that was current before the call;
+5. a device-wide synchronize, then a third event: its distance from the end event is the
+   synchronize's own latency (calibrated before the runs) unless work the call left on a
+   stream it did not join to ours ran past the end event. The later of the two ends counts,
+   so unjoined side-stream work stays on the clock.
+
+CPU: the same policy with a monotonic clock and a buffer larger than the last-level cache.
 
 The clock and synchronize functions are bound when this module is imported (before any
 candidate code runs in a worker), so a candidate that later patches ``time`` or
@@ -26,9 +35,13 @@ _cuda_sync = getattr(torch._C, "_cuda_synchronize", None)
 _Event = torch.cuda.Event
 _elapsed_time = torch.cuda.Event.elapsed_time
 _record = torch.cuda.Event.record
+_current_stream = torch.cuda.current_stream
+_spin = getattr(torch.cuda, "_sleep", None)      # a kernel that spins the GPU for a number of cycles
 
 CPU_FLUSH_BYTES = 64 << 20
 GPU_FLUSH_BYTES = 256 << 20   # > 2x the largest L2 on the devices we target (H100 50 MB, H200 50 MB)
+AHEAD_MS = 0.2                # GPU work queued ahead of the start event, beyond the flush
+CALIBRATION_RUNS = 10         # rounds that measure the synchronize's own latency
 
 
 def original_functions() -> dict[str, Any]:
@@ -62,6 +75,45 @@ class L2Flusher:
             self.buffer.zero_()
 
 
+class _Spin:
+    """``torch.cuda._sleep`` for about ``ms`` milliseconds (its cycles per millisecond measured once)."""
+
+    cycles_per_ms: Optional[float] = None
+
+    def __call__(self, ms: float) -> None:
+        if _spin is None or ms <= 0:
+            return
+        if _Spin.cycles_per_ms is None:
+            a, b = _Event(enable_timing=True), _Event(enable_timing=True)
+            _spin(1_000_000)                     # first launch loads the kernel
+            _record(a)
+            _spin(1_000_000)
+            _record(b)
+            _cuda_sync()
+            _Spin.cycles_per_ms = 1_000_000 / max(_elapsed_time(a, b), 1e-3)
+        _spin(int(ms * _Spin.cycles_per_ms))
+
+
+def sync_latency_ms(runs: int = CALIBRATION_RUNS) -> float:
+    """Time from an end event on a busy stream to an event recorded after the device-wide
+    synchronize that waited for it, with no other work: the second largest of ``runs``
+    rounds, so the host's jitter rarely puts a run's own latency above it."""
+    spin = _Spin()
+    gaps = []
+    end, after = _Event(enable_timing=True), _Event(enable_timing=True)
+    for _ in range(runs):
+        _cuda_sync()
+        spin(0.05)
+        stream = _current_stream()
+        _record(end, stream)
+        _cuda_sync()
+        _record(after, stream)
+        _cuda_sync()
+        gaps.append(_elapsed_time(end, after))
+    gaps.sort()
+    return gaps[-2] if len(gaps) > 1 else gaps[0]
+
+
 def time_samples(fn: Callable[..., Any], make_args: Callable[[int], Sequence[Any]], device: str,
                  warmup: int = 3, runs: int = 20, flush_l2: bool = True,
                  on_output: Optional[Callable[[int, Any], None]] = None) -> tuple[list[float], str]:
@@ -78,17 +130,22 @@ def time_samples(fn: Callable[..., Any], make_args: Callable[[int], Sequence[Any
             fn(*make_args(runs + i))
         device_sync(device)
         if device == "cuda":
-            start, end = _Event(enable_timing=True), _Event(enable_timing=True)
+            spin = _Spin()
+            latency = sync_latency_ms()
+            start, end, after = (_Event(enable_timing=True) for _ in range(3))
             for i in range(runs):
                 args = tuple(make_args(i))
-                flusher()
-                device_sync(device)
-                _record(start)
-                out = fn(*args)
-                device_sync(device)
-                _record(end)
                 _cuda_sync()
-                samples.append(_elapsed_time(start, end))
+                stream = _current_stream()
+                flusher()
+                spin(AHEAD_MS)
+                _record(start, stream)
+                out = fn(*args)
+                _record(end, stream)
+                _cuda_sync()
+                _record(after, stream)
+                _cuda_sync()
+                samples.append(max(_elapsed_time(start, end), _elapsed_time(start, after) - latency))
                 if on_output is not None:
                     on_output(i, out)
                 del args, out
