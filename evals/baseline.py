@@ -93,7 +93,8 @@ def _measure(spec: TaskSpec, device: str, runs: int, warmup: int, compile: bool,
     }
     if probe is not None:
         fb = floor_breakdown(counts, probe, tf32)
-        result.update(floor_ms=fb["floor_ms"], memory_ms=fb["memory_ms"], compute_ms=fb["compute_ms"])
+        result.update(floor_ms=fb["floor_ms"], memory_ms=fb["memory_ms"], compute_ms=fb["compute_ms"],
+                      floor_basis=fb["arithmetic"])
 
     make_args = input_factory(task, device, seed, numerics)
     model = make_model(task.Model, task, seed, device, numerics)

@@ -302,7 +302,7 @@ class CandidateChecks:
     def _floor(self, ref: ReferenceWorker, result: EvalResult) -> None:
         try:
             from hardware.counts import RooflineCounts
-            from hardware.floors import floor_ms
+            from hardware.floors import floor_breakdown
             from hardware.probe import get_probe
         except ImportError:
             return
@@ -317,24 +317,21 @@ class CandidateChecks:
             return
         counts = RooflineCounts(**ref.counts["counts"])
         result.floor_flops, result.floor_bytes = float(counts.flops), float(counts.min_bytes)
-        # The floor shown is the run's convention's (fp32 FLOPs at the TF32 rate only for the op
-        # classes its math mode runs in TF32). The `impossible` flag uses a lower bound: every
-        # fp32 GEMM and convolution FLOP at the TF32 rate (7x the fp32 rate on Hopper). cuDNN's
-        # FFT and Winograd algorithms do a fraction of a direct convolution's FLOPs
-        # (level2/conv_hardswish_mean's strict eager run beat its direct-FLOP fp32 floor by 1.3x on
-        # an H200), and split-TF32 GEMMs on tensor cores are about as accurate as fp32 SGEMM (the
-        # float64 check measures that) and faster: one TF32 pass over the direct FLOPs is a bound
-        # no legitimate algorithm crosses.
-        floor = floor_ms(counts, probe, self.config.numerics.tf32_classes(self.device))
-        hard = floor_ms(counts, probe, {"conv", "matmul"})
+        # One floor (hardware.floors): the fastest arithmetic the run's numerics allow a candidate
+        # (one TF32 pass for the op classes the math mode runs in TF32, 3xTF32 for other fp32
+        # FLOPs, bytes at the probed bandwidth, ceilings raised by their measurement slack). No
+        # legitimate kernel crosses it, so its fraction is at most 100% and crossing it is `impossible`.
+        fb = floor_breakdown(counts, probe, self.config.numerics.tf32_classes(self.device))
+        floor = fb["floor_ms"]
         if not floor:
             return
         result.floor_ms = floor
+        result.floor_basis = fb["arithmetic"]
         result.floor_fraction = floor / result.candidate_time.median_ms
-        if hard and result.candidate_time.median_ms < 0.9 * hard:
+        if result.candidate_time.median_ms < floor:
             result.add_flag(FlagKind.impossible,
-                            f"median {result.candidate_time.median_ms:.4f} ms is below the roofline floor {hard:.4f} ms "
-                            f"(every fp32 GEMM and convolution FLOP at the TF32 rate)")
+                            f"median {result.candidate_time.median_ms:.4f} ms is below the roofline floor {floor:.4f} ms "
+                            f"({fb['arithmetic']})")
 
 
 def _raise_if_infra(reply: dict, cand: Any = None) -> None:

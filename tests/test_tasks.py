@@ -86,7 +86,8 @@ def test_bundled_task_contract(path):
     # GPU sizes: a sizeable job for an H100 (at fp32 rates) that still fits comfortably in memory.
     gpu = count_task(spec, "cuda")
     assert gpu.min_bytes < 8 * 2 ** 30, f"{spec.name}: inputs+weights+outputs are {gpu.min_bytes / 2**30:.1f} GiB"
-    floor = floor_breakdown(gpu, H100, tf32=set())["floor_ms"]
+    fp32_only = SimpleNamespace(device_name="H100 without tensor cores", bandwidth_gbps=3000.0, tflops={"fp32": 50.0})
+    floor = floor_breakdown(gpu, fp32_only, tf32=set())["floor_ms"]
     assert floor >= 0.5, f"{spec.name}: H100 floor only {floor:.3f} ms at GPU sizes"
 
 
