@@ -25,6 +25,10 @@ from hardware.counts import RooflineCounts
 
 CEILING_SLACK = 1.05      # measured ceilings raised 5%
 SPLIT_PASSES = 3          # 3xTF32: hi*hi + hi*lo + lo*hi
+# What a floor fraction is, in words, wherever one is shown.
+CONVENTION = ("floor fraction = roofline floor / runtime; floor = max(bytes at the probed bandwidth, FLOPs at the "
+              "fastest arithmetic the run's numerics allow: one TF32 pass where its math mode runs TF32, 3xTF32 "
+              f"for other fp32, fp16/bf16 at their rates), ceilings +{CEILING_SLACK - 1:.0%}")
 
 
 def _rates(probe: Any) -> dict[str, float]:
