@@ -31,11 +31,17 @@ _SUSPICIOUS_PATTERNS = [
     (re.compile(r"\bthreading\.Thread\b|\bThreadPoolExecutor\b|\bmultiprocessing\b"), "starts threads or processes"),
     (re.compile(r"\bos\._exit\b|\bsys\.exit\b"), "exits the process"),
     (re.compile(r"\bmanual_seed\b|\bset_rng_state\b|\bnp\.random\.seed\b"), "seeds random number generators"),
-    (re.compile(r"torch\.cuda\.Stream\(|torch\.cuda\.stream\(|cudaStreamCreate"), "launches work on a side stream"),
     (re.compile(r"\bsandbox\b\.(timing|worker|compare|harness|evaluate)\b|from\s+sandbox\b|import\s+sandbox\b"),
      "refers to the evaluation harness"),
     (re.compile(r"\bbuiltins\b\s*\.|__builtins__"), "changes builtins"),
 ]
+# Side streams: a stream of its own is fine when its work is joined back to the caller's stream
+# before the forward returns (PyTorch's CUDA-graph recipe warms up on one); an output still being
+# written on a stream the caller's stream never waits for is not. Work left running is counted by
+# the timing either way (hardware.clock).
+_SIDE_STREAM = re.compile(r"torch\.cuda\.Stream\(|torch\.cuda\.stream\(|cudaStreamCreate")
+_JOIN = re.compile(r"current_stream\([^)]*\)\s*\.\s*wait_(stream|event)\(|"
+                   r"cudaStreamWaitEvent\(\s*(at::cuda::|c10::cuda::)?getCurrentCUDAStream\(")
 PATCHABLE_ROOTS = frozenset({"torch", "time", "sys", "os", "builtins", "sandbox", "threading", "numpy", "np", "F", "nn"})
 
 
@@ -79,6 +85,8 @@ def scan(source: str, precision_patterns: Optional[list[tuple[re.Pattern, str]]]
     for pattern, reason in _SUSPICIOUS_PATTERNS:
         if pattern.search(source):
             add(FlagKind.suspicious, reason)
+    if _SIDE_STREAM.search(source) and not _JOIN.search(source):
+        add(FlagKind.suspicious, "launches work on a side stream it never joins back to the caller's stream")
     try:
         tree = ast.parse(source)
     except SyntaxError:

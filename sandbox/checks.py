@@ -184,15 +184,29 @@ class CandidateChecks:
             prof = cand.ask({"op": "profile", "seed": timing_seed}, cfg.run_timeout_s)
             if prof.get("ok"):
                 result.profile = [KernelStat(**row) for row in prof["profile"]]
-                if self.device == "cuda" and result.profile and not any(k.own for k in result.profile
-                                                                        if not k.name.startswith("kernelloop_ext::")):
+                own = [k.name for k in result.profile if k.own and not k.name.startswith("kernelloop_ext::")]
+                if self.device == "cuda" and result.profile and not own:
                     result.add_flag(FlagKind.no_custom_kernel, "the profiler shows no kernel declared in the candidate's source")
+                elif self.device == "cuda" and own:
+                    self._graph_replay(result, own)
             with ref.lock:
                 if ref.profile is None:
                     ref.profile = ref.ask({"op": "profile", "seed": timing_seed})["profile"]
             result.reference_profile = [KernelStat(**row) for row in ref.profile]
         stages.enter("floor")
         self._floor(ref, result)
+
+    def _graph_replay(self, result: EvalResult, own: list[str]) -> None:
+        """A forward with no call into the candidate's extension whose profile shows kernels its
+        source declares ran them from a CUDA graph it captured (its functions were called while it
+        captured): its own kernels did run, so the no-call flag goes, and the result says why. A graph
+        of someone else's work (a captured reference) shows none of them and keeps the flag."""
+        reason = backend_for(self.config.backend, self.device).no_call_reason
+        if not any(f.kind == FlagKind.no_custom_kernel and f.reason == reason for f in result.flags):
+            return
+        result.flags = [f for f in result.flags if not (f.kind == FlagKind.no_custom_kernel and f.reason == reason)]
+        result.stderr += (f"\n[kernelloop] no call into its extension during a forward, but the profiler shows its own "
+                          f"kernels ran (a CUDA graph replaying them): {', '.join(own[:3])}")
 
     def _timed_runs(self, result: EvalResult, samples: Optional[dict], path: Optional[str]) -> bool:
         """The verdict of the samples of every timed run (sandbox.runcheck): False where one failed."""
