@@ -348,7 +348,8 @@ def show_command(task: str = typer.Argument(..., help="a task file or bundled na
         fb = floor_breakdown(counts, probe, Numerics().tf32_classes(dev))
         bound = "memory" if fb["memory_ms"] >= fb["compute_ms"] else "compute"
         console.print(f"floor: {fb['floor_ms']:.4f} ms ({bound}-bound; memory {fb['memory_ms']:.4f} ms, "
-                      f"compute {fb['compute_ms']:.4f} ms; probe of {probe.device_name})", highlight=False)
+                      f"compute {fb['compute_ms']:.4f} ms; probe of {probe.device_name}; {fb['arithmetic']})",
+                      highlight=False)
 
 
 @app.command("check")
