@@ -65,7 +65,8 @@ def _load_specs(tasks: list[str], overrides: dict[str, Any]) -> list[Any]:
 
 def _summary_table(progress: list[Any], title: str) -> Table:
     table = Table(title=title)
-    from evals.metrics import geomean
+    from statistics import geometric_mean
+
     from hardware.floors import CONVENTION
 
     for col in ("task", "round", "attempts", "correct", "clean", "eager ms", "compile ms", "best ms", "floor ms",
@@ -82,7 +83,7 @@ def _summary_table(progress: list[Any], title: str) -> Table:
                       _fmt(p.best_speedup, "x"), _fmt(p.best_compile_speedup, "x"), p.error or p.stopped)
     if fractions:
         table.caption += (f"; floor %: the best clean attempt's {CONVENTION}; geomean "
-                          f"{_fmt_pct(geomean(fractions.values()))} over {len(fractions)} task(s)")
+                          f"{_fmt_pct(geometric_mean(fractions.values()))} over {len(fractions)} task(s)")
     return table
 
 
