@@ -23,19 +23,19 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
   | tee "$OUT/device.txt"
 git log -1 --format='commit %H' 2>/dev/null | tee -a "$OUT/device.txt"
 # 1. builds (CPU) side by side, and the probe
-( ls tests/adversarial/cuda/*.py | xargs -P ${PREBUILD_P:-8} -I{} $KL eval tests/adversarial/task_small.py {} --device cuda \
-    --build-only 2>&1 | grep -c ' built in ' ) > "$OUT/prebuild_adversarial.txt" 2>&1 &
+timeout ${BUILD_S:-150} bash -c "ls tests/adversarial/cuda/*.py | xargs -P ${PREBUILD_P:-8} -I{} $KL eval \
+    tests/adversarial/task_small.py {} --device cuda --build-only 2>&1 | grep -c ' built in '" > "$OUT/prebuild_adversarial.txt" 2>&1 &
 adv=$!
-box ${BUILD_S:-170} python3 scripts/kb_harness.py --build-only 2>&1 | grep -v USDT | tee "$OUT/prebuild_kb.txt" &
+box ${BUILD_S:-150} python3 scripts/kb_harness.py --build-only 2>&1 | grep -v USDT | tee "$OUT/prebuild_kb.txt" &
 kb=$!
 box 60 $KL device probe --device cuda 2>&1 | tee "$OUT/probe.txt"
-wait $kb; timeout ${BUILD_S:-170} tail --pid=$adv -f /dev/null; echo "adversarial cases built: $(cat "$OUT/prebuild_adversarial.txt")"
+wait $kb $adv; echo "adversarial cases built: $(cat "$OUT/prebuild_adversarial.txt")"
 # 2. the timing comparison
-box ${TIMING_S:-100} python3 scripts/bench_timing.py --json "$OUT/bench_timing.json" 2>&1 | grep -v USDT \
+box ${TIMING_S:-90} python3 scripts/bench_timing.py --json "$OUT/bench_timing.json" 2>&1 | grep -v USDT \
   | tee "$OUT/bench_timing.txt"
 # 3. KernelBench's harness vs kernelloop
-box ${KB_S:-100} python3 scripts/kb_harness.py --json "$OUT/kb_harness.json" 2>&1 | grep -vE "USDT|^\[(Eval|Profiling|Compilation)" \
+box ${KB_S:-120} python3 scripts/kb_harness.py --json "$OUT/kb_harness.json" 2>&1 | grep -vE "USDT|^\[(Eval|Profiling|Compilation)" \
   | tee "$OUT/kb_harness.txt"
 # 4. the adversarial suite, legitimate graph / side-stream candidates included
-box ${ADV_S:-200} python3 -m pytest -m gpu -q -s --timeout 150 -p no:cacheprovider tests/test_sandbox_adversarial.py \
+box ${ADV_S:-170} python3 -m pytest -m gpu -q -s --timeout 150 -p no:cacheprovider tests/test_sandbox_adversarial.py \
   ${ADV_K:+-k "$ADV_K"} 2>&1 | grep -vE "USDT|^$" | tee "$OUT/adversarial.txt" | grep -E "VERDICT|passed|failed|Error" | head -80
