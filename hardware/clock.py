@@ -25,6 +25,7 @@ candidate code runs in a worker), so a candidate that later patches ``time`` or
 """
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -38,6 +39,15 @@ _record = torch.cuda.Event.record
 _current_stream = torch.cuda.current_stream
 _spin = getattr(torch.cuda, "_sleep", None)      # a kernel that spins the GPU for a number of cycles
 
+
+def _snapshot() -> Callable[[], dict[str, Any]]:
+    bound = {"_perf_counter_ns": _perf_counter_ns, "_cuda_sync": _cuda_sync, "_Event": _Event,
+             "_elapsed_time": _elapsed_time, "_record": _record, "_current_stream": _current_stream, "_spin": _spin}
+    return lambda: dict(bound)
+
+
+_bound = _snapshot()     # what this module's own names were bound to at import (held in a closure)
+
 CPU_FLUSH_BYTES = 64 << 20
 GPU_FLUSH_BYTES = 256 << 20   # > 2x the largest L2 on the devices we target (H100 50 MB, H200 50 MB)
 AHEAD_MS = 0.2                # GPU work queued ahead of the start event, beyond the flush
@@ -46,10 +56,14 @@ CALIBRATION_RUNS = 10         # rounds that measure the synchronize's own latenc
 
 def original_functions() -> dict[str, Any]:
     """What the timing code relies on; the worker checks these are unchanged after a candidate ran."""
-    return {"time.perf_counter_ns": (time, "perf_counter_ns", _perf_counter_ns),
-            "torch.cuda.Event.elapsed_time": (torch.cuda.Event, "elapsed_time", _elapsed_time),
-            "torch.cuda.Event.record": (torch.cuda.Event, "record", _record),
-            "torch._C._cuda_synchronize": (torch._C, "_cuda_synchronize", _cuda_sync)}
+    bound = _bound()
+    this = sys.modules[__name__]
+    return {"time.perf_counter_ns": (time, "perf_counter_ns", bound["_perf_counter_ns"]),
+            "torch.cuda.Event.elapsed_time": (torch.cuda.Event, "elapsed_time", bound["_elapsed_time"]),
+            "torch.cuda.Event.record": (torch.cuda.Event, "record", bound["_record"]),
+            "torch._C._cuda_synchronize": (torch._C, "_cuda_synchronize", bound["_cuda_sync"]),
+            # the clock's own bindings (a candidate that imports this module and rebinds them)
+            **{f"hardware.clock.{name}": (this, name, value) for name, value in bound.items()}}
 
 
 def tampered_functions() -> list[str]:

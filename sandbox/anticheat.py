@@ -33,6 +33,8 @@ _SUSPICIOUS_PATTERNS = [
     (re.compile(r"\bmanual_seed\b|\bset_rng_state\b|\bnp\.random\.seed\b"), "seeds random number generators"),
     (re.compile(r"\bsandbox\b\.(timing|worker|compare|harness|evaluate)\b|from\s+sandbox\b|import\s+sandbox\b"),
      "refers to the evaluation harness"),
+    (re.compile(r"\bhardware\b\.(clock|probe|floors|counts)\b|from\s+hardware\b|import\s+hardware\b"),
+     "refers to the harness's clock or hardware model"),
     (re.compile(r"\bbuiltins\b\s*\.|__builtins__"), "changes builtins"),
 ]
 # Side streams: a stream of its own is fine when its work is joined back to the caller's stream
@@ -42,7 +44,8 @@ _SUSPICIOUS_PATTERNS = [
 _SIDE_STREAM = re.compile(r"torch\.cuda\.Stream\(|torch\.cuda\.stream\(|cudaStreamCreate")
 _JOIN = re.compile(r"current_stream\([^)]*\)\s*\.\s*wait_(stream|event)\(|"
                    r"cudaStreamWaitEvent\(\s*(at::cuda::|c10::cuda::)?getCurrentCUDAStream\(")
-PATCHABLE_ROOTS = frozenset({"torch", "time", "sys", "os", "builtins", "sandbox", "threading", "numpy", "np", "F", "nn"})
+PATCHABLE_ROOTS = frozenset({"torch", "time", "sys", "os", "builtins", "sandbox", "hardware", "threading", "numpy", "np",
+                             "F", "nn"})
 
 
 def _attr_root(node: ast.AST) -> Optional[str]:
@@ -111,6 +114,7 @@ def scan(source: str, precision_patterns: Optional[list[tuple[re.Pattern, str]]]
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             mod = getattr(node, "module", None) or ""
             names = [a.name for a in node.names]
-            if mod.startswith("sandbox") or any(n.startswith("sandbox") for n in names):
+            if (mod.startswith(("sandbox", "hardware"))
+                    or any(n.startswith(("sandbox", "hardware")) for n in names)):
                 add(FlagKind.suspicious, "imports the evaluation harness")
     return flags

@@ -120,3 +120,9 @@ def test_cpu_times_the_call_alone(monkeypatch):
     monkeypatch.setattr(clock, "_perf_counter_ns", lambda: next(ticks))
     samples, name = clock.time_samples(lambda: None, lambda i: (), "cpu", warmup=0, runs=3, flush_l2=False)
     assert name == "perf_counter" and samples == [1.0, 1.0, 1.0]
+
+
+def test_rebinding_the_clocks_own_names_is_reported_as_tampering(monkeypatch):
+    assert clock.tampered_functions() == []
+    monkeypatch.setattr(clock, "_elapsed_time", lambda a, b: 0.001)
+    assert clock.tampered_functions() == ["hardware.clock._elapsed_time"]

@@ -161,6 +161,7 @@ def test_fp64_verdict_allows_reordered_sums_and_flags_lost_bits():
     ("torch.allclose = lambda *a, **k: True", FlagKind.suspicious),
     ("import threading\nthreading.Thread(target=f).start()", FlagKind.suspicious),
     ("torch.manual_seed(0)", FlagKind.suspicious),
+    ("from hardware import clock\nclock._elapsed_time = lambda a, b: 0.001", FlagKind.suspicious),
     ("class ModelNew:\n    def forward(self, x):\n        try:\n            return k(x)\n        except Exception:\n            return x",
      FlagKind.fallback),
     ("m = Model(3)", FlagKind.fallback),
