@@ -8,6 +8,9 @@ the fastest arithmetic a candidate is allowed under the run's numerics:
 * fp32 FLOPs of the op classes the run's math mode itself runs in TF32 (``tf32``: cuDNN
   convolutions under PyTorch's default) in one pass of 10-bit-mantissa tensor-core arithmetic
   (TF32, or fp16 operands, which carry the same mantissa): the reference is no more exact;
+* fp32 convolution FLOPs in one such pass under any math mode: FFT and Winograd algorithms
+  (cuDNN's, in IEEE fp32 too) do a fraction of a direct convolution's FLOPs, so three passes over
+  the direct count would be no bound (``strict`` eager beat the fp32 rate on level2 convs);
 * every other fp32 FLOP as split-TF32 (3xTF32: three tensor-core passes over hi/lo halves,
   about as accurate as fp32 SGEMM, which the float64 rule accepts), unless plain fp32 is faster
   (on cpu there is no tensor core: fp32 at the fp32 rate).
@@ -27,8 +30,8 @@ CEILING_SLACK = 1.05      # measured ceilings raised 5%
 SPLIT_PASSES = 3          # 3xTF32: hi*hi + hi*lo + lo*hi
 # What a floor fraction is, in words, wherever one is shown.
 CONVENTION = ("floor fraction = roofline floor / runtime; floor = max(bytes at the probed bandwidth, FLOPs at the "
-              "fastest arithmetic the run's numerics allow: one TF32 pass where its math mode runs TF32, 3xTF32 "
-              f"for other fp32, fp16/bf16 at their rates), ceilings +{CEILING_SLACK - 1:.0%}")
+              "fastest arithmetic the run's numerics allow: one TF32 pass for convolutions and where its math mode "
+              f"runs TF32, 3xTF32 for other fp32, fp16/bf16 at their rates), ceilings +{CEILING_SLACK - 1:.0%}")
 
 
 def _rates(probe: Any) -> dict[str, float]:
@@ -56,7 +59,8 @@ def floor_breakdown(counts: RooflineCounts, probe: Any, tf32: Collection[str]) -
     ``arithmetic``: the assumptions in words.
 
     ``tf32``: the op classes (``conv``, ``matmul``) whose fp32 FLOPs the run's math mode runs in
-    TF32 (``Numerics.tf32_classes``): those get one tensor-core pass, other fp32 FLOPs three.
+    TF32 (``Numerics.tf32_classes``): those and convolutions get one tensor-core pass, other fp32
+    FLOPs three.
     """
     if not probe.bandwidth_gbps or probe.bandwidth_gbps <= 0:
         raise ValueError(f"probe for {probe.device_name} has no bandwidth")
@@ -64,7 +68,8 @@ def floor_breakdown(counts: RooflineCounts, probe: Any, tf32: Collection[str]) -
     memory_ms = counts.min_bytes / (bandwidth * 1e9) * 1e3
     by_dtype = dict(counts.flops_by_dtype or ({counts.dtype: counts.flops} if counts.flops else {}))
     fp32 = by_dtype.pop("fp32", 0)
-    one_pass = min(fp32, sum(n for c, n in counts.tf32_eligible.items() if c in set(tf32)))
+    single = set(tf32) | {"conv"}
+    one_pass = min(fp32, sum(n for c, n in counts.tf32_eligible.items() if c in single))
     split = fp32 - one_pass
     tc = _tensor_core_10bit(probe) * CEILING_SLACK
     fp32_rate = _rate_tflops(probe, "fp32") * CEILING_SLACK
@@ -74,7 +79,7 @@ def floor_breakdown(counts: RooflineCounts, probe: Any, tf32: Collection[str]) -
     if one_pass:
         rate = tc or fp32_rate
         compute_ms += one_pass / (rate * 1e12) * 1e3
-        words.append("fp32 " + "/".join(sorted(c for c in tf32 if counts.tf32_eligible.get(c)))
+        words.append("fp32 " + "/".join(sorted(c for c in single if counts.tf32_eligible.get(c)))
                      + (" in one TF32 pass" if tc else " at the fp32 rate"))
     if split:
         if tc and tc / SPLIT_PASSES > fp32_rate:
