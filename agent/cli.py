@@ -15,6 +15,10 @@ from kernelloop.cli_common import (BackendOption, DbOption, DeviceOption, MathOp
 from kernelloop.cli_executor import ExecutorOption, RayAddressOption, resolve_executor_device
 
 
+def _fmt_pct(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
 def _fmt(x: Optional[float], unit: str = "", digits: int = 3) -> str:
     if x is None:
         return "-"
@@ -32,7 +36,7 @@ def device_facts(device: str, sandbox_name: str, store: Any = None) -> Any:
         facts.compute_capability = f"{props.major}.{props.minor}"
         facts.sm_count = props.multi_processor_count
     try:
-        from evals.probe import get_probe
+        from store.probes import get_probe
 
         probe = get_probe(device, store=store, measure=True)   # measured once per device and torch, then cached
         if device == "cuda":
@@ -61,17 +65,25 @@ def _load_specs(tasks: list[str], overrides: dict[str, Any]) -> list[Any]:
 
 def _summary_table(progress: list[Any], title: str) -> Table:
     table = Table(title=title)
+    from statistics import geometric_mean
+
+    from hardware.floors import CONVENTION
+
     for col in ("task", "round", "attempts", "correct", "clean", "eager ms", "compile ms", "best ms", "floor ms",
-                "vs eager", "vs compile", "stopped"):
+                "floor %", "vs eager", "vs compile", "stopped"):
         table.add_column(col, justify="left" if col in ("task", "stopped") else "right")
     table.caption = ("correct: the verdict; clean: correct with no disqualifying flag (no custom kernel, fallback, "
                      "inaccurate, suspicious, ...); "
                      "best ms and speedups: the fastest clean attempt, reference and candidate timed in one evaluation")
+    fractions = {p.name: p.floor_ms / p.best_ms for p in progress if p.floor_ms and p.best_ms}
     for p in progress:
         table.add_row(p.name, str(p.round), str(p.attempts), str(p.correct), str(p.clean), _fmt(p.eager_ms),
                       _fmt(p.compile_ms),
-                      _fmt(p.best_ms), _fmt(p.floor_ms), _fmt(p.best_speedup, "x"), _fmt(p.best_compile_speedup, "x"),
-                      p.error or p.stopped)
+                      _fmt(p.best_ms), _fmt(p.floor_ms), _fmt_pct(fractions.get(p.name)),
+                      _fmt(p.best_speedup, "x"), _fmt(p.best_compile_speedup, "x"), p.error or p.stopped)
+    if fractions:
+        table.caption += (f"; floor %: the best clean attempt's {CONVENTION}; geomean "
+                          f"{_fmt_pct(geometric_mean(fractions.values()))} over {len(fractions)} task(s)")
     return table
 
 

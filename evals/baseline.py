@@ -3,7 +3,7 @@
 ``kernelloop baseline TASK...`` times the task's ``Model`` as PyTorch runs it (eager) and
 under ``torch.compile`` with ``sandbox.timing.time_runs`` (the routine every timing in
 kernelloop uses: warm-up, fresh inputs per run, cache flush, device-wide sync, median),
-computes the roofline floor from a device probe (``evals.probe``), and stores one
+computes the roofline floor from a device probe (``hardware.probe``), and stores one
 ``Baseline`` row per task (device name, torch version, date) with the task upserted.
 
 Conventions (``sandbox.harness``): ``torch.manual_seed(seed)`` before ``Model(*get_init_inputs())``;
@@ -70,8 +70,9 @@ def _measure(spec: TaskSpec, device: str, runs: int, warmup: int, compile: bool,
              flush_l2: bool, numerics: Numerics) -> dict[str, Any]:
     import torch
 
-    from evals.roofline import count_loaded, floor_breakdown
-    from evals.probe import device_name
+    from hardware.counts import count_loaded
+    from hardware.floors import floor_breakdown
+    from hardware.probe import device_name
     from sandbox.harness import make_model
     from sandbox.timing import time_runs
 
@@ -92,7 +93,8 @@ def _measure(spec: TaskSpec, device: str, runs: int, warmup: int, compile: bool,
     }
     if probe is not None:
         fb = floor_breakdown(counts, probe, tf32)
-        result.update(floor_ms=fb["floor_ms"], memory_ms=fb["memory_ms"], compute_ms=fb["compute_ms"])
+        result.update(floor_ms=fb["floor_ms"], memory_ms=fb["memory_ms"], compute_ms=fb["compute_ms"],
+                      floor_basis=fb["arithmetic"])
 
     make_args = input_factory(task, device, seed, numerics)
     model = make_model(task.Model, task, seed, device, numerics)
@@ -220,7 +222,7 @@ def baseline_command(
     db: Optional[str] = DbOption,
 ) -> None:
     """Time tasks' eager and torch.compile references; show roofline floors; store Baseline rows."""
-    from evals.probe import get_probe
+    from store.probes import get_probe
 
     dev = resolve_device(device)
     numerics = resolve_numerics(precision, math)

@@ -29,8 +29,10 @@ Definitions (every figure in ``kernelloop report`` and ``compare`` comes from th
   attempt of the run has a torch.compile speedup, the compile fast_p values are ``None``.
 * **Geomean speedup**: geometric mean of the per-task best speedup, over the tasks that have
   a correct kernel with a speedup against that baseline.
-* **Median floor fraction**: median of ``floor_fraction`` (roofline floor time / candidate
-  time) of each correct task's best-vs-eager attempt, over correct tasks where it is known.
+* **Floor fraction** (KernelBench-Hard's peak fraction): ``floor_fraction`` (roofline floor
+  time / candidate time) of each correct task's best-vs-eager attempt; the run's median and
+  geometric mean of it over correct tasks where it is known. The floor (``hardware.floors``,
+  ``CONVENTION``) is what no legitimate kernel beats, so a clean fraction is at most 100%.
 * **Attempts**: every attempt of the run, parsed or not; attempt-level correctness rate is
   clean-correct attempts / all attempts.
 * **Harness failures** (``infra_error``) are no verdicts: in no rate, and a task with nothing
@@ -211,6 +213,7 @@ class RunMetrics:
     tasks_infra_only: int = 0              # tasks with nothing but harness failures: in no rate
     fast_p_eager_ci: dict[str, Optional[list[float]]] = field(default_factory=dict)   # see fast_p_interval
     fast_p_compile_ci: dict[str, Optional[list[float]]] = field(default_factory=dict)
+    geomean_floor_fraction: Optional[float] = None
 
     def task(self, name: str) -> TaskMetrics:
         for t in self.per_task:
@@ -410,6 +413,7 @@ def compute_metrics(records: list[AttemptRecord], calls: Iterable[CallRecord] = 
         geomean_speedup_eager=geomean(t.speedup("eager") for t in correct_tasks),
         geomean_speedup_compile=geomean(t.speedup("compile") for t in correct_tasks),
         median_floor_fraction=median(t.best_eager.floor_fraction for t in correct_tasks),
+        geomean_floor_fraction=geomean(t.best_eager.floor_fraction for t in correct_tasks),
         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, tokens=tokens, cost_usd=cost,
         tokens_per_correct_kernel=tokens / n_correct if n_correct else None,
         cost_per_correct_kernel=(cost / n_correct) if (n_correct and cost is not None) else None,

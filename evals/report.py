@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 from evals.metrics import FAST_P_THRESHOLDS, AttemptRecord, geomean, json_safe, p_key
 from evals.run_data import RunData
+from hardware.floors import CONVENTION as FLOOR_CONVENTION
 
 TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
 PLOTS = (("fast_p", "fast_p curve"),
@@ -208,6 +209,7 @@ def build_report(data: RunData, task_paths: Optional[dict[str, str]] = None) -> 
                 "cause": a["cause"]}
                for t in tasks for a in t["attempts"] if a["status"] == "correct" and not a["evaluation"]]
     not_run = [{"task": name, "reason": why} for name, why in sorted(data.not_run.items())]
+    summary["floor_convention"] = FLOOR_CONVENTION
     return json_safe({"run": data.run, "numerics": numerics, "summary": summary, "fast_p": fast_p_rows,
                       "flagged": flagged, "not_run": not_run, "tasks": tasks,
                       "published": published_summary(tasks, numerics)})

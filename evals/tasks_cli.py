@@ -259,8 +259,10 @@ def show_command(task: str = typer.Argument(..., help="a task file or bundled na
     from rich.syntax import Syntax
     from rich.table import Table
 
-    from evals.probe import get_probe
-    from evals.roofline import count_loaded, floor_breakdown
+    from hardware.counts import count_loaded
+    from hardware.floors import floor_breakdown
+    from sandbox.numerics import Numerics
+    from store.probes import get_probe
 
     dev = resolve_device(device)
     try:
@@ -273,7 +275,7 @@ def show_command(task: str = typer.Argument(..., help="a task file or bundled na
     spec = with_device_sizes(specs[0], dev)
     try:
         loaded = load_task(spec)
-        counts = count_loaded(loaded)
+        counts = count_loaded(loaded, Numerics())
     except (TaskError, RuntimeError) as exc:
         fail(str(exc))
 
@@ -343,10 +345,11 @@ def show_command(task: str = typer.Argument(..., help="a task file or bundled na
         console.print(f"floor: no probe cached for this device (kernelloop device probe --device {dev})",
                       highlight=False)
     else:
-        fb = floor_breakdown(counts, probe)
+        fb = floor_breakdown(counts, probe, Numerics().tf32_classes(dev))
         bound = "memory" if fb["memory_ms"] >= fb["compute_ms"] else "compute"
         console.print(f"floor: {fb['floor_ms']:.4f} ms ({bound}-bound; memory {fb['memory_ms']:.4f} ms, "
-                      f"compute {fb['compute_ms']:.4f} ms; probe of {probe.device_name})", highlight=False)
+                      f"compute {fb['compute_ms']:.4f} ms; probe of {probe.device_name}; {fb['arithmetic']})",
+                      highlight=False)
 
 
 @app.command("check")

@@ -154,9 +154,9 @@ class EvaluationSlot:
             facts["compute_capability"] = f"{props.major}.{props.minor}"
             facts["sm_count"] = props.multi_processor_count
         try:
-            from evals.probe import get_probe
+            from hardware.probe import get_probe
 
-            probe = get_probe(sb.device, store=None, measure=True)
+            probe = get_probe(sb.device, measure=True)
             if sb.device == "cuda":
                 torch.cuda.empty_cache()
         except Exception:  # noqa: BLE001 - device facts are optional context

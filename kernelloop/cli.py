@@ -13,7 +13,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False,
 COMMANDS = [
     ("evals.tasks_cli", "app", "tasks", "List, show and check task files."),
     ("evals.baseline", "baseline_command", "baseline", "Time tasks' eager and torch.compile references; show roofline floors."),
-    ("evals.probe", "app", "device", "Measure and show the device's bandwidth and FLOP ceilings."),
+    ("evals.device_cli", "app", "device", "Measure and show the device's bandwidth and FLOP ceilings."),
     ("sandbox.cli", "eval_command", "eval", "Build, check and time one candidate against its task."),
     ("agent.cli", "optimize_command", "optimize", "Run the optimisation loop over tasks."),
     ("agent.cli", "runs_command", "runs", "List runs in the store."),

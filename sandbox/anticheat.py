@@ -31,12 +31,21 @@ _SUSPICIOUS_PATTERNS = [
     (re.compile(r"\bthreading\.Thread\b|\bThreadPoolExecutor\b|\bmultiprocessing\b"), "starts threads or processes"),
     (re.compile(r"\bos\._exit\b|\bsys\.exit\b"), "exits the process"),
     (re.compile(r"\bmanual_seed\b|\bset_rng_state\b|\bnp\.random\.seed\b"), "seeds random number generators"),
-    (re.compile(r"torch\.cuda\.Stream\(|torch\.cuda\.stream\(|cudaStreamCreate"), "launches work on a side stream"),
     (re.compile(r"\bsandbox\b\.(timing|worker|compare|harness|evaluate)\b|from\s+sandbox\b|import\s+sandbox\b"),
      "refers to the evaluation harness"),
+    (re.compile(r"\bhardware\b\.(clock|probe|floors|counts)\b|from\s+hardware\b|import\s+hardware\b"),
+     "refers to the harness's clock or hardware model"),
     (re.compile(r"\bbuiltins\b\s*\.|__builtins__"), "changes builtins"),
 ]
-PATCHABLE_ROOTS = frozenset({"torch", "time", "sys", "os", "builtins", "sandbox", "threading", "numpy", "np", "F", "nn"})
+# Side streams: a stream of its own is fine when its work is joined back to the caller's stream
+# before the forward returns (PyTorch's CUDA-graph recipe warms up on one); an output still being
+# written on a stream the caller's stream never waits for is not. Work left running is counted by
+# the timing either way (hardware.clock).
+_SIDE_STREAM = re.compile(r"torch\.cuda\.Stream\(|torch\.cuda\.stream\(|cudaStreamCreate")
+_JOIN = re.compile(r"current_stream\([^)]*\)\s*\.\s*wait_(stream|event)\(|"
+                   r"cudaStreamWaitEvent\(\s*(at::cuda::|c10::cuda::)?getCurrentCUDAStream\(")
+PATCHABLE_ROOTS = frozenset({"torch", "time", "sys", "os", "builtins", "sandbox", "hardware", "threading", "numpy", "np",
+                             "F", "nn"})
 
 
 def _attr_root(node: ast.AST) -> Optional[str]:
@@ -79,6 +88,8 @@ def scan(source: str, precision_patterns: Optional[list[tuple[re.Pattern, str]]]
     for pattern, reason in _SUSPICIOUS_PATTERNS:
         if pattern.search(source):
             add(FlagKind.suspicious, reason)
+    if _SIDE_STREAM.search(source) and not _JOIN.search(source):
+        add(FlagKind.suspicious, "launches work on a side stream it never joins back to the caller's stream")
     try:
         tree = ast.parse(source)
     except SyntaxError:
@@ -103,6 +114,7 @@ def scan(source: str, precision_patterns: Optional[list[tuple[re.Pattern, str]]]
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             mod = getattr(node, "module", None) or ""
             names = [a.name for a in node.names]
-            if mod.startswith("sandbox") or any(n.startswith("sandbox") for n in names):
+            if (mod.startswith(("sandbox", "hardware"))
+                    or any(n.startswith(("sandbox", "hardware")) for n in names)):
                 add(FlagKind.suspicious, "imports the evaluation harness")
     return flags

@@ -184,15 +184,29 @@ class CandidateChecks:
             prof = cand.ask({"op": "profile", "seed": timing_seed}, cfg.run_timeout_s)
             if prof.get("ok"):
                 result.profile = [KernelStat(**row) for row in prof["profile"]]
-                if self.device == "cuda" and result.profile and not any(k.own for k in result.profile
-                                                                        if not k.name.startswith("kernelloop_ext::")):
+                own = [k.name for k in result.profile if k.own and not k.name.startswith("kernelloop_ext::")]
+                if self.device == "cuda" and result.profile and not own:
                     result.add_flag(FlagKind.no_custom_kernel, "the profiler shows no kernel declared in the candidate's source")
+                elif self.device == "cuda" and own:
+                    self._graph_replay(result, own)
             with ref.lock:
                 if ref.profile is None:
                     ref.profile = ref.ask({"op": "profile", "seed": timing_seed})["profile"]
             result.reference_profile = [KernelStat(**row) for row in ref.profile]
         stages.enter("floor")
         self._floor(ref, result)
+
+    def _graph_replay(self, result: EvalResult, own: list[str]) -> None:
+        """A forward with no call into the candidate's extension whose profile shows kernels its
+        source declares ran them from a CUDA graph it captured (its functions were called while it
+        captured): its own kernels did run, so the no-call flag goes, and the result says why. A graph
+        of someone else's work (a captured reference) shows none of them and keeps the flag."""
+        reason = backend_for(self.config.backend, self.device).no_call_reason
+        if not any(f.kind == FlagKind.no_custom_kernel and f.reason == reason for f in result.flags):
+            return
+        result.flags = [f for f in result.flags if not (f.kind == FlagKind.no_custom_kernel and f.reason == reason)]
+        result.stderr += (f"\n[kernelloop] no call into its extension during a forward, but the profiler shows its own "
+                          f"kernels ran (a CUDA graph replaying them): {', '.join(own[:3])}")
 
     def _timed_runs(self, result: EvalResult, samples: Optional[dict], path: Optional[str]) -> bool:
         """The verdict of the samples of every timed run (sandbox.runcheck): False where one failed."""
@@ -301,8 +315,9 @@ class CandidateChecks:
 
     def _floor(self, ref: ReferenceWorker, result: EvalResult) -> None:
         try:
-            from evals.probe import get_probe
-            from evals.roofline import RooflineCounts, floor_ms
+            from hardware.counts import RooflineCounts
+            from hardware.floors import floor_breakdown
+            from hardware.probe import get_probe
         except ImportError:
             return
         try:
@@ -316,24 +331,21 @@ class CandidateChecks:
             return
         counts = RooflineCounts(**ref.counts["counts"])
         result.floor_flops, result.floor_bytes = float(counts.flops), float(counts.min_bytes)
-        # The floor shown is the run's convention's (fp32 FLOPs at the TF32 rate only for the op
-        # classes its math mode runs in TF32). The `impossible` flag uses a lower bound: every
-        # fp32 GEMM and convolution FLOP at the TF32 rate (7x the fp32 rate on Hopper). cuDNN's
-        # FFT and Winograd algorithms do a fraction of a direct convolution's FLOPs
-        # (level2/conv_hardswish_mean's strict eager run beat its direct-FLOP fp32 floor by 1.3x on
-        # an H200), and split-TF32 GEMMs on tensor cores are about as accurate as fp32 SGEMM (the
-        # float64 check measures that) and faster: one TF32 pass over the direct FLOPs is a bound
-        # no legitimate algorithm crosses.
-        floor = floor_ms(counts, probe, self.config.numerics.tf32_classes(self.device))
-        hard = floor_ms(counts, probe, {"conv", "matmul"})
+        # One floor (hardware.floors): the fastest arithmetic the run's numerics allow a candidate
+        # (one TF32 pass for the op classes the math mode runs in TF32, 3xTF32 for other fp32
+        # FLOPs, bytes at the probed bandwidth, ceilings raised by their measurement slack). No
+        # legitimate kernel crosses it, so its fraction is at most 100% and crossing it is `impossible`.
+        fb = floor_breakdown(counts, probe, self.config.numerics.tf32_classes(self.device))
+        floor = fb["floor_ms"]
         if not floor:
             return
         result.floor_ms = floor
+        result.floor_basis = fb["arithmetic"]
         result.floor_fraction = floor / result.candidate_time.median_ms
-        if hard and result.candidate_time.median_ms < 0.9 * hard:
+        if result.candidate_time.median_ms < floor:
             result.add_flag(FlagKind.impossible,
-                            f"median {result.candidate_time.median_ms:.4f} ms is below the roofline floor {hard:.4f} ms "
-                            f"(every fp32 GEMM and convolution FLOP at the TF32 rate)")
+                            f"median {result.candidate_time.median_ms:.4f} ms is below the roofline floor {floor:.4f} ms "
+                            f"({fb['arithmetic']})")
 
 
 def _raise_if_infra(reply: dict, cand: Any = None) -> None:

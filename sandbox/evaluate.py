@@ -39,7 +39,7 @@ from sandbox.backends import backend_for
 from sandbox.build import cuda_arch_list
 from sandbox.checks import CandidateChecks
 from sandbox.footprint import FootprintBook, human_bytes
-from sandbox.harness import cpu_model
+from hardware.probe import cpu_model
 from sandbox.phases import Stages, phase
 from sandbox.pool import DeviceGate, SlotLock, WarmPool
 from sandbox.quiet import TimingHistory

@@ -193,7 +193,7 @@ def measure_in_worker(worker: Any, req: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from sandbox.harness import make_inputs
-    from sandbox.timing import device_sync
+    from hardware.clock import device_sync
 
     meter = _Meter(worker.device)
     seed = int(req.get("seed", 1234))
@@ -305,7 +305,7 @@ def measure_footprint(spec: Any, device: str, numerics: Any, env: Optional[dict[
     ``TaskFailed`` when the task's reference fails for its own reasons, ``InfraFailure`` when
     the harness ran out of memory or disk, or the worker died without out-of-memory evidence."""
     from sandbox.failures import InfraFailure, resource_exhausted
-    from sandbox.harness import cpu_model
+    from hardware.probe import cpu_model
     from sandbox.process import WorkerDied, WorkerProcess
     from sandbox.reference import TaskFailed
 

@@ -15,20 +15,6 @@ from sandbox.numerics import Numerics
 from sandbox.tasks import LoadedTask
 
 
-def cpu_model() -> str:
-    """The CPU's model name (from /proc/cpuinfo), what a ``cpu`` evaluation's device is called."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine() or "cpu"
-
-
 def seed_all(seed: int) -> None:
     torch.manual_seed(seed)   # seeds the CPU and every CUDA generator
 

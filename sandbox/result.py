@@ -184,6 +184,7 @@ class EvalResult(BaseModel):
 
     floor_ms: Optional[float] = None                   # max(bytes / bandwidth, flops / rate) on this device
     floor_fraction: Optional[float] = None             # floor_ms / candidate median
+    floor_basis: Optional[str] = None                  # the arithmetic the floor assumed (hardware.floors)
     floor_flops: Optional[float] = None                # FLOPs of one forward (FlopCounterMode)
     floor_bytes: Optional[float] = None                # fewest bytes one forward must move
 

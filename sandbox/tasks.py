@@ -177,6 +177,15 @@ def load_task(spec: TaskSpec, validate: bool = True) -> LoadedTask:
     return task
 
 
+def count_task(spec: TaskSpec, device: str, numerics: Any = None) -> Any:
+    """The task's FLOP and byte counts (``hardware.counts.RooflineCounts``) at the sizes used on
+    ``device`` (CPU_SIZES apply on cpu), in the precision of ``numerics`` (default fp32)."""
+    from hardware.counts import count_loaded
+    from sandbox.numerics import Numerics
+
+    return count_loaded(load_task(with_device_sizes(spec, device)), numerics or Numerics())
+
+
 def _call(task: LoadedTask, fn: Callable[[], list], what: str) -> list:
     try:
         value = fn()

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from hardware import clock
 from sandbox import handoff, runcheck, timing  # noqa: F401 - runcheck binds its entropy source before candidate code
 from sandbox.harness import flatten_outputs, is_plain_tensor, make_inputs, make_model
 from sandbox.numerics import Numerics
@@ -47,7 +48,7 @@ MAX_PRECOMPUTED = 3
 PRECOMPUTE_BUDGET = int(os.environ.get("KERNELLOOP_PRECOMPUTE_BYTES", 4 << 30))
 
 _time_runs = timing.time_runs
-_tampered = timing.tampered_functions
+_tampered = clock.tampered_functions
 
 
 def _send(conn: Connection, payload: dict[str, Any]) -> None:
@@ -145,7 +146,7 @@ class Worker:
                 self.compiled = torch.compile(self.model)
                 with torch.no_grad():
                     self.compiled(*make_inputs(self.task, 12345, self.device, self.numerics))
-                timing.device_sync(self.device)
+                clock.device_sync(self.device)
             except Exception as exc:  # noqa: BLE001 - timed again (and reported) when asked for
                 reply["compile_error"] = f"{type(exc).__name__}: {exc}"[:2000]
                 self.compiled = None
@@ -162,7 +163,7 @@ class Worker:
         except BaseException as exc:  # noqa: BLE001
             return {"stage": "construct", **_exc_payload(exc)}
         if self.device == "cuda":
-            timing.device_sync("cuda")
+            clock.device_sync("cuda")
         return {"ok": True, "threads_started": threading.active_count() - threads_before}
 
     # ---- requests ---------------------------------------------------------------
@@ -250,7 +251,7 @@ class Worker:
                 # by id, data_ptr or shape returns the first output and fails.
                 with torch.no_grad():
                     self.model(*inputs)
-                timing.device_sync(self.device)
+                clock.device_sync(self.device)
                 # the first copies go before the fresh values come (at most the inputs twice
                 # over, as in any trial: holding both took four times the inputs, 32 GiB
                 # for an 8 GiB KernelBench level-1 input, beyond what the run was admitted for)
@@ -265,7 +266,7 @@ class Worker:
                     self.builder.counter.reset()
             with torch.no_grad():
                 out = self.model(*inputs)
-            timing.device_sync(self.device)
+            clock.device_sync(self.device)
         except SystemExit as exc:
             return {"ok": False, **_exc_payload(exc), "error_message": f"sys.exit({exc.code}) in forward"}
         except BaseException as exc:  # noqa: BLE001
@@ -349,7 +350,7 @@ class Worker:
         try:
             with torch.no_grad():
                 out = self.model64(*inputs64)
-            timing.device_sync(self.device)
+            clock.device_sync(self.device)
         except Exception as exc:  # noqa: BLE001
             return None, f"the reference did not run in float64 ({type(exc).__name__}: {exc})"[:300]
         return [x.detach() if isinstance(x, torch.Tensor) else x for x in flatten_outputs(out)], None
@@ -494,7 +495,7 @@ class Worker:
 
     def roofline(self, req: dict[str, Any]) -> dict[str, Any]:
         try:
-            from evals.roofline import count_task
+            from sandbox.tasks import count_task
         except ImportError as exc:
             return {"ok": False, **_exc_payload(exc)}
         try:

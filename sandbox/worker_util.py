@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from sandbox import timing
+from hardware import clock
 
 # devices whose profiler was warmed up in this worker (before its candidate was known)
 _PREWARMED: dict[str, bool] = {}
@@ -89,7 +89,7 @@ def warm_up(init: dict[str, Any]) -> dict[str, Any]:
     import sandbox.build  # noqa: F401 - torch.utils.cpp_extension and the hook
     try:
         torch.zeros(1, device=device).add_(1)
-        timing.device_sync(device)
+        clock.device_sync(device)
         if init.get("profile"):
             from sandbox.profiling import warm_up as profiler_warm_up
 

@@ -1,12 +1,21 @@
-"""Timing fidelity: the same candidate in two separate evaluations (medians must agree within
-2%), and the sandbox's candidate median against ``triton.testing.do_bench`` on the same model
-(within 3%), do_bench timed before, between and after the evaluations. Then where a gap comes
-from, in one process (``split_gap``). GPU only (do_bench needs triton).
+"""Timing against the field's timings, GPU only (do_bench needs triton).
 
-    python scripts/bench_timing.py
+``python scripts/bench_timing.py [--tasks level2/24_... ...] [--json out.json]``: per KernelBench
+task (default ``TASKS``: twelve level-2 tasks, the four shortest among them), in one process and
+alternated three times, the reference module's eager time three ways: kernelloop's
+(``sandbox.timing.time_runs``, fresh inputs each run, as the sandbox times a reference), a plain
+PyTorch event timing (events around one forward, the 256 MB L2 flush queued before the start
+event, median of 20) and ``triton.testing.do_bench``; printed by task length with kernelloop's gap
+to each (goals: within 2% of the plain timing, 3% of do_bench).
+
+``python scripts/bench_timing.py --fidelity``: the same candidate in two separate evaluations
+(medians must agree within 2%), and the sandbox's candidate median against do_bench on the same
+model (within 3%), do_bench timed before, between and after the evaluations. Then where a gap
+comes from, in one process (``split_gap``).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -26,7 +35,91 @@ CANDIDATE = ROOT / "tests" / "adversarial" / "cuda" / "honest.py"
 SIZES = {"batch_size": 8192, "in_features": 4096, "out_features": 4096}
 
 
+# Twelve KernelBench level-2 tasks: the four shortest at published sizes (about 1-2 ms eager on
+# an H100, where a fixed cost on the clock weighs most), then the mix's kinds.
+TASKS = ["level2/24_Conv3d_Min_Softmax", "level2/71_Conv2d_Divide_LeakyReLU",
+         "level2/6_Conv3d_Softmax_MaxPool_MaxPool", "level2/79_Conv3d_Multiply_InstanceNorm_Clamp_Multiply_Max",
+         "level2/12_Gemm_Multiply_LeakyReLU", "level2/81_Gemm_Swish_Divide_Clamp_Tanh_Clamp",
+         "level2/1_Conv2D_ReLU_BiasAdd", "level2/35_Conv2d_Subtract_HardSwish_MaxPool_Mish",
+         "level2/5_ConvTranspose2d_Subtract_Tanh", "level2/17_Conv2d_InstanceNorm_Divide",
+         "level2/33_Gemm_Scale_BatchNorm", "level2/23_Conv3d_GroupNorm_Mean"]
+
+
+def plain_event_ms(model, args, flush, runs: int = 20) -> float:
+    """A plain PyTorch timing: the flush queued, events around one forward, a synchronize; median of ``runs``."""
+    times = []
+    with torch.no_grad():
+        for _ in range(runs):
+            flush()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            model(*args)
+            e.record()
+            torch.cuda.synchronize()
+            times.append(s.elapsed_time(e))
+    return statistics_median(times)
+
+
+def compare_tasks(names: list[str], json_path) -> list[dict]:
+    """kernelloop's eager, a plain event timing and do_bench on each task's reference, alternated."""
+    from evals.kernelbench import kernelbench_paths
+    from hardware.clock import L2Flusher
+    from sandbox.numerics import Numerics
+    from sandbox.timing import time_runs
+
+    numerics = Numerics()
+    numerics.enforce()
+    print(f"numerics {numerics.describe()}; {torch.cuda.get_device_name(0)}; torch {torch.__version__}; "
+          "medians in ms, three passes alternated, the median of the passes", flush=True)
+    flush = L2Flusher("cuda")
+    rows = []
+    for name, path in zip(names, kernelbench_paths(names)):
+        task = load_task(read_spec(path, name=name))
+        model = make_model(task.Model, task, 0, "cuda", numerics)
+        x = make_inputs(task, 1, "cuda", numerics)
+
+        def fresh(i, task=task):
+            return make_inputs(task, 100 + i, "cuda", numerics)
+
+        got: dict[str, list[float]] = {"kernelloop": [], "plain": [], "do_bench": []}
+        for _ in range(3):
+            got["kernelloop"].append(time_runs(model, fresh, "cuda", warmup=3, runs=20).median_ms)
+            got["plain"].append(plain_event_ms(model, x, flush))
+            got["do_bench"].append(do_bench_ms(model, x))
+        row = {"task": name, **{k: statistics_median(v) for k, v in got.items()}, "passes": got}
+        row["vs_plain"] = row["kernelloop"] / row["plain"] - 1
+        row["vs_do_bench"] = row["kernelloop"] / row["do_bench"] - 1
+        rows.append(row)
+        print(f"  {name:60s} kernelloop {row['kernelloop']:.4f}  plain {row['plain']:.4f} ({row['vs_plain']:+.2%})  "
+              f"do_bench {row['do_bench']:.4f} ({row['vs_do_bench']:+.2%})", flush=True)
+        del model, x
+        torch.cuda.empty_cache()
+    print("by task length (plain event timing), kernelloop's gap (goals: |vs plain| <= 2%, |vs do_bench| <= 3%):")
+    for r in sorted(rows, key=lambda r: r["plain"]):
+        ok = abs(r["vs_plain"]) <= 0.02 and abs(r["vs_do_bench"]) <= 0.03
+        print(f"  {r['plain']:8.4f} ms  {r['task']:60s} vs plain {r['vs_plain']:+.2%}  vs do_bench "
+              f"{r['vs_do_bench']:+.2%}  {'ok' if ok else 'OUTSIDE'}")
+    worst = max(rows, key=lambda r: abs(r["vs_plain"]))
+    print(f"largest gap to the plain timing: {worst['vs_plain']:+.2%} ({worst['task']}); largest to do_bench: "
+          f"{max(rows, key=lambda r: abs(r['vs_do_bench']))['vs_do_bench']:+.2%}")
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tasks", nargs="*", default=TASKS, help="KernelBench tasks (level2/24_... without .py)")
+    ap.add_argument("--json", default=None, help="also write the per-task figures here")
+    ap.add_argument("--fidelity", action="store_true", help="the candidate fidelity check and the split instead")
+    args = ap.parse_args()
+    if args.fidelity:
+        fidelity()
+    else:
+        compare_tasks(args.tasks, args.json)
+
+
+def fidelity() -> None:
     spec = read_spec(TASK, SIZES, name="bench/linear_relu_scale")
     source = CANDIDATE.read_text()
     cfg = EvalConfig(trials=2, timed_runs=50, warmup_runs=5, time_compile=False, profile=False)
@@ -74,7 +167,8 @@ def split_gap(model, task) -> dict:
     of the GPU's clocks then shows as a spread within a variant). Printed in ms and as the
     difference from do_bench."""
     from sandbox.runcheck import Sampler
-    from sandbox.timing import L2Flusher, time_runs
+    from hardware.clock import L2Flusher
+    from sandbox.timing import time_runs
 
     flush = L2Flusher("cuda")
 

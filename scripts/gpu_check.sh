@@ -52,7 +52,7 @@ case "$stage" in
     box ${CONTAIN_S:-60} python3 -m pytest -q -p no:cacheprovider tests/test_containment.py 2>&1 | tail -4 | tee "$OUT/containment.txt"
     box ${ADV_S:-280} python3 -m pytest -m gpu -q -s --timeout 200 -p no:cacheprovider tests/test_sandbox_adversarial.py \
       ${ADV_K:+-k "$ADV_K"} 2>&1 | grep -vE "USDT|^$" | tee "$OUT/adversarial.txt" | grep -E "VERDICT|passed|failed|Error" | head -80
-    [ "${TIMING:-1}" = 1 ] && box 150 python3 scripts/bench_timing.py 2>&1 | tee "$OUT/bench_timing.txt"
+    [ "${TIMING:-1}" = 1 ] && box 150 python3 scripts/bench_timing.py --fidelity 2>&1 | tee "$OUT/bench_timing.txt"
     ;;
   build)
     box ${BUILD_S:-240} python3 scripts/bench_build.py --device cuda --n ${BUILD_N:-3} --parallel ${BUILD_P:-3} --styles ${BUILD_STYLES:-lean,torch} 2>&1 \

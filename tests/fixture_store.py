@@ -75,6 +75,7 @@ EXPECTED_A = {
     "geomean_speedup_eager": (2.5 * 0.8 * 1.2) ** (1 / 3),
     "geomean_speedup_compile": (1.875 * 0.5 * 0.8) ** (1 / 3),
     "median_floor_fraction": 0.2,
+    "geomean_floor_fraction": (0.625 * 0.2 * 0.1) ** (1 / 3),
     "prompt_tokens": 9 * 1000 + 2 * 2000, "completion_tokens": 9 * 500 + 2 * 300,
     "tokens": 9 * 1500 + 2 * 2300, "cost_usd": 9 * 0.01 + 2 * 0.02,
     "tokens_per_correct_kernel": (9 * 1500 + 2 * 2300) / 3,

@@ -10,9 +10,9 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from evals import probe as probe_mod
+from hardware import probe as probe_mod
 from evals.baseline import baseline_command, baseline_table, published_for
-from evals.probe import Probe
+from hardware.probe import Probe
 from evals.published import (COMPILE_FILE, EAGER_FILE, PUBLISHED_NUMERICS, compare, find_checkout, find_published,
                              gpu_model, lookup_published, published_record)
 from sandbox.tasks import read_spec

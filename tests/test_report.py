@@ -122,7 +122,9 @@ def test_markdown_sections(built):
     assert "| geomean speedup vs eager | 1.34x |" in md
     assert "| tokens per correct kernel | 6,033 |" in md
     assert "| cost per correct kernel | $0.0433 |" in md
-    assert "| median fraction of roofline floor | 20.0% |" in md
+    # the floor fraction: geomean (median) over correct tasks, with the floor's convention named
+    assert f"| fraction of roofline floor, geomean (median) | {(0.625 * 0.2 * 0.1) ** (1 / 3):.1%} (20.0%); floor fraction = " in md
+    assert "3xTF32" in md
     # the critic's headings sit below the report's (## -> #####), code fences untouched
     assert "##### Matmul: what happened" in md and "```cuda\n__shared__ float tile_a[16][16];\n```" in md
     assert "Old analysis" not in md
@@ -450,3 +452,24 @@ def test_unreadable_numerics_config_is_said():
     assert r["label"] == "unknown" and r["recorded"] is False and "could not be read" in r["note"]
     assert run_numerics({"config": {"eval": {"numerics": {"precision": "bf16"}}}})["label"] == "bf16/default"
     assert run_numerics({"config": None})["label"] == "fp32/strict"
+
+
+def test_optimize_table_gives_each_tasks_floor_fraction_and_their_geomean_with_the_convention():
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from agent.cli import _summary_table
+
+    def row(name, best_ms, floor_ms):
+        return SimpleNamespace(name=name, round=1, attempts=2, correct=1, clean=1, eager_ms=4.0, compile_ms=3.0,
+                               best_ms=best_ms, floor_ms=floor_ms, best_speedup=2.0, best_compile_speedup=1.5,
+                               error=None, stopped="")
+
+    table = _summary_table([row("a", 2.0, 1.0), row("b", 4.0, 0.25), row("c", None, 0.5)], "t")
+    console = Console(width=400, record=True)
+    console.print(table)
+    text = " ".join(console.export_text().split())       # the caption wraps
+    assert "floor %" in text and "50.0%" in text and "6.2%" in text
+    assert "geomean 17.7% over 2 task(s)" in text          # sqrt(0.5 * 0.0625)
+    assert "3xTF32" in text

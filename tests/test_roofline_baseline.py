@@ -11,17 +11,27 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from evals import probe as probe_mod
+from evals.device_cli import app as device_app
+from hardware import probe as probe_mod
 from evals.baseline import baseline_command, input_factory, measure_baseline, store_baseline
-from evals.probe import Probe, get_probe, load_cached
-from evals.roofline import count_task, floor_breakdown, floor_ms, roofline_for
+from hardware.probe import Probe
+from hardware.floors import CEILING_SLACK as SLACK
+from hardware.floors import floor_breakdown, floor_ms
+from sandbox.tasks import count_task
+from store.probes import get_probe, load_cached
 from kernelloop.paths import tasks_dir
 from sandbox.harness import make_inputs
+from sandbox.numerics import Numerics
 from sandbox.tasks import TaskSpec, load_task, read_spec, with_device_sizes
 from store.models import Baseline, DeviceProbe, Task
 
 TASKS = tasks_dir()
 runner = CliRunner()
+
+
+def _tf32(probe) -> set[str]:
+    """What PyTorch's default math mode runs in TF32 on the probe's device."""
+    return Numerics().tf32_classes(probe.device)
 
 
 def _task_file(tmp_path: Path, name: str, body: str) -> TaskSpec:
@@ -145,8 +155,9 @@ def get_init_inputs():
     assert c.dtype == "fp16"
     assert c.bytes_by_dtype["fp16"] == 64 * 64 * 2
     p = _probe(bw=1e6, fp32=1.0, fp16=8.0)
-    fb = floor_breakdown(c, p)
-    expected = (2 * 128 * 64 * 64 / 8e12 + 2 * 128 * 64 * 16 / 1e12) * 1e3
+    fb = floor_breakdown(c, p, _tf32(p))
+    # fp16 at its rate; the fp32 GEMM as three passes of fp16-rate tensor-core arithmetic (8/3 > 1)
+    expected = (2 * 128 * 64 * 64 / 8e12 + 3 * 2 * 128 * 64 * 16 / 8e12) * 1e3 / SLACK
     assert fb["compute_ms"] == pytest.approx(expected)
     assert fb["floor_ms"] == fb["compute_ms"] > fb["memory_ms"]
 
@@ -181,45 +192,54 @@ def test_floor_is_the_slower_of_memory_and_compute(tmp_path):
     spec = _task_file(tmp_path, "linear", LINEAR_TASK)
     c = count_task(spec, "cuda")
     memory_bound = _probe(bw=1.0, fp32=1000.0)       # 1 GB/s
-    assert floor_ms(c, memory_bound) == pytest.approx(c.min_bytes / 1e9 * 1e3)
+    assert floor_ms(c, memory_bound, _tf32(memory_bound)) == pytest.approx(c.min_bytes / 1e9 * 1e3 / SLACK)
     compute_bound = _probe(bw=1e9, fp32=1e-6)        # 1 MFLOP/s
-    assert floor_ms(c, compute_bound) == pytest.approx(c.flops / 1e6 * 1e3)
+    assert floor_ms(c, compute_bound, _tf32(compute_bound)) == pytest.approx(c.flops / 1e6 * 1e3 / SLACK)
 
 
-def test_tf32_eligible_fp32_work_gets_the_tf32_rate(monkeypatch):
+def test_the_floor_charges_the_arithmetic_a_candidate_is_allowed():
+    """One TF32 pass for the op classes the math mode runs in TF32; other fp32 FLOPs as 3xTF32
+    at the fastest 10-bit-mantissa tensor-core rate (TF32 or fp16) when that beats fp32; ceilings
+    raised by their slack; the assumptions named."""
     conv = count_task(read_spec(TASKS / "level1" / "conv2d.py"), "cuda")
     mm = count_task(read_spec(TASKS / "level1" / "matmul_square.py"), "cuda")
     assert conv.tf32_eligible == {"conv": conv.flops}
     assert mm.tf32_eligible == {"matmul": mm.flops}
     p = _probe(bw=1e9, fp32=50.0, tf32=400.0)
-    assert floor_breakdown(conv, p, tf32=set())["compute_ms"] == pytest.approx(conv.flops / 50e12 * 1e3)
-    assert floor_breakdown(conv, p, tf32={"conv"})["compute_ms"] == pytest.approx(conv.flops / 400e12 * 1e3)
-    assert floor_breakdown(mm, p, tf32={"conv"})["compute_ms"] == pytest.approx(mm.flops / 50e12 * 1e3)
-    # By default the process's own settings decide (PyTorch's defaults: cuDNN yes, cuBLAS no).
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    assert floor_ms(conv, p) == pytest.approx(conv.flops / 400e12 * 1e3)
-    assert floor_ms(mm, p) == pytest.approx(mm.flops / 50e12 * 1e3)
-    # A cpu probe never uses a TF32 rate.
+    one_pass = floor_breakdown(conv, p, tf32={"conv"})
+    assert one_pass["compute_ms"] == pytest.approx(conv.flops / 400e12 * 1e3 / SLACK)
+    assert "one TF32 pass" in one_pass["arithmetic"]
+    # convolutions: one pass under any math mode (FFT and Winograd do a fraction of the direct FLOPs)
+    assert floor_breakdown(conv, p, tf32=set())["compute_ms"] == pytest.approx(conv.flops / 400e12 * 1e3 / SLACK)
+    split = floor_breakdown(mm, p, tf32=set())
+    assert "3xTF32" in split["arithmetic"]
+    assert floor_breakdown(mm, p, tf32={"conv"})["compute_ms"] == pytest.approx(3 * mm.flops / 400e12 * 1e3 / SLACK)
+    # fp16 operands carry TF32's mantissa: a faster fp16 rate is the one no kernel beats
+    fast16 = _probe(bw=1e9, fp32=50.0, tf32=400.0, fp16=800.0)
+    assert floor_ms(conv, fast16, {"conv"}) == pytest.approx(conv.flops / 800e12 * 1e3 / SLACK)
+    # where three tensor-core passes are slower than plain fp32, fp32 it is
+    slow_tc = _probe(bw=1e9, fp32=50.0, tf32=100.0)
+    assert floor_ms(mm, slow_tc, set()) == pytest.approx(mm.flops / 50e12 * 1e3 / SLACK)
+    # A cpu probe never uses a tensor-core rate.
     cpu = Probe(device="cpu", device_name="c", torch_version="t", bandwidth_gbps=1e9, tflops={"fp32": 1.0, "tf32": 8.0})
-    assert floor_ms(conv, cpu) == pytest.approx(conv.flops / 1e12 * 1e3)
+    assert floor_ms(conv, cpu, _tf32(cpu)) == pytest.approx(conv.flops / 1e12 * 1e3 / SLACK)
 
 
 def test_missing_dtype_rate_falls_back_to_the_fastest(tmp_path):
     spec = _task_file(tmp_path, "linear", LINEAR_TASK)
     c = count_task(spec, "cuda")
     p = _probe(bw=1e9, fp16=2e-6, bf16=4e-6)         # no fp32 rate: the fastest (bf16) is used
-    assert floor_ms(c, p) == pytest.approx(c.flops / 4e6 * 1e3)
+    assert floor_ms(c, p, _tf32(p)) == pytest.approx(c.flops / 4e6 * 1e3 / SLACK)
 
 
-def test_roofline_for_applies_device_sizes_and_needs_a_probe_for_a_floor():
+def test_count_task_applies_device_sizes():
     spec = read_spec(TASKS / "level1" / "relu.py")
-    counts_cpu, none_floor = roofline_for(spec, "cpu", None)
-    assert none_floor is None
+    counts_cpu = count_task(spec, "cpu")
     assert counts_cpu.min_bytes == 2 * 64 * 4096 * 4
-    counts_gpu, floor = roofline_for(spec, "cuda", _probe(bw=2000.0))
+    counts_gpu = count_task(spec, "cuda")
     assert counts_gpu.min_bytes == 2 * 16384 * 32768 * 4
-    assert floor == pytest.approx(counts_gpu.min_bytes / 2e12 * 1e3)
+    p = _probe(bw=2000.0)
+    assert floor_ms(counts_gpu, p, _tf32(p)) == pytest.approx(counts_gpu.min_bytes / 2e12 * 1e3 / SLACK)
 
 
 # --------------------------------------------------------------------------- probes
@@ -284,14 +304,14 @@ def test_get_probe_measures_once_then_reads_the_caches(tmp_store, cache_dir, mon
 def test_device_probe_and_show_commands(tmp_path, cache_dir):
     db = str(tmp_path / "probe.db")
     env = {"KERNELLOOP_CACHE": str(cache_dir), "COLUMNS": "200"}
-    shown = runner.invoke(probe_mod.app, ["show", "--device", "cpu", "--db", db], env=env)
+    shown = runner.invoke(device_app, ["show", "--device", "cpu", "--db", db], env=env)
     assert shown.exit_code == 1 and "kernelloop device probe" in shown.output
-    probed = runner.invoke(probe_mod.app, ["probe", "--device", "cpu", "--db", db], env=env)
+    probed = runner.invoke(device_app, ["probe", "--device", "cpu", "--db", db], env=env)
     assert probed.exit_code == 0, probed.output
     assert "GB/s" in probed.output and "matmul fp32" in probed.output
-    shown = runner.invoke(probe_mod.app, ["show", "--device", "cpu", "--db", db], env=env)
+    shown = runner.invoke(device_app, ["show", "--device", "cpu", "--db", db], env=env)
     assert shown.exit_code == 0 and "cached" in shown.output
-    listed = runner.invoke(probe_mod.app, ["show", "--all", "--db", db], env=env)
+    listed = runner.invoke(device_app, ["show", "--all", "--db", db], env=env)
     assert listed.exit_code == 0 and "cpu" in listed.output
 
 
@@ -321,7 +341,7 @@ def test_measure_baseline_eager_only():
     assert r["eager_ms"] > 0 and r["eager"]["runs"] == 3
     assert r["compile_ms"] is None and r["compile"] is None
     assert r["flops"] == counts.flops == 2 * 64 * 256 * 256
-    assert r["floor_ms"] == pytest.approx(floor_ms(counts, p))
+    assert r["floor_ms"] == pytest.approx(floor_ms(counts, p, _tf32(p)))
     assert r["overrides"] == with_device_sizes(spec, "cpu").overrides
     assert r["task_key"] == with_device_sizes(spec, "cpu").key
     assert r["device"] == "cpu" and r["torch_version"] == torch.__version__
@@ -386,7 +406,7 @@ def test_baseline_command_stores_rows_and_prints_a_table(tmp_path, cache_dir, mo
             assert relu.task.sha256 == spec.sha256 and relu.task_key == spec.key
             assert relu.device == "cpu" and relu.torch_version == torch.__version__
             assert relu.eager_ms > 0 and relu.compile_ms is None
-            assert relu.floor_ms == pytest.approx(2 * 64 * 4096 * 4 / 10e9 * 1e3)
+            assert relu.floor_ms == pytest.approx(2 * 64 * 4096 * 4 / (10e9 * SLACK) * 1e3)
             assert relu.details["eager"]["runs"] == 3 and relu.created_at is not None
             assert s.scalar(sa.select(sa.func.count()).select_from(Task)) == 2
     finally:
@@ -439,14 +459,11 @@ def test_store_baseline_upserts_the_task(tmp_store):
 
 
 @pytest.mark.parametrize("math", ["default", "strict"])
-def test_the_sandbox_floor_follows_the_math_mode_and_impossible_uses_the_tf32_bound(monkeypatch, math):
-    """The floor shown charges fp32 FLOPs at the TF32 rate only for the op classes the run's math
-    mode runs in TF32 (default: cuDNN convolutions; strict: none), whatever the parent process's
-    switches say. The `impossible` flag uses a lower bound, every fp32 GEMM and convolution FLOP
-    at the TF32 rate: cuDNN's FFT and Winograd algorithms do a fraction of a direct
-    convolution's FLOPs (on an H200 level2/conv_hardswish_mean's eager run was 1.3x under its
-    direct-FLOP fp32 floor), and split-TF32 GEMMs (the builtin's `tc3`) are about as accurate as
-    fp32 SGEMM and faster; accuracy is the float64 check's business."""
+def test_the_sandbox_floor_follows_the_math_mode_and_impossible_is_crossing_it(monkeypatch, math):
+    """The sandbox's one floor charges fp32 FLOPs one TF32 pass for convolutions and the op classes
+    the run's math mode runs in TF32 (whatever the parent process's switches say), three (3xTF32)
+    for the rest; a median below it is `impossible`, one at or above it is not, and the result
+    names the arithmetic."""
     from dataclasses import asdict
     from types import SimpleNamespace
 
@@ -470,20 +487,19 @@ def test_the_sandbox_floor_follows_the_math_mode_and_impossible_uses_the_tf32_bo
         return result, counts
 
     def mem_ms(c) -> float:
-        return c.min_bytes / (p.bandwidth_gbps * 1e9) * 1e3
+        return c.min_bytes / (p.bandwidth_gbps * SLACK * 1e9) * 1e3
 
     conv_result, conv = sandbox_floor("level1/conv2d")
     assert conv.tf32_eligible.get("conv")
-    conv_rate = 400e12 if math == "default" else 50e12
-    assert conv_result.floor_ms == pytest.approx(max(mem_ms(conv), conv.flops / conv_rate * 1e3))
+    # one pass for convolutions whatever the math mode; GEMMs below: three
+    assert conv_result.floor_ms == pytest.approx(max(mem_ms(conv), conv.flops / (400e12 * SLACK) * 1e3))
+    assert "one TF32 pass" in conv_result.floor_basis
     gemm_result, gemm = sandbox_floor("level2/gemm_swish_scale")
     assert gemm.tf32_eligible.get("matmul")
     fp32_flops = gemm.flops_by_dtype["fp32"]
-    assert gemm_result.floor_ms == pytest.approx(max(mem_ms(gemm), fp32_flops / 50e12 * 1e3))
-    # between the shown floor and the TF32 bound: no flag; under 0.9x the bound: impossible
-    hard = max(mem_ms(gemm), fp32_flops / 400e12 * 1e3)
-    assert hard < 0.5 * gemm_result.floor_ms
-    between, _ = sandbox_floor("level2/gemm_swish_scale", median_ms=0.5 * gemm_result.floor_ms)
-    assert not between.has_flag("impossible") and between.floor_fraction > 1
-    below, _ = sandbox_floor("level2/gemm_swish_scale", median_ms=0.8 * hard)
-    assert below.has_flag("impossible")
+    floor = max(mem_ms(gemm), 3 * fp32_flops / (400e12 * SLACK) * 1e3)
+    assert gemm_result.floor_ms == pytest.approx(floor)
+    at, _ = sandbox_floor("level2/gemm_swish_scale", median_ms=1.001 * floor)
+    assert not at.has_flag("impossible") and at.floor_fraction <= 1
+    below, _ = sandbox_floor("level2/gemm_swish_scale", median_ms=0.99 * floor)
+    assert below.has_flag("impossible") and below.floor_fraction > 1

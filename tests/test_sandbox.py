@@ -161,6 +161,7 @@ def test_fp64_verdict_allows_reordered_sums_and_flags_lost_bits():
     ("torch.allclose = lambda *a, **k: True", FlagKind.suspicious),
     ("import threading\nthreading.Thread(target=f).start()", FlagKind.suspicious),
     ("torch.manual_seed(0)", FlagKind.suspicious),
+    ("from hardware import clock\nclock._elapsed_time = lambda a, b: 0.001", FlagKind.suspicious),
     ("class ModelNew:\n    def forward(self, x):\n        try:\n            return k(x)\n        except Exception:\n            return x",
      FlagKind.fallback),
     ("m = Model(3)", FlagKind.fallback),
@@ -171,6 +172,22 @@ def test_static_scan_flags(snippet, kind):
 
 def test_static_scan_is_quiet_on_an_honest_candidate():
     assert anticheat.scan((ADV / "cpu" / "honest.py").read_text()) == []
+
+
+def test_static_scan_tells_a_joined_side_stream_from_an_unjoined_one():
+    """A side stream joined back to the caller's stream (PyTorch's CUDA-graph recipe) is no flag;
+    one the caller's stream never waits for is (the side-stream exploits, cuda and triton)."""
+    for legit in ("legit_cuda_graph", "legit_joined_side_stream", "graph_of_torch"):
+        assert not [f for f in anticheat.scan((ADV / "cuda" / f"{legit}.py").read_text())
+                    if f.kind == FlagKind.suspicious], legit
+    for exploit in (ADV / "cuda" / "side_stream.py", ADV / "triton" / "side_stream.py"):
+        reasons = [f.reason for f in anticheat.scan(exploit.read_text()) if f.kind == FlagKind.suspicious]
+        assert any("never joins back" in r for r in reasons), exploit
+    # the side stream waiting for the caller's stream (a fork) is not a join
+    fork = "s = torch.cuda.Stream()\ns.wait_stream(torch.cuda.current_stream())\nwith torch.cuda.stream(s):\n    y = f(x)"
+    assert any("never joins back" in f.reason for f in anticheat.scan(fork))
+    join = fork + "\ntorch.cuda.current_stream().wait_stream(s)"
+    assert not anticheat.scan(join)
 
 
 # ------------------------------------------------------------------ timing and build helpers
@@ -453,3 +470,26 @@ def test_a_bad_cpu_thread_count_names_the_setting(monkeypatch, raw):
     monkeypatch.setenv("KERNELLOOP_CPU_THREADS", raw)
     with pytest.raises(ValueError, match="KERNELLOOP_CPU_THREADS"):
         cpu_timing_threads()
+
+
+def test_own_kernels_replayed_from_a_graph_lift_only_the_no_call_flag():
+    """No call into the extension during a forward, but the profile shows the candidate's own
+    kernels: a CUDA graph it captured replays them, so the no-call flag goes (the reason is kept
+    in stderr); any other flag stays."""
+    from sandbox.backends import backend_for
+    from sandbox.checks import CandidateChecks
+    from sandbox.result import EvalConfig, EvalResult, Status
+
+    checks = CandidateChecks(EvalConfig(), "cuda")
+    no_call = backend_for(checks.config.backend, "cuda").no_call_reason
+    result = EvalResult(task="t", device="cuda", status=Status.correct)
+    result.add_flag(FlagKind.no_custom_kernel, no_call)
+    result.add_flag(FlagKind.suspicious, "assigns to torch.allclose (monkey-patching)")
+    checks._graph_replay(result, ["relu_scale_kernel(float const*, float*, float, long)"])
+    assert not result.has_flag("no_custom_kernel") and result.has_flag("suspicious")
+    assert "CUDA graph" in result.stderr and "relu_scale_kernel" in result.stderr
+    # the profiler's own verdict (no declared kernel ran) is not lifted
+    other = EvalResult(task="t", device="cuda", status=Status.correct)
+    other.add_flag(FlagKind.no_custom_kernel, "the profiler shows no kernel declared in the candidate's source")
+    checks._graph_replay(other, ["k"])
+    assert other.has_flag("no_custom_kernel")

@@ -2,7 +2,8 @@
 right verdict (incorrect, an error status, or correct *but flagged*), never a clean pass.
 
 Each file under tests/adversarial/<device>/ states what it expects in its first lines:
-``# expect-status: incorrect|flagged`` and ``# expect-flag: suspicious``; optionally
+``# expect-status: incorrect|flagged`` and ``# expect-flag: suspicious`` (``clean``: a legitimate
+technique that resembles an exploit, ``legit_*``, must pass clean); optionally
 ``# expect-strays: yes`` (processes it left running were found and killed) and
 ``# expect-reason: WORD`` (a word of the failing trial's reason). After every evaluation no
 process a candidate started may be alive (the helpers in these files name themselves ``kladv-*``).
@@ -67,8 +68,8 @@ def check_verdict(name: str, result, expected: set[str], flag: str) -> None:
     got = result.status.value
     flags = {f.kind.value for f in result.flags}
     detail = f"{name}: status={got} flags={sorted(flags)} error={result.error_message!r}"
-    if name == "honest":
-        assert result.clean, detail
+    if name == "honest" or expected == {"clean"}:
+        assert result.clean, "a legitimate candidate was not clean: " + detail
         return
     assert not result.clean, "an exploit passed clean: " + detail
     if got == "correct":
@@ -140,7 +141,9 @@ def test_suite_covers_every_known_exploit():
         assert required in names
     cuda_names = {p.stem for p in CUDA_CASES}
     assert names - {"segfault"} <= cuda_names | {"segfault"}
-    assert {"side_stream", "patched_sync", "illegal_address", "tf32_in_cpp"} <= cuda_names
+    assert {"side_stream", "patched_sync", "illegal_address", "tf32_in_cpp", "graph_of_torch"} <= cuda_names
+    # legitimate techniques that resemble exploits: they must stay clean
+    assert {"legit_cuda_graph", "legit_joined_side_stream"} <= cuda_names
 
 
 # Triton versions (sandbox.backends.triton): on a GPU every case runs compiled; without one, the

@@ -12,7 +12,8 @@ import torch
 from typer.testing import CliRunner
 
 from evals import taskcheck
-from evals.roofline import count_task, floor_breakdown
+from hardware.floors import floor_breakdown
+from sandbox.tasks import count_task
 from evals.taskcheck import check_task, value_issues
 from evals.tasks_cli import app as tasks_app
 from evals.tasks_cli import module_sizes, ops_summary
@@ -85,7 +86,8 @@ def test_bundled_task_contract(path):
     # GPU sizes: a sizeable job for an H100 (at fp32 rates) that still fits comfortably in memory.
     gpu = count_task(spec, "cuda")
     assert gpu.min_bytes < 8 * 2 ** 30, f"{spec.name}: inputs+weights+outputs are {gpu.min_bytes / 2**30:.1f} GiB"
-    floor = floor_breakdown(gpu, H100, tf32=set())["floor_ms"]
+    fp32_only = SimpleNamespace(device_name="H100 without tensor cores", bandwidth_gbps=3000.0, tflops={"fp32": 50.0})
+    floor = floor_breakdown(gpu, fp32_only, tf32=set())["floor_ms"]
     assert floor >= 0.5, f"{spec.name}: H100 floor only {floor:.3f} ms at GPU sizes"
 
 
@@ -235,7 +237,7 @@ def test_tasks_list_shows_names_ops_and_sizes():
 
 
 def test_tasks_show_reports_sizes_shapes_counts_and_floor(tmp_path, monkeypatch):
-    from evals.probe import Probe, device_name, save
+    from hardware.probe import Probe, device_name, write_cache_file as save
 
     monkeypatch.chdir(tmp_path)                      # no ./kernelloop.db here: no store is opened
     monkeypatch.delenv("KERNELLOOP_DB", raising=False)
@@ -257,7 +259,10 @@ def test_tasks_show_reports_sizes_shapes_counts_and_floor(tmp_path, monkeypatch)
     result = runner.invoke(tasks_app, args + ["--no-source"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     min_bytes = 4 * (3 * 8 * 32 * 32 + 16 * 8 * 9 + 16 + 3 * 16 * 32 * 32)
-    assert f"floor: {min_bytes / 1e9 * 1e3:.4f} ms (memory-bound" in result.output
+    from hardware.floors import CEILING_SLACK
+
+    assert f"floor: {min_bytes / (1e9 * CEILING_SLACK) * 1e3:.4f} ms (memory-bound" in result.output
+    assert "bytes at the probed bandwidth" in result.output          # the arithmetic the floor assumed
     assert "class Model" not in result.output
 
 

@@ -1,4 +1,4 @@
-"""Roofline floors: the least time a forward pass can take on a device.
+"""What a forward pass must do at the least: its FLOPs and the bytes that must cross the memory bus.
 
 Two counts describe a task at its sizes:
 
@@ -11,11 +11,9 @@ Two counts describe a task at its sizes:
 
 The forward runs on ``meta`` tensors (shapes and dtypes only), so counting works for
 GPU-sized tasks without allocating anything; models that do not run on ``meta`` are tried
-again under ``FakeTensorMode``. ``floor_ms`` turns the counts into a time with a device
-probe (``evals.probe``): ``max(bytes / bandwidth, sum over dtypes of flops / rate)``.
-On cuda, fp32 convolutions (and matmuls, when enabled) that PyTorch's settings let run on
-TF32 tensor cores are charged at the probe's TF32 rate, so the floor stays below what the
-reference itself can reach.
+again under ``FakeTensorMode``. ``hardware.floors`` turns the counts into a time with a
+device probe (``hardware.probe``). ``sandbox.tasks.count_task`` counts a task spec at a
+device's sizes.
 """
 from __future__ import annotations
 
@@ -25,9 +23,6 @@ from typing import Any, Iterable, Optional
 import torch
 from torch.utils import flop_counter
 from torch.utils._pytree import tree_flatten
-
-from sandbox.numerics import Numerics
-from sandbox.tasks import LoadedTask, TaskSpec, load_task, with_device_sizes
 
 DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
@@ -148,13 +143,16 @@ def _fake_context():
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def _count_loaded(task: LoadedTask, method: str, numerics: Numerics) -> RooflineCounts:
+def _count_loaded(task: Any, method: str, numerics: Any) -> RooflineCounts:
     # No seeding: values do not exist on meta/fake tensors, and the caller's RNG stays as it was.
     ctx = _meta_context() if method == "meta" else _fake_context()
     with ctx, torch.no_grad():
-        init = numerics.cast(task.get_init_inputs())
-        model = numerics.cast_model(task.Model(*init))
-        inputs = numerics.cast(task.get_inputs())
+        init = task.get_init_inputs()
+        init = numerics.cast(init) if numerics is not None else init
+        model = task.Model(*init)
+        model = numerics.cast_model(model) if numerics is not None else model
+        inputs = task.get_inputs()
+        inputs = numerics.cast(inputs) if numerics is not None else inputs
         if method == "meta":
             inputs = [_to_meta(x) for x in inputs]
             model = model.to("meta")
@@ -194,10 +192,10 @@ def _task_dtype(flops_by_dtype: dict[str, int], *groups: list[torch.Tensor]) -> 
     return max(weights.items(), key=lambda kv: kv[1])[0] if weights else "fp32"
 
 
-def count_loaded(task: LoadedTask, numerics: Optional[Numerics] = None) -> RooflineCounts:
-    """Counts for an already loaded task (its overrides applied), without allocating, with
-    model and inputs in the precision of ``numerics`` (default fp32)."""
-    numerics = numerics or Numerics()
+def count_loaded(task: Any, numerics: Any = None) -> RooflineCounts:
+    """Counts for a loaded task (``sandbox.tasks.LoadedTask``, its overrides applied), without
+    allocating, with model and inputs cast as ``numerics`` (a ``sandbox.numerics.Numerics``)
+    casts them; ``None`` leaves them as the task makes them."""
     try:
         return _count_loaded(task, "meta", numerics)
     except Exception as meta_exc:  # noqa: BLE001 - some models do not run on meta; try fake tensors
@@ -208,53 +206,3 @@ def count_loaded(task: LoadedTask, numerics: Optional[Numerics] = None) -> Roofl
                 f"cannot count FLOPs and bytes of {task.spec.name}: on meta tensors "
                 f"{type(meta_exc).__name__}: {meta_exc}; under FakeTensorMode "
                 f"{type(fake_exc).__name__}: {fake_exc}") from fake_exc
-
-
-def count_task(spec: TaskSpec, device: str, numerics: Optional[Numerics] = None) -> RooflineCounts:
-    """Counts for ``spec`` at the sizes used on ``device`` (CPU_SIZES apply on cpu)."""
-    return count_loaded(load_task(with_device_sizes(spec, device)), numerics)
-
-
-# --------------------------------------------------------------------------- floors
-
-def _rate_tflops(probe: Any, dtype: str) -> float:
-    """The probe's FLOP rate for ``dtype``; the fastest measured rate when it has none for it
-    (a faster rate gives a lower floor, so a missing rate never makes a floor too high)."""
-    rates = {k: float(v) for k, v in (probe.tflops or {}).items() if v and float(v) > 0}
-    if not rates:
-        raise ValueError(f"probe for {probe.device_name} has no FLOP rates")
-    return rates.get(dtype) or max(rates.values())
-
-
-def floor_breakdown(counts: RooflineCounts, probe: Any, tf32: Optional[set[str]] = None) -> dict[str, float]:
-    """Memory time, compute time and their maximum (the floor), all in milliseconds.
-
-    fp32 FLOPs of the op classes in ``tf32`` (default: those PyTorch's default math mode runs in
-    TF32 on the probe's device, ``Numerics.tf32_classes``) are charged at the probe's ``tf32``
-    rate, the rest of each dtype's FLOPs at that dtype's rate.
-    """
-    if not probe.bandwidth_gbps or probe.bandwidth_gbps <= 0:
-        raise ValueError(f"probe for {probe.device_name} has no bandwidth")
-    memory_ms = counts.min_bytes / (probe.bandwidth_gbps * 1e9) * 1e3
-    by_dtype = dict(counts.flops_by_dtype or ({counts.dtype: counts.flops} if counts.flops else {}))
-    classes = Numerics().tf32_classes(getattr(probe, "device", "cuda")) if tf32 is None else set(tf32)
-    tf32_flops = sum(n for c, n in counts.tf32_eligible.items() if c in classes)
-    if tf32_flops and "fp32" in by_dtype:
-        tf32_flops = min(tf32_flops, by_dtype["fp32"])
-        by_dtype["fp32"] -= tf32_flops
-        by_dtype["tf32"] = by_dtype.get("tf32", 0) + tf32_flops
-    compute_ms = sum(n / (_rate_tflops(probe, dt) * 1e12) * 1e3 for dt, n in by_dtype.items() if n)
-    return {"memory_ms": memory_ms, "compute_ms": compute_ms, "floor_ms": max(memory_ms, compute_ms)}
-
-
-def floor_ms(counts: RooflineCounts, probe: Any, tf32: Optional[set[str]] = None) -> float:
-    """``max(bytes / bandwidth, flops / rate)`` in milliseconds, the rate of each FLOP's dtype."""
-    return floor_breakdown(counts, probe, tf32)["floor_ms"]
-
-
-def roofline_for(spec: TaskSpec, device: str, probe: Optional[Any],
-                 numerics: Optional[Numerics] = None) -> tuple[RooflineCounts, Optional[float]]:
-    """Counts for the task at ``device`` sizes and its floor under ``numerics`` (``None`` without a probe)."""
-    numerics = numerics or Numerics()
-    counts = count_task(spec, device, numerics)
-    return counts, (floor_ms(counts, probe, numerics.tf32_classes(device)) if probe is not None else None)

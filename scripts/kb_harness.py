@@ -1,0 +1,148 @@
+"""KernelBench's own harness against kernelloop on the same builtin candidates (GPU only).
+
+For each task (default: the four shortest level-2 tasks at published sizes), the builtin
+proposer's first candidate (round 0, sample 0, ``fp32/default``) is
+
+* evaluated by kernelloop (``Sandbox.evaluate``: its speedup vs eager, medians), and
+* evaluated by KernelBench's ``eval_kernel_against_ref`` from ``$KERNELLOOP_KERNELBENCH/src``
+  (KernelBench's harness, imported by path and unchanged; ``cuda_event`` timing, the reference
+  timed by the same function: ``ref_runtime / runtime``, means),
+
+and the two speedups are printed side by side with their ratio (goal: within 3%). Builds come
+first, side by side on the CPU (each candidate's ``load_inline`` into one extensions folder that
+KernelBench's harness then finds built; the sandbox's evaluations build in parallel in their own
+cache), so the GPU timings run one at a time on a quiet device.
+
+    KERNELLOOP_KERNELBENCH=.kb python scripts/kb_harness.py [--tasks level2/24_... ...] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import subprocess
+import sys
+import types
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+TASKS = ["level2/24_Conv3d_Min_Softmax", "level2/71_Conv2d_Divide_LeakyReLU",
+         "level2/6_Conv3d_Softmax_MaxPool_MaxPool", "level2/79_Conv3d_Multiply_InstanceNorm_Clamp_Multiply_Max"]
+
+
+def _stub(name: str) -> types.ModuleType:
+    """An empty module whose every public attribute is a do-nothing callable."""
+    stub = types.ModuleType(name)
+
+    def attr(key: str):
+        if key.startswith("__"):
+            raise AttributeError(key)
+        return lambda *a, **k: None
+
+    stub.__getattr__ = attr   # type: ignore[attr-defined]
+    return stub
+
+
+def kernelbench_eval(kb_root: Path):
+    """``kernelbench.eval.eval_kernel_against_ref`` from the checkout. Modules its package imports
+    for other features (model APIs, progress bars, .env files) and this host lacks are stood in by
+    empty modules: the harness's own code runs unchanged."""
+    sys.path.insert(0, str(kb_root / "src"))
+    for name in ("requests", "dotenv", "litellm", "tqdm", "openai", "datasets"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            sys.modules[name] = _stub(name)
+    from kernelbench.eval import eval_kernel_against_ref
+
+    return eval_kernel_against_ref
+
+
+def prebuild(sources: dict[str, str], ext_dir: Path) -> None:
+    """Each candidate's module run once in a process of its own, side by side: its load_inline
+    builds into ``ext_dir``."""
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext_dir)}
+    procs = []
+    for name, src in sources.items():
+        f = ext_dir / (name.replace("/", "_") + ".py")
+        f.write_text(src)
+        procs.append((name, subprocess.Popen([sys.executable, "-c", f"exec(open({str(f)!r}).read())"], env=env,
+                                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+    for name, p in procs:
+        out, _ = p.communicate()
+        print(f"  built {name}: exit {p.returncode}" + (f"\n{out[-2000:]}" if p.returncode else ""), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tasks", nargs="*", default=TASKS)
+    ap.add_argument("--perf-trials", type=int, default=100, help="KernelBench's num_perf_trials")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--ext-dir", type=Path, default=Path("/tmp/kb-harness-ext"),
+                    help="where the plain load_inline builds go (KernelBench's build_dir)")
+    ap.add_argument("--build-only", action="store_true",
+                    help="only build (plain and sandbox builds side by side, CPU only): a later run finds them built")
+    args = ap.parse_args()
+
+    import torch
+
+    from agent.builtin import propose
+    from evals.kernelbench import kernelbench_paths, kernelbench_root
+    from sandbox.evaluate import Sandbox
+    from sandbox.numerics import Numerics
+    from sandbox.result import EvalConfig
+    from sandbox.tasks import read_spec
+
+    numerics = Numerics()
+    specs = [read_spec(p, name=n) for n, p in zip(args.tasks, kernelbench_paths(args.tasks))]
+    sources = {s.name: propose(s, "cuda", 0, 0, [], numerics=numerics).source for s in specs}
+    ext_dir = args.ext_dir
+    ext_dir.mkdir(parents=True, exist_ok=True)
+    cfg = EvalConfig(time_compile=False, profile=False)
+    if args.build_only:
+        print(f"building {len(specs)} candidates (plain, into {ext_dir}, and the sandbox's)", flush=True)
+        with Sandbox("cuda", cfg) as sb, ThreadPoolExecutor(len(specs)) as pool:
+            checks = [pool.submit(sb.build_only, s, sources[s.name]) for s in specs]
+            prebuild(sources, ext_dir)
+            print("  sandbox builds: " + ", ".join("ok" if c.result().ok else "FAILED" for c in checks))
+        return
+    print(f"numerics {numerics.describe()}; {torch.cuda.get_device_name(0)}; {len(specs)} candidates", flush=True)
+    with Sandbox("cuda", cfg) as sb, ThreadPoolExecutor(len(specs) + 1) as pool:
+        # the sandbox's builds and the plain builds side by side (CPU); each GPU slot is held by
+        # one evaluation at a time, and KernelBench's runs start once everything is built and evaluated
+        kl_futures = {s.name: pool.submit(sb.evaluate, s, sources[s.name]) for s in specs}
+        prebuild(sources, ext_dir)
+        ours = {name: f.result() for name, f in kl_futures.items()}
+    eval_kernel_against_ref = kernelbench_eval(kernelbench_root())
+    rows = []
+    for s in specs:
+        r = ours[s.name]
+        kb = eval_kernel_against_ref(s.source, sources[s.name], seed_num=42, num_correct_trials=1,
+                                     num_perf_trials=args.perf_trials, measure_performance=True,
+                                     timing_method="cuda_event", build_dir=str(ext_dir), device=torch.device("cuda:0"),
+                                     backend="cuda", precision=torch.float32, check_for_excessive_speedup=True)
+        kb_speedup = (kb.ref_runtime / kb.runtime) if (kb.correctness and kb.runtime and kb.runtime > 0) else None
+        row = {"task": s.name, "kernelloop_status": r.status.value, "kernelloop_clean": r.clean,
+               "kernelloop_speedup": r.speedup_eager,
+               "kernelloop_eager_ms": r.eager_time.median_ms if r.eager_time else None,
+               "kernelloop_candidate_ms": r.candidate_time.median_ms if r.candidate_time else None,
+               "kb_correct": kb.correctness, "kb_ref_us": kb.ref_runtime, "kb_runtime_us": kb.runtime,
+               "kb_speedup": kb_speedup}
+        row["ratio"] = (r.speedup_eager / kb_speedup) if (r.speedup_eager and kb_speedup) else None
+        rows.append(row)
+        print(f"  {s.name:60s} kernelloop {r.status.value}{'' if r.clean else ' (flagged)'} "
+              f"{r.speedup_eager or 0:.3f}x  KernelBench {'correct' if kb.correctness else 'incorrect'} "
+              f"{kb_speedup or 0:.3f}x  ratio {row['ratio'] or 0:.3f}", flush=True)
+    within = [r for r in rows if r["ratio"] and abs(r["ratio"] - 1) <= 0.03]
+    print(f"{len(within)} of {len(rows)} tasks within 3% (kernelloop: medians; KernelBench: means of "
+          f"{args.perf_trials} cuda_event runs)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
