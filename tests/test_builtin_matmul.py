@@ -61,6 +61,10 @@ def test_the_rule():
     assert not tc3_worthwhile("cuda", 16384, 4096, 512)                     # K too short
     assert not tc3_worthwhile("cuda", 10 ** 6, 255, 4096)                   # N too narrow
     assert not tc3_worthwhile("cuda", 2 ** 33 // (256 * 1024) - 1, 256, 1024)   # too small overall
+    # 1_MLP at KernelBench's sizes: 128 rows; the split of a 16384x16384 weight costs as much as
+    # the GEMM (the candidate ran 0.66x eager): cuBLAS's SGEMM stays
+    assert not tc3_worthwhile("cuda", 128, 16384, 16384)
+    assert not tc3_worthwhile("cuda", 2047, 16384, 16384) and tc3_worthwhile("cuda", 2048, 16384, 16384)
 
 
 def test_nn_linear_runs_split_tf32_by_default_on_cuda():

@@ -17,6 +17,7 @@ GEMM is for ``fp32`` only.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -130,6 +131,9 @@ def propose(spec: TaskSpec, device: str, round: int, sample: int,
     traced = trace_task(spec, device, numerics)
     if not traced.ok:
         return _untraceable(traced, device, fb)
+    verdict = replay_verdict(spec, numerics)
+    fb.excluded |= verdict.excluded
+    fb.notes.extend(verdict.notes)
     gen = _Generator(traced, device, fb, getattr(numerics, "math", None))
     picked: list[str] = []
     chosen: Optional[Rendered] = None
@@ -153,11 +157,49 @@ def propose(spec: TaskSpec, device: str, round: int, sample: int,
             chosen = gen.render(best)
             chosen.header["repeat"] = True
             chosen.source = _rewrite_header(chosen.source, chosen.header)
+    if verdict.ran and (verdict.semantic or verdict.unverifiable):
+        chosen.header["replay"] = verdict.as_dict()
+        chosen.source = _rewrite_header(chosen.source, chosen.header)
     covered = sorted({op for kg in chosen.groups for op in kg.kg.ops})
     uncovered = list(chosen.header.get("uncovered", []))
     excluded_ops = sorted({gen.infos[n].op for n in gen.infos if n.name in set(chosen.header.get("excluded", []))})
     return GeneratedCandidate(source=chosen.source, choices=chosen.header, covered_ops=covered,
                               uncovered_ops=sorted(set(uncovered) | set(excluded_ops)), notes=list(fb.notes))
+
+
+_VERDICTS: dict[tuple, Any] = {}
+_VERDICT_LOCK = threading.Lock()
+
+
+def replay_verdict(spec: TaskSpec, numerics: Optional[Numerics] = None):
+    """The plan replay's verdict on the task (``replay.check``; cached per task and numerics): the
+    default candidate, rendered from the CPU trace, with its kernels emulated in eager PyTorch
+    against the reference in training mode. Never raises: a replay that cannot run says so."""
+    key = (spec.key, spec.name, precision_of(numerics), getattr(numerics, "math", None))
+    with _VERDICT_LOCK:            # the backend's samples run in threads: one replay per task
+        if key not in _VERDICTS:
+            if len(_VERDICTS) > 64:
+                _VERDICTS.clear()
+            _VERDICTS[key] = _replay(spec, numerics)
+        return _VERDICTS[key]
+
+
+def _replay(spec: TaskSpec, numerics: Optional[Numerics]):
+    from agent.builtin import replay
+
+    try:
+        traced = trace_task(spec, "cpu", numerics)
+        if not traced.ok:
+            verdict = replay.Verdict()
+        else:
+            import torch
+
+            gen = _Generator(traced, "cpu", Feedback(precision=traced.precision), getattr(numerics, "math", None))
+            with torch.random.fork_rng(devices=[]):     # the models are built under the sandbox's seeds
+                verdict = replay.check(traced, gen.render(Knobs(matmul="ieee")), gen.infos, numerics)
+    except Exception as exc:  # noqa: BLE001 - the replay is advice; the sandbox judges anyway
+        verdict = replay.Verdict(notes=[f"replay: could not run ({type(exc).__name__}: {str(exc)[:200]})"])
+    return verdict
 
 
 def generate(spec: TaskSpec, device: str, knobs: Knobs = DEFAULT_KNOBS, cuts: tuple[str, ...] = (),

@@ -196,6 +196,9 @@ def read_history(history: list[AttemptView], device: str, precision: str = "fp32
         else:
             fb.notes.append(f"attempt {att.attempt_id} (correct, {why}): not counted as the best")
     correct = [(a, h) for a, h in correct if doubted[id(a)] is None]
+    from agent.builtin.profiled import blame_slow
+
+    blame_slow(correct, fb)     # the profile of a correct attempt slower than eager names a group
     good_values = {kv for _, h in correct for kv in _knobs_of(h).items()}
     for att, h in correct:
         t = att.result.candidate_time.median_ms if att.result.candidate_time else None

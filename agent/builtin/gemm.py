@@ -35,6 +35,11 @@ MATMUL_MODES = ("tc3", "ieee")
 TC3_MIN_K = 1024
 TC3_MIN_N = 256
 TC3_MIN_MNK = 2 ** 33
+# The split re-reads and re-writes both operands (the weight too, every call) and adds K/256
+# chunked GEMMs: work proportional to N*K, against a GEMM of M*N*K. With few rows (1_MLP: M=128,
+# N=K=16384) that overhead is the GEMM's own size and the candidate ran 0.66x eager on an H200:
+# below this many rows cuBLAS's single SGEMM stays.
+TC3_MIN_M = 2048
 _MATMUL_FUNCTIONS = (torch.matmul, torch.mm, operator.matmul)
 _MATMUL_METHODS = ("matmul", "mm")
 
@@ -49,8 +54,10 @@ def tc3_worthwhile(device: str, m: int, n: int, k: int) -> bool:
     it was 1.32 ms against 1.42 ms, too small a gain for 17 extra GEMM calls and the split's
     memory traffic; a bmm with K=128 was slower (bmm is never offered). So only large GEMMs with
     a long K (enough 256-chunks to amortise the calls) and a wide N: K >= 1024, N >= 256 and
-    M*N*K >= 2^33, on cuda only."""
-    return device == "cuda" and k >= TC3_MIN_K and n >= TC3_MIN_N and m * n * k >= TC3_MIN_MNK
+    M*N*K >= 2^33, on cuda only; and enough rows to amortise splitting the weight: M >= 2048
+    (``TC3_MIN_M``)."""
+    return (device == "cuda" and m >= TC3_MIN_M and k >= TC3_MIN_K and n >= TC3_MIN_N
+            and m * n * k >= TC3_MIN_MNK)
 
 
 @dataclass

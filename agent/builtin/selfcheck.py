@@ -15,6 +15,11 @@ numerics is ``fp32/strict`` (IEEE fp32, TF32 off, 1e-4, no float64 rule): it com
 kernels, not TF32 convolutions (a TF32 convolution fed by a kernel's output amplifies 1e-7
 input differences into ~1e-4 output differences). The real verdicts come from the sandbox;
 this is for developing the generator's templates.
+
+Before any of this, ``propose`` has already replayed the candidate's plan in eager PyTorch
+against the reference in training mode, buffers included (``agent.builtin.replay``): a group
+whose plan is not the reference's computation, or whose correctly rounded result the judge
+would still reject (an ill-conditioned reference), is left to PyTorch; the report shows it.
 """
 from __future__ import annotations
 
@@ -166,6 +171,7 @@ def _job(args: tuple) -> dict[str, Any]:
         rep["groups"] = [" -> ".join(g["ops"]) for g in cand.choices.get("groups", [])]
         rep["knobs"] = cand.choices.get("knobs")
         rep["tc3"] = cand.choices.get("tc3") or []
+        rep["replay"] = cand.choices.get("replay")      # what the plan replay left to PyTorch, and why
         rep["variant"] = variant
         return rep
     except Exception as exc:  # noqa: BLE001 - reported
@@ -209,6 +215,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         extra = r.get("error", "") or f"err={r.get('max_abs_err', 0):.2e} build={r.get('build_s')}s"
         if "speedup" in r:
             extra += f" ref={r['ref_ms']}ms new={r['new_ms']}ms x{r['speedup']}"
+        if r.get("replay"):
+            extra += f" replay={r['replay']}"
         print(f"{status} {r['task']} v{r.get('variant')} {extra} {r.get('groups', '')}", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(reports, indent=1))

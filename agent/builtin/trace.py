@@ -92,7 +92,7 @@ def _trace_with(spec: TaskSpec, device: str, how: str, numerics: Any = None) -> 
         init = cast_values(numerics, task.get_init_inputs())
         model = cast_model(numerics, task.Model(*init))
         inputs = cast_values(numerics, task.get_inputs())
-    gm = symbolic_trace(model)
+    gm = _symbolic_trace(model)
     ShapeProp(gm).propagate(*inputs)
     if _split_conv_bias(gm):
         ShapeProp(gm).propagate(*inputs)
@@ -111,6 +111,19 @@ def _trace_with(spec: TaskSpec, device: str, how: str, numerics: Any = None) -> 
                 constants[node.target] = value.detach().cpu().clone()
     return Traced(spec=spec, device=device, gm=gm, modules=modules, constants=constants, how=how,
                   precision=precision_of(numerics))
+
+
+def _symbolic_trace(model: nn.Module) -> GraphModule:
+    """``symbolic_trace``, and where that fails, again with the model's buffers as proxies: a
+    forward that slices a buffer by a traced size (``self.bias[:, :, :T, :T]`` in minGPT's causal
+    attention) indexes a real tensor with a proxy otherwise."""
+    try:
+        return symbolic_trace(model)
+    except Exception:  # noqa: BLE001 - the second way, or its own error
+        tracer = torch.fx.Tracer()
+        tracer.proxy_buffer_attributes = True
+        graph = tracer.trace(model)
+        return GraphModule(tracer.root, graph, type(model).__name__)
 
 
 def _get_path(obj: Any, path: str) -> Any:

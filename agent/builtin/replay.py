@@ -1,0 +1,460 @@
+"""Replay a generated candidate's plan in eager PyTorch before it is proposed (no compiler).
+
+The candidate's own Python (its ``forward``: the library calls, the running-buffer updates of
+batch norm, every statement between the kernels) runs for real; each generated kernel
+``_ext.kl_gN`` is replaced by an emulation of its group, in one of two modes:
+
+* ``plan``: what the kernel computes, read from the plan (the operator catalogue's ``OpInfo``
+  of every node: its canonical op, operands and parameters; batch norm with the batch's own
+  statistics and the running-buffer update the kernel performs), computed in float64 and
+  rounded once to the output's dtype, as a correctly rounded kernel would;
+* ``torch``: the group's original FX nodes, called as the reference calls them (its modules,
+  functions and methods, in the tensors' own dtype): PyTorch's own bits.
+
+Two checks use it, on the CPU at the task's CPU sizes (the published sizes for KernelBench),
+with both models built as the sandbox builds them (same seed, training mode, no ``eval()``):
+
+1. **Semantics** (float64): the candidate with every group in ``plan`` mode against the
+   reference, outputs *and* state (running means and variances, ``num_batches_tracked``)
+   after the forward. A group whose plan is not the reference's computation (a reduction over
+   the wrong dims, eval-mode batch norm, a missed buffer update, an in-place alias, dropout
+   taken for an identity) is found by replaying it alone in ``plan`` mode, and left to PyTorch.
+2. **Verifiability** (the run's precision): the candidate with every group in ``plan`` mode
+   must pass the judge's rule (the tolerance, or the float64 rule where it applies) against the
+   reference. A reference whose output is dominated by its own rounding (EfficientNetB2 at
+   batch 2: its batch norms normalise over two values each, and the float32 reference is 0.9
+   from its own float64 run; PyTorch itself, on one thread instead of two, misses it by 0.4)
+   accepts nothing but PyTorch's own bits; then every group is replayed alone in ``plan`` mode
+   and those whose correctly rounded result already fails are left to PyTorch: their kernel
+   could only be judged incorrect.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.fx import Node
+
+from agent.builtin.ops import ModuleAttr
+from agent.builtin.plan import resolve_alias
+
+# activations summed over every node of a CPU trace, above which the replay is not run (its
+# forwards would cost seconds each on a small CPU)
+MAX_ELEMENTS = 64_000_000
+MAX_GROUP_PROBES = 64
+_EXT_LINE = "_ext = _build()"
+
+
+@dataclass
+class Verdict:
+    """What the replay found: node names to leave to PyTorch, and why."""
+
+    excluded: set[str] = field(default_factory=set)
+    notes: list[str] = field(default_factory=list)
+    semantic: list[str] = field(default_factory=list)        # groups whose plan is not the reference's
+    unverifiable: list[str] = field(default_factory=list)    # groups the judge could only fail
+    ref_fp64_rel_rms: Optional[float] = None
+    ran: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"ran": self.ran}
+        if self.semantic:
+            out["semantic"] = self.semantic
+        if self.unverifiable:
+            out["unverifiable"] = self.unverifiable
+        if self.ref_fp64_rel_rms is not None:
+            out["ref_fp64_rel_rms"] = float(f"{self.ref_fp64_rel_rms:.3g}")
+        return out
+
+
+# --------------------------------------------------------------------------------------
+# plan mode: each catalogue operator in torch
+# --------------------------------------------------------------------------------------
+def _t(v: Any, like: torch.Tensor) -> torch.Tensor:
+    return v if torch.is_tensor(v) else torch.tensor(float(v), dtype=like.dtype)
+
+
+_EW: dict[str, Callable[..., torch.Tensor]] = {
+    "relu": lambda a, p: torch.relu(a), "neg": lambda a, p: -a, "abs": lambda a, p: a.abs(),
+    "exp": lambda a, p: a.exp(), "log": lambda a, p: a.log(), "log1p": lambda a, p: a.log1p(),
+    "expm1": lambda a, p: a.expm1(), "sqrt": lambda a, p: a.sqrt(), "rsqrt": lambda a, p: a.rsqrt(),
+    "square": lambda a, p: a * a, "cube": lambda a, p: a * a * a, "reciprocal": lambda a, p: 1.0 / a,
+    "erf": lambda a, p: torch.erf(a), "sigmoid": lambda a, p: torch.sigmoid(a), "tanh": lambda a, p: a.tanh(),
+    "silu": lambda a, p: F.silu(a), "gelu": lambda a, p: F.gelu(a),
+    "gelu_tanh": lambda a, p: F.gelu(a, approximate="tanh"), "mish": lambda a, p: F.mish(a),
+    "hardswish": lambda a, p: F.hardswish(a), "hardsigmoid": lambda a, p: F.hardsigmoid(a),
+    "selu": lambda a, p: F.selu(a), "logsigmoid": lambda a, p: F.logsigmoid(a),
+    "softsign": lambda a, p: F.softsign(a), "sin": lambda a, p: a.sin(), "cos": lambda a, p: a.cos(),
+    "leaky_relu": lambda a, p: F.leaky_relu(a, p["negative_slope"]),
+    "elu": lambda a, p: F.elu(a, p["alpha"]),
+    "softplus": lambda a, p: F.softplus(a, p["beta"], p["threshold"]),
+    "clamp_min": lambda a, p: a.clamp_min(p["lo"]), "clamp_max": lambda a, p: a.clamp_max(p["hi"]),
+    "clamp": lambda a, p: a.clamp(p["lo"], p["hi"]), "hardtanh": lambda a, p: a.clamp(p["lo"], p["hi"]),
+}
+_BIN: dict[str, Callable[[Any, Any], torch.Tensor]] = {
+    "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+    "div": lambda a, b: a / b, "pow": lambda a, b: a ** b,
+    "maximum": lambda a, b: torch.maximum(*_pair(a, b)), "minimum": lambda a, b: torch.minimum(*_pair(a, b)),
+}
+
+
+def _pair(a: Any, b: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    like = a if torch.is_tensor(a) else b
+    return _t(a, like), _t(b, like)
+
+
+def _plan_ew(op: str, args: list[Any], params: dict[str, Any]) -> torch.Tensor:
+    if op in ("add_alpha", "sub_alpha"):
+        b = args[1] * params["alpha"]
+        return args[0] + b if op == "add_alpha" else args[0] - b
+    if op in _BIN:
+        return _BIN[op](args[0], args[1])
+    if op in _EW:
+        return _EW[op](args[0], params)
+    raise KeyError(f"no plan-mode emulation of {op}")
+
+
+def _plan_reduce(op: str, x: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    dims, keep = list(params["dims"]), bool(params["keepdim"])
+    if op == "softmax":
+        return torch.softmax(x, dims[0])
+    if op == "log_softmax":
+        return torch.log_softmax(x, dims[0])
+    fn = {"sum": torch.sum, "mean": torch.mean, "amax": torch.amax, "amin": torch.amin,
+          "logsumexp": torch.logsumexp}[op]
+    return fn(x, dim=dims, keepdim=keep)
+
+
+def _plan_norm(op: str, vals: list[Any], params: dict[str, Any], flags: tuple) -> torch.Tensor:
+    x, eps = vals[0], params["eps"]
+    rest = vals[1:]
+    if op == "layer_norm":
+        w = rest.pop(0) if params.get("weight") else None
+        b = rest.pop(0) if params.get("bias") else None
+        return F.layer_norm(x, x.shape[x.dim() - params["nd"]:], w, b, eps)
+    w, b = (rest[0], rest[1]) if params.get("affine") else (None, None)
+    rest = rest[2:] if params.get("affine") else rest
+    if op == "group_norm":
+        return F.group_norm(x, params["groups"], w, b, eps)
+    if op == "instance_norm":
+        return F.instance_norm(x, weight=w, bias=b, eps=eps)
+    # batch_norm, as the kernel computes it: the batch's statistics when use_batch, the
+    # running ones otherwise; with update, running = (1 - f) running + f stat (unbiased var)
+    use_batch, update, factor = flags
+    rm, rv = (rest[0], rest[1]) if params.get("track") else (None, None)
+    dims = [0] + list(range(2, x.dim()))
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    if use_batch or rm is None:
+        mean = x.mean(dims)
+        var = x.var(dims, unbiased=False)
+        if update and rm is not None:
+            count = x.numel() // x.shape[1]
+            unbiased = var * (count / (count - 1)) if count > 1 else var
+            rm.mul_(1 - factor).add_(factor * mean.to(rm.dtype))
+            rv.mul_(1 - factor).add_(factor * unbiased.to(rv.dtype))
+    else:
+        mean, var = rm.to(x.dtype), rv.to(x.dtype)
+    y = (x - mean.reshape(shape)) / torch.sqrt(var.reshape(shape) + eps)
+    if w is not None:
+        y = y * w.to(x.dtype).reshape(shape) + b.to(x.dtype).reshape(shape)
+    return y
+
+
+# --------------------------------------------------------------------------------------
+# the emulated extension
+# --------------------------------------------------------------------------------------
+class _Emulated:
+    """Stands in for the compiled extension: ``kl_gN(*tensors[, use_batch, update, factor])``."""
+
+    def __init__(self, groups: list[Any], infos: dict[Node, Any], modes: dict[str, str]):
+        self.groups = {c.kg.name: c.kg for c in groups}
+        self.infos = infos
+        self.modes = modes                  # group name -> plan | torch (default torch)
+        self.model: Optional[nn.Module] = None
+
+    def __getattr__(self, name: str) -> Callable[..., torch.Tensor]:
+        kg = self.__dict__["groups"].get(name)
+        if kg is None:
+            raise AttributeError(name)
+        return lambda *args: self._run(kg, list(args))
+
+    def _run(self, kg: Any, args: list[Any]) -> torch.Tensor:
+        n_in = len(kg.inputs)
+        tensors, flags = args[:n_in], tuple(args[n_in:])
+        if self.modes.get(kg.name, "torch") == "plan":
+            return self._plan(kg, tensors, flags)
+        return self._torch(kg, tensors, flags)
+
+    def _plan(self, kg: Any, tensors: list[torch.Tensor], flags: tuple) -> torch.Tensor:
+        first = next(t for t, i in zip(tensors, kg.inputs) if isinstance(i.value, Node))
+        out_dtype = first.dtype
+        by_key = {(i.value.key if isinstance(i.value, ModuleAttr) else i.value): t
+                  for i, t in zip(kg.inputs, tensors)}
+        env: dict[Node, torch.Tensor] = {}
+
+        def val(o: Any, wide: bool = True) -> Any:
+            if isinstance(o, Node):
+                v = env[o] if o in env else by_key[o]
+            elif isinstance(o, ModuleAttr):
+                v = by_key[o.key]
+            else:
+                return o
+            return v.double() if wide and v.is_floating_point() else v
+
+        for n in kg.nodes:
+            info = self.infos[n]
+            if info.kind == "ew":
+                env[n] = _plan_ew(info.op, [val(o) for o in info.operands], info.params)
+            elif info.kind == "reduce":
+                env[n] = _plan_reduce(info.op, val(info.operands[0]), info.params)
+            else:
+                # running buffers are updated in place, in their own dtype
+                vals = [val(o, wide=not (isinstance(o, ModuleAttr) and o.attr.startswith("running_")))
+                        for o in info.operands]
+                env[n] = _plan_norm(info.op, vals, info.params, flags)
+        return env[kg.out_node].to(out_dtype)
+
+    def _torch(self, kg: Any, tensors: list[torch.Tensor], flags: tuple) -> torch.Tensor:
+        by_node = {i.value: t.clone() for i, t in zip(kg.inputs, tensors) if isinstance(i.value, Node)}
+        by_attr = {i.value.key: t for i, t in zip(kg.inputs, tensors) if isinstance(i.value, ModuleAttr)}
+        env: dict[Node, Any] = {}
+
+        def load(a: Any) -> Any:
+            if isinstance(a, Node):
+                if a in env:
+                    return env[a]
+                if a in by_node:
+                    return by_node[a]
+                src = resolve_alias(a, self.infos)
+                return env[src] if src in env else by_node[src]
+            if isinstance(a, (list, tuple)):
+                return type(a)(load(x) for x in a)
+            if isinstance(a, dict):
+                return {k: load(v) for k, v in a.items()}
+            return a
+
+        for n in kg.nodes:
+            args, kwargs = load(n.args), load(n.kwargs)
+            if n.op == "call_module":
+                mod = self.model.get_submodule(str(n.target))
+                if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+                    env[n] = self._torch_bn(mod, str(n.target), args[0], by_attr, flags)
+                else:
+                    env[n] = mod(*args, **kwargs)
+            elif n.op == "call_method":
+                env[n] = getattr(args[0], str(n.target))(*args[1:], **kwargs)
+            else:
+                env[n] = n.target(*args, **kwargs)
+        return env[kg.out_node]
+
+    @staticmethod
+    def _torch_bn(mod: nn.Module, path: str, x: torch.Tensor, by_attr: dict[str, torch.Tensor],
+                  flags: tuple) -> torch.Tensor:
+        """nn.BatchNorm's own call, with the flags the candidate's forward computed (it counts
+        ``num_batches_tracked`` itself)."""
+        use_batch, update, factor = flags
+        rm, rv = by_attr.get(f"{path}.running_mean"), by_attr.get(f"{path}.running_var")
+        if use_batch and not update:
+            rm = rv = None
+        return F.batch_norm(x, rm, rv, mod.weight, mod.bias, bool(use_batch), float(factor), mod.eps)
+
+
+# --------------------------------------------------------------------------------------
+# running the candidate with the emulation
+# --------------------------------------------------------------------------------------
+def _candidate_class(source: str, ext: _Emulated) -> type:
+    if _EXT_LINE not in source:
+        raise ValueError("the candidate does not build its extension with _ext = _build()")
+    text = source.replace(_EXT_LINE, "_ext = __kl_replay_ext__")
+    ns: dict[str, Any] = {"__name__": "kl_replay_candidate", "__kl_replay_ext__": ext}
+    exec(compile(text, "kl_replay_candidate.py", "exec"), ns)
+    return ns["ModelNew"]
+
+
+@dataclass
+class _Setup:
+    task: Any
+    numerics: Any
+    source: str
+    groups: list[Any]
+    infos: dict[Node, Any]
+
+
+def _run(setup: _Setup, modes: dict[str, str], wide: bool, seed: int = 1) -> tuple[list[Any], dict[str, Any]]:
+    """The candidate's outputs and state after one forward (``wide``: model and inputs in float64)."""
+    from sandbox.harness import flatten_outputs, make_inputs, make_model
+
+    ext = _Emulated(setup.groups, setup.infos, modes)
+    cls = _candidate_class(setup.source, ext)
+    model = make_model(cls, setup.task, seed, "cpu", setup.numerics)
+    return _forward(model, ext, setup, wide, seed, flatten_outputs, make_inputs)
+
+
+def _reference(setup: _Setup, wide: bool, seed: int = 1) -> tuple[list[Any], dict[str, Any]]:
+    from sandbox.harness import flatten_outputs, make_inputs, make_model
+
+    model = make_model(setup.task.Model, setup.task, seed, "cpu", setup.numerics)
+    return _forward(model, None, setup, wide, seed, flatten_outputs, make_inputs)
+
+
+def _forward(model, ext, setup, wide, seed, flatten_outputs, make_inputs):
+    if wide:
+        model = model.double()
+    if ext is not None:
+        ext.model = model
+    inputs = make_inputs(setup.task, seed, "cpu", setup.numerics)
+    if wide:
+        inputs = [x.double() if torch.is_tensor(x) and x.is_floating_point() else x for x in inputs]
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        out = model(*inputs)
+    outs = [o.detach() if torch.is_tensor(o) else o for o in flatten_outputs(out)]
+    return outs, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _close(a: Any, b: Any, rtol: float, atol: float) -> bool:
+    if not torch.is_tensor(a):
+        return a == b
+    if not torch.is_tensor(b) or a.shape != b.shape:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    return bool(torch.allclose(a.double(), b.double(), rtol=rtol, atol=atol, equal_nan=True))
+
+
+def _same(ref: tuple[list[Any], dict[str, Any]], got: tuple[list[Any], dict[str, Any]],
+          rtol: float = 1e-5) -> Optional[str]:
+    """Where a float64 replay departs from the reference (None: nowhere). The tolerance is far
+    above float64 rounding, even amplified a million times by an ill-conditioned reference, and
+    far below what a different computation gives."""
+    (ro, rs), (go, gs) = ref, got
+    scale = max([float(a.abs().max()) for a in ro if torch.is_tensor(a) and a.is_floating_point() and a.numel()] + [1.0])
+    atol = rtol * scale
+    if len(ro) != len(go):
+        return f"{len(go)} outputs, the reference {len(ro)}"
+    for i, (a, b) in enumerate(zip(ro, go)):
+        if not _close(a, b, rtol, atol):
+            return f"output {i}"
+    for k, v in rs.items():
+        if k not in gs or not _close(v, gs[k], rtol, atol):
+            return f"state {k}"
+    return None
+
+
+def _judged(ref32: list[Any], ref64: list[Any], got: list[Any], numerics: Any) -> bool:
+    """Whether outputs ``got`` pass the judge's rule against the float32 reference: the tolerance,
+    or the float64 rule where it applies (``sandbox.compare``)."""
+    from sandbox.compare import fp64_bounds
+
+    tol = numerics.tolerance
+    bounds = fp64_bounds(ref32, ref64, numerics) if numerics.fp64_check else [None] * len(ref32)
+    for i, (r, o) in enumerate(zip(ref32, got)):
+        if not torch.is_tensor(r):
+            if r != o:
+                return False
+            continue
+        if not torch.is_tensor(o) or o.shape != r.shape:
+            return False
+        rd, od = r.double().reshape(-1), o.double().reshape(-1)
+        bad = ~((od - rd).abs() <= tol.atol + tol.rtol * rd.abs())
+        bad &= ~(torch.isnan(rd) & torch.isnan(od))
+        if bool(bad.any()) and i < len(bounds) and bounds[i] is not None:
+            bad = bounds[i].still_bad(0, rd.numel(), od, bad, tol)
+        if bool(bad.any()):
+            return False
+    return True
+
+
+def _rel_rms(ref32: list[Any], ref64: list[Any]) -> Optional[float]:
+    worst = None
+    for r, x in zip(ref32, ref64):
+        if torch.is_tensor(r) and r.is_floating_point() and torch.is_tensor(x) and r.numel():
+            d, s = (r.double() - x).pow(2).sum().item(), x.double().pow(2).sum().item()
+            v = math.sqrt(d / s) if s else math.sqrt(d)
+            worst = v if worst is None else max(worst, v)
+    return worst
+
+
+def affordable(traced: Any) -> bool:
+    """Whether the replay's forwards are cheap enough at the CPU trace's sizes."""
+    total = 0
+    for n in traced.gm.graph.nodes:
+        tm = n.meta.get("tensor_meta")
+        if hasattr(tm, "shape"):
+            total += math.prod(int(s) for s in tm.shape)
+    return total <= MAX_ELEMENTS
+
+
+def check(traced: Any, rendered: Any, infos: dict[Node, Any], numerics: Any) -> Verdict:
+    """Both checks of the module docstring on a candidate rendered from the CPU trace ``traced``."""
+    from sandbox.numerics import Numerics
+    from sandbox.tasks import load_task
+
+    numerics = numerics if numerics is not None else Numerics()
+    verdict = Verdict()
+    groups = list(rendered.groups)
+    if not groups:
+        return verdict
+    if not affordable(traced):
+        verdict.notes.append("replay: not run (the task's CPU sizes are too large for it)")
+        return verdict
+    setup = _Setup(load_task(traced.spec), numerics, rendered.source, groups, infos)
+    names = [c.kg.name for c in groups]
+    nodes_of = {c.kg.name: [n.name for n in c.kg.nodes] for c in groups}
+    verdict.ran = True
+    # 1. semantics, in float64
+    ref = _reference(setup, wide=True)
+    if _same(ref, _run(setup, {n: "plan" for n in names}, wide=True)) is not None:
+        if _same(ref, _run(setup, {}, wide=True)) is not None:
+            verdict.semantic = names
+            verdict.notes.append("replay: the candidate's forward departs from the reference in float64 even with "
+                                 "PyTorch in every group; nothing is fused")
+        else:
+            for name in names[:MAX_GROUP_PROBES]:
+                where = _same(ref, _run(setup, {name: "plan"}, wide=True))
+                if where is not None:
+                    verdict.semantic.append(name)
+                    verdict.notes.append(f"replay: {name} ({_describe(groups, name)}) is not the reference's "
+                                         f"computation in float64 ({where} differs): left to PyTorch")
+    for name in verdict.semantic:
+        verdict.excluded.update(nodes_of[name])
+    rest = [n for n in names if n not in verdict.semantic]
+    if not rest:
+        return verdict
+    # 2. verifiability, in the run's precision
+    ref32, _ = _reference(setup, wide=False)
+    ref64 = ref[0]
+    verdict.ref_fp64_rel_rms = _rel_rms(ref32, ref64)
+    if _judged(ref32, ref64, _run(setup, {n: "plan" for n in rest}, wide=False)[0], numerics):
+        return verdict
+    # A correctly rounded kernel fails: the reference accepts (nearly) nothing but PyTorch's own
+    # bits. Groups that round nothing (selections: relu, clamp, max ...) give those bits too, and
+    # are kept where they fuse two operators or more (a lone relu kernel only matches PyTorch's).
+    keep = [n for n in rest if _rounding_free(groups, infos, n)]
+    if keep and not _judged(ref32, ref64, _run(setup, {n: "plan" for n in keep}, wide=False)[0], numerics):
+        keep = []
+    verdict.unverifiable = [n for n in rest if n not in keep]
+    rms = f"{verdict.ref_fp64_rel_rms:.3g}" if verdict.ref_fp64_rel_rms is not None else "?"
+    verdict.notes.append(
+        f"replay: the reference is ill-conditioned in {numerics.precision} (relative RMS {rms} from its own float64 "
+        f"run): with correctly rounded kernels the candidate already fails the judge's rule, so every group that "
+        f"rounds ({', '.join(verdict.unverifiable)}) stays on PyTorch, whose bits the reference accepts")
+    for name in verdict.unverifiable:
+        verdict.excluded.update(nodes_of[name])
+    return verdict
+
+
+# operators that select or copy a value and never round: any implementation gives PyTorch's bits
+_EXACT = {"relu", "neg", "abs", "clamp_min", "clamp_max", "clamp", "hardtanh", "maximum", "minimum"}
+
+
+def _rounding_free(groups: list[Any], infos: dict[Node, Any], name: str) -> bool:
+    kg = next(c.kg for c in groups if c.kg.name == name)
+    return kg.kind == "ew" and len(kg.nodes) >= 2 and all(infos[n].op in _EXACT for n in kg.nodes)
+
+
+def _describe(groups: list[Any], name: str) -> str:
+    return next(c.kg.describe() for c in groups if c.kg.name == name)
