@@ -13,6 +13,7 @@ import re
 from typing import Optional
 
 from sandbox.result import Flag, FlagKind
+from sandbox.stream_scan import side_stream_flags
 
 PRECISION_PATTERNS = [
     (re.compile(r"\.half\(\)|torch\.(float16|half|bfloat16)\b|\bat::(kHalf|kBFloat16)\b"), "casts to a half type"),
@@ -37,13 +38,6 @@ _SUSPICIOUS_PATTERNS = [
      "refers to the harness's clock or hardware model"),
     (re.compile(r"\bbuiltins\b\s*\.|__builtins__"), "changes builtins"),
 ]
-# Side streams: a stream of its own is fine when its work is joined back to the caller's stream
-# before the forward returns (PyTorch's CUDA-graph recipe warms up on one); an output still being
-# written on a stream the caller's stream never waits for is not. Work left running is counted by
-# the timing either way (hardware.clock).
-_SIDE_STREAM = re.compile(r"torch\.cuda\.Stream\(|torch\.cuda\.stream\(|cudaStreamCreate")
-_JOIN = re.compile(r"current_stream\([^)]*\)\s*\.\s*wait_(stream|event)\(|"
-                   r"cudaStreamWaitEvent\(\s*(at::cuda::|c10::cuda::)?getCurrentCUDAStream\(")
 PATCHABLE_ROOTS = frozenset({"torch", "time", "sys", "os", "builtins", "sandbox", "hardware", "threading", "numpy", "np",
                              "F", "nn"})
 
@@ -88,8 +82,9 @@ def scan(source: str, precision_patterns: Optional[list[tuple[re.Pattern, str]]]
     for pattern, reason in _SUSPICIOUS_PATTERNS:
         if pattern.search(source):
             add(FlagKind.suspicious, reason)
-    if _SIDE_STREAM.search(source) and not _JOIN.search(source):
-        add(FlagKind.suspicious, "launches work on a side stream it never joins back to the caller's stream")
+    # side streams must fork from and join back to the caller's stream (sandbox.stream_scan)
+    for reason in side_stream_flags(source):
+        add(FlagKind.suspicious, reason)
     try:
         tree = ast.parse(source)
     except SyntaxError:
