@@ -128,6 +128,19 @@ def sync_latency_ms(runs: int = CALIBRATION_RUNS) -> float:
     return gaps[-2] if len(gaps) > 1 else gaps[0]
 
 
+def preamble(flusher: L2Flusher, spin: Optional[_Spin] = None) -> Any:
+    """What precedes each timed call on cuda (steps 2 and 3 of the policy): a device-wide
+    synchronize, then the L2 flush and the spin queued on the current stream, which is returned;
+    the start event goes on it next. ``sandbox.profiling`` runs the same preamble before each
+    profiled forward to see whether any of the forward's work started before its end, i.e. before
+    the start event (a side stream that never waits for the caller's stream)."""
+    _cuda_sync()
+    stream = _current_stream()
+    flusher()
+    (spin or _Spin())(AHEAD_MS)
+    return stream
+
+
 def time_samples(fn: Callable[..., Any], make_args: Callable[[int], Sequence[Any]], device: str,
                  warmup: int = 3, runs: int = 20, flush_l2: bool = True,
                  on_output: Optional[Callable[[int, Any], None]] = None) -> tuple[list[float], str]:
@@ -149,10 +162,7 @@ def time_samples(fn: Callable[..., Any], make_args: Callable[[int], Sequence[Any
             start, end, after = (_Event(enable_timing=True) for _ in range(3))
             for i in range(runs):
                 args = tuple(make_args(i))
-                _cuda_sync()
-                stream = _current_stream()
-                flusher()
-                spin(AHEAD_MS)
+                stream = preamble(flusher, spin)
                 _record(start, stream)
                 out = fn(*args)
                 _record(end, stream)
