@@ -10,7 +10,9 @@ Policy (GPU), for each timed run after the warm-up runs:
 2. a *device-wide* synchronize: the previous run's work, side streams included, is done;
 3. queued ahead of the start event: the L2 flush (a write of a buffer larger than L2) and a
    short spin of the GPU (``torch.cuda._sleep``), so the GPU is still busy when the call's
-   first kernel arrives and the CPU's launch latency is not on the clock;
+   first kernel arrives and the CPU's launch latency is not on the clock (steps 2 and 3 are
+   ``preamble``, which the profile runs too: work of a call that starts before the preamble
+   ended, on a side stream that does not wait for the caller's, is flagged there);
 4. the start event, the call, the end event, on the stream that was current before the call;
 5. a device-wide synchronize, then a third event: its distance from the end event is the
    synchronize's own latency (calibrated before the runs) unless work the call left on a
