@@ -11,7 +11,7 @@ import torch
 
 from sandbox import anticheat
 from sandbox.profiling import PREAMBLE, ahead_of_clock, split_preamble
-from sandbox.stream_scan import UNFORKED, UNJOINED, side_stream_flags
+from sandbox.anticheat import UNFORKED, UNJOINED, side_stream_flags
 
 SIDE = "s = torch.cuda.Stream()\nwith torch.cuda.stream(s):\n    y = f(x)\n"
 FORK = "s.wait_stream(torch.cuda.current_stream())\n"
