@@ -202,6 +202,8 @@ class CandidateChecks:
         forward that started before the preamble ended ran before the clock's start event."""
         if self.device != "cuda":
             return
+        if ahead.get("tampered"):
+            result.add_flag(FlagKind.suspicious, "changed timing functions before its profile: " + ", ".join(ahead["tampered"]))
         if not ahead.get("runs_checked"):
             result.stderr += "\n[kernelloop] the profile did not show the clock's preamble: work ahead of the clock was not checked"
             return

@@ -109,7 +109,7 @@ def profile_forward(model: Callable, make_args: Callable[[int], Sequence[Any]], 
                     runs: int = 3, own_kernels: Sequence[str] = ()) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The forward's profile rows, and (cuda) whether any of its work ran ahead of the clock:
     each profiled run is preceded by the clock's own preamble (``hardware.clock.preamble``)."""
-    from hardware.clock import L2Flusher, preamble
+    from hardware import clock
 
     arg_sets = [tuple(make_args(10_000 + i)) for i in range(runs)]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
@@ -118,13 +118,13 @@ def profile_forward(model: Callable, make_args: Callable[[int], Sequence[Any]], 
         model(*arg_sets[0])      # warm
         flusher = None
         if device == "cuda":
-            flusher = L2Flusher(device)
+            flusher = clock.L2Flusher(device)
             torch.cuda.synchronize()
         with profile(activities=activities) as prof:
             for args in arg_sets:
                 if flusher is not None:
                     with record_function(PREAMBLE):
-                        preamble(flusher)
+                        clock.preamble(flusher)
                 model(*args)
             if device == "cuda":
                 torch.cuda.synchronize()
@@ -132,7 +132,8 @@ def profile_forward(model: Callable, make_args: Callable[[int], Sequence[Any]], 
     totals: dict[str, list[float]] = {}
     if device == "cuda":
         spans, work = split_preamble(prof.events())
-        ahead = {"runs_checked": len(spans), "runs": runs, "work": ahead_of_clock(spans, work)[:10]}
+        ahead = {"runs_checked": len(spans), "runs": runs, "work": ahead_of_clock(spans, work)[:10],
+                 "tampered": clock.tampered_functions()}
         for evt in work:
             dur = evt.time_range.end - evt.time_range.start
             entry = totals.setdefault(evt.name, [0, 0.0])
