@@ -10,7 +10,9 @@ Policy (GPU), for each timed run after the warm-up runs:
 2. a *device-wide* synchronize: the previous run's work, side streams included, is done;
 3. queued ahead of the start event: the L2 flush (a write of a buffer larger than L2) and a
    short spin of the GPU (``torch.cuda._sleep``), so the GPU is still busy when the call's
-   first kernel arrives and the CPU's launch latency is not on the clock;
+   first kernel arrives and the CPU's launch latency is not on the clock (steps 2 and 3 are
+   ``preamble``, which the profile runs too: work of a call that starts before the preamble
+   ended, on a side stream that does not wait for the caller's, is flagged there);
 4. the start event, the call, the end event, on the stream that was current before the call;
 5. a device-wide synchronize, then a third event: its distance from the end event is the
    synchronize's own latency (calibrated before the runs) unless work the call left on a
@@ -63,7 +65,9 @@ def original_functions() -> dict[str, Any]:
             "torch.cuda.Event.record": (torch.cuda.Event, "record", bound["_record"]),
             "torch._C._cuda_synchronize": (torch._C, "_cuda_synchronize", bound["_cuda_sync"]),
             # the clock's own bindings (a candidate that imports this module and rebinds them)
-            **{f"hardware.clock.{name}": (this, name, value) for name, value in bound.items()}}
+            **{f"hardware.clock.{name}": (this, name, value) for name, value in bound.items()},
+            # the preamble the profile runs too (a no-op in its place would hide work ahead of the clock)
+            "hardware.clock.preamble": (this, "preamble", _preamble())}
 
 
 def tampered_functions() -> list[str]:
@@ -128,6 +132,22 @@ def sync_latency_ms(runs: int = CALIBRATION_RUNS) -> float:
     return gaps[-2] if len(gaps) > 1 else gaps[0]
 
 
+def preamble(flusher: L2Flusher, spin: Optional[_Spin] = None) -> Any:
+    """What precedes each timed call on cuda (steps 2 and 3 of the policy): a device-wide
+    synchronize, then the L2 flush and the spin queued on the current stream, which is returned;
+    the start event goes on it next. ``sandbox.profiling`` runs the same preamble before each
+    profiled forward to see whether any of the forward's work started before its end, i.e. before
+    the start event (a side stream that never waits for the caller's stream)."""
+    _cuda_sync()
+    stream = _current_stream()
+    flusher()
+    (spin or _Spin())(AHEAD_MS)
+    return stream
+
+
+_preamble = (lambda original: lambda: original)(preamble)     # held in a closure, like _bound
+
+
 def time_samples(fn: Callable[..., Any], make_args: Callable[[int], Sequence[Any]], device: str,
                  warmup: int = 3, runs: int = 20, flush_l2: bool = True,
                  on_output: Optional[Callable[[int, Any], None]] = None) -> tuple[list[float], str]:
@@ -149,10 +169,7 @@ def time_samples(fn: Callable[..., Any], make_args: Callable[[int], Sequence[Any
             start, end, after = (_Event(enable_timing=True) for _ in range(3))
             for i in range(runs):
                 args = tuple(make_args(i))
-                _cuda_sync()
-                stream = _current_stream()
-                flusher()
-                spin(AHEAD_MS)
+                stream = preamble(flusher, spin)
                 _record(start, stream)
                 out = fn(*args)
                 _record(end, stream)

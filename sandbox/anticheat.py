@@ -37,13 +37,6 @@ _SUSPICIOUS_PATTERNS = [
      "refers to the harness's clock or hardware model"),
     (re.compile(r"\bbuiltins\b\s*\.|__builtins__"), "changes builtins"),
 ]
-# Side streams: a stream of its own is fine when its work is joined back to the caller's stream
-# before the forward returns (PyTorch's CUDA-graph recipe warms up on one); an output still being
-# written on a stream the caller's stream never waits for is not. Work left running is counted by
-# the timing either way (hardware.clock).
-_SIDE_STREAM = re.compile(r"torch\.cuda\.Stream\(|torch\.cuda\.stream\(|cudaStreamCreate")
-_JOIN = re.compile(r"current_stream\([^)]*\)\s*\.\s*wait_(stream|event)\(|"
-                   r"cudaStreamWaitEvent\(\s*(at::cuda::|c10::cuda::)?getCurrentCUDAStream\(")
 PATCHABLE_ROOTS = frozenset({"torch", "time", "sys", "os", "builtins", "sandbox", "hardware", "threading", "numpy", "np",
                              "F", "nn"})
 
@@ -70,6 +63,99 @@ def _dotted(node: ast.AST) -> str:
     return dotted_name(node) or ""
 
 
+# Side streams: a stream of its own is legitimate (PyTorch's CUDA-graph recipe warms up on one) when
+# its work both *waits for* the caller's stream before it starts (the fork) and is *waited for* by the
+# caller's stream before the forward returns (the join). Without the join an output may still be
+# written when it is read; without the fork its work runs beside the clock's preamble (L2 flush,
+# spin), before the start event, off the clock. The runtime check of the same is in
+# sandbox.profiling (ahead_of_clock). Python is read as Python (ast): comments and string literals
+# never count as a fork or a join. C++/CUDA sources are the file's string literals (what load_inline
+# compiles), read with their // and /* */ comments removed.
+_CPP_COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
+_CPP_SIDE = re.compile(r"\bcudaStreamCreate\w*\s*\(|\bgetStreamFromPool\s*\(|\bcuStreamCreate\w*\s*\(")
+_CPP_CURRENT = r"(?:(?:at|c10)::cuda::)?getCurrentCUDAStream\s*\([^()]*\)(?:\s*\.\s*stream\s*\(\s*\))?"
+_CPP_JOIN = re.compile(r"\bcudaStreamWaitEvent\s*\(\s*" + _CPP_CURRENT)
+_CPP_FORK_RECORD = re.compile(r"\bcudaEventRecord\s*\([^;]*?" + _CPP_CURRENT)
+_CPP_WAIT_OTHER = re.compile(r"\bcudaStreamWaitEvent\s*\(\s*(?!" + _CPP_CURRENT + ")")
+
+UNJOINED = "launches work on a side stream it never joins back to the caller's stream"
+UNFORKED = ("launches work on a side stream that never waits for the caller's stream: its work can start "
+            "before the clock's start event")
+
+
+def _is_side_stream_call(node: ast.Call) -> bool:
+    name = _dotted(node.func)
+    last = name.rsplit(".", 1)[-1]
+    return last in ("Stream", "stream", "ExternalStream") and (name.startswith(("torch.", "cuda.")) or name == last)
+
+
+def strip_cpp_comments(text: str) -> str:
+    return _CPP_COMMENT.sub(" ", text)
+
+
+class _PyStreams(ast.NodeVisitor):
+    """Side streams made, forks and joins, read from the syntax tree."""
+
+    def __init__(self) -> None:
+        self.side = self.fork = self.join = self.records_on_current = self.waits_event_elsewhere = False
+        self.current: set[str] = set()       # names (dotted) bound to torch.cuda.current_stream()
+        self.strings: list[str] = []
+
+    def is_current(self, node: Optional[ast.AST]) -> bool:
+        if isinstance(node, ast.Call):
+            return _dotted(node.func).rsplit(".", 1)[-1] == "current_stream"
+        return node is not None and bool(_dotted(node)) and _dotted(node) in self.current
+
+    def visit_Assign(self, node: ast.Assign) -> None:
+        if self.is_current(node.value):
+            self.current.update(_dotted(t) for t in node.targets if _dotted(t))
+        self.generic_visit(node)
+
+    def visit_Constant(self, node: ast.Constant) -> None:
+        if isinstance(node.value, str):
+            self.strings.append(node.value)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        if _is_side_stream_call(node):
+            self.side = True
+        func = node.func
+        if isinstance(func, ast.Attribute):
+            receiver_current = self.is_current(func.value)
+            if func.attr in ("wait_stream", "wait_event") and receiver_current:
+                self.join = True
+            elif func.attr == "wait_stream" and node.args and self.is_current(node.args[0]):
+                self.fork = True
+            elif func.attr == "wait_event":
+                self.waits_event_elsewhere = True
+            elif func.attr == "record_event" and receiver_current:
+                self.records_on_current = True
+            elif func.attr == "record" and (not node.args or self.is_current(node.args[0])):
+                self.records_on_current = True      # Event.record() records on the current stream
+        self.generic_visit(node)
+
+
+def side_stream_flags(source: str) -> list[str]:
+    """The reasons (``UNJOINED``, ``UNFORKED``) a source's side streams are suspicious; [] when it
+    makes none, or forks and joins them. A source that is not Python is read as C++ alone."""
+    py = _PyStreams()
+    try:
+        # two passes: names bound to current_stream() anywhere count wherever they are used
+        tree = ast.parse(source)
+        py.visit(tree)
+        py.strings.clear()
+        py.visit(tree)
+        cpp = strip_cpp_comments("\n".join(py.strings))
+    except SyntaxError:
+        cpp = strip_cpp_comments(source)
+    side = py.side or bool(_CPP_SIDE.search(cpp))
+    if not side:
+        return []
+    join = py.join or bool(_CPP_JOIN.search(cpp))
+    fork = (py.fork or (py.waits_event_elsewhere and py.records_on_current)
+            or bool(_CPP_FORK_RECORD.search(cpp) and _CPP_WAIT_OTHER.search(cpp)))
+    return ([] if join else [UNJOINED]) + ([] if fork else [UNFORKED])
+
+
 def scan(source: str, precision_patterns: Optional[list[tuple[re.Pattern, str]]] = None,
          patchable_roots: Optional[frozenset[str]] = None) -> list[Flag]:
     """The flags of ``source``. A backend (``sandbox.backends``) passes its own precision
@@ -88,8 +174,9 @@ def scan(source: str, precision_patterns: Optional[list[tuple[re.Pattern, str]]]
     for pattern, reason in _SUSPICIOUS_PATTERNS:
         if pattern.search(source):
             add(FlagKind.suspicious, reason)
-    if _SIDE_STREAM.search(source) and not _JOIN.search(source):
-        add(FlagKind.suspicious, "launches work on a side stream it never joins back to the caller's stream")
+    # side streams must fork from and join back to the caller's stream (side_stream_flags)
+    for reason in side_stream_flags(source):
+        add(FlagKind.suspicious, reason)
     try:
         tree = ast.parse(source)
     except SyntaxError:

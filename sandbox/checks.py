@@ -184,6 +184,7 @@ class CandidateChecks:
             prof = cand.ask({"op": "profile", "seed": timing_seed}, cfg.run_timeout_s)
             if prof.get("ok"):
                 result.profile = [KernelStat(**row) for row in prof["profile"]]
+                self._ahead_of_clock(result, prof.get("ahead") or {})
                 own = [k.name for k in result.profile if k.own and not k.name.startswith("kernelloop_ext::")]
                 if self.device == "cuda" and result.profile and not own:
                     result.add_flag(FlagKind.no_custom_kernel, "the profiler shows no kernel declared in the candidate's source")
@@ -195,6 +196,23 @@ class CandidateChecks:
             result.reference_profile = [KernelStat(**row) for row in ref.profile]
         stages.enter("floor")
         self._floor(ref, result)
+
+    def _ahead_of_clock(self, result: EvalResult, ahead: dict[str, Any]) -> None:
+        """The profile ran the clock's preamble before each forward (sandbox.profiling): work of the
+        forward that started before the preamble ended ran before the clock's start event."""
+        if self.device != "cuda":
+            return
+        if ahead.get("tampered"):
+            result.add_flag(FlagKind.suspicious, "changed timing functions before its profile: " + ", ".join(ahead["tampered"]))
+        if not ahead.get("runs_checked"):
+            result.stderr += "\n[kernelloop] the profile did not show the clock's preamble: work ahead of the clock was not checked"
+            return
+        if ahead.get("work"):
+            w = ahead["work"][0]
+            result.add_flag(FlagKind.suspicious,
+                            f"its forward's work started before the clock's start event (a side stream that does not wait "
+                            f"for the caller's stream): {w['name'][:80]} on stream {w['stream']}, {w['early_us']:.0f} us early"
+                            + (f", and {len(ahead['work']) - 1} more" if len(ahead["work"]) > 1 else ""))
 
     def _graph_replay(self, result: EvalResult, own: list[str]) -> None:
         """A forward with no call into the candidate's extension whose profile shows kernels its

@@ -5,13 +5,17 @@ top-level operators (``aten::*``) and calls into the candidate's own extension f
 (``kernelloop_ext::*``, recorded by the build hook's proxy) with their self CPU time.
 A row is ``own`` when it is a kernel the candidate's CUDA source declares, or a call
 into its extension.
+
+On ``cuda`` every profiled run is preceded by the clock's preamble (``hardware.clock.preamble``):
+the forward's work that started before the preamble's end started before the clock's start event,
+off the clock (``ahead_of_clock``); the judge flags it.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 
 def _is_own(name: str, own_kernels: Sequence[str]) -> bool:
@@ -37,30 +41,104 @@ def warm_up(device: str) -> None:
         pass
 
 
+PREAMBLE = "kernelloop::preamble"     # the clock's preamble, as a profiler range
+AHEAD_TOLERANCE_US = 1.0              # timestamps of two streams compared: below this, no evidence
+
+
+def _device_events(events: Sequence[Any]) -> list[Any]:
+    """Device-side activity (kernels, copies, memsets); ranges of ``record_function`` also show as
+    device-side annotations, which are not work and would count a candidate's time twice."""
+    return [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and e.name
+            and not e.name.startswith(("kernelloop_ext::", "kernelloop::")) and not getattr(e, "is_user_annotation", False)]
+
+
+def split_preamble(events: Sequence[Any]) -> tuple[list[tuple[float, float]], list[Any]]:
+    """The GPU span (start, end, microseconds) of each run's preamble and the device events that
+    are not the preamble's. A device event belongs to the preamble when the CPU event it is linked
+    to (the op or range that launched it) started inside a ``PREAMBLE`` range."""
+    frontend = {e.id: e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CPU
+                and not getattr(e, "linked_correlation_id", 0)}
+    ranges = sorted((e.time_range.start, e.time_range.end) for e in frontend.values() if e.name == PREAMBLE)
+    spans: dict[int, list[float]] = {}
+    streams_of: dict[int, Optional[int]] = {}
+    rest = []
+    for e in _device_events(events):
+        launcher = frontend.get(getattr(e, "linked_correlation_id", 0))
+        at = launcher.time_range.start if launcher is not None else None
+        run = next((i for i, (a, b) in enumerate(ranges) if at is not None and a <= at <= b), None)
+        if run is None:
+            rest.append(e)
+            continue
+        span = spans.setdefault(run, [e.time_range.start, e.time_range.end])
+        streams_of.setdefault(run, getattr(e, "device_resource_id", None))
+        span[0], span[1] = min(span[0], e.time_range.start), max(span[1], e.time_range.end)
+    # The spin is no dispatcher op: where the profiler links it to no CPU event, it is the
+    # ``spin_kernel`` on the preamble's stream that starts after that preamble's first kernel.
+    out = [spans[i] for i in sorted(spans)]
+    streams = [streams_of.get(i) for i in sorted(spans)]
+    work = []
+    for e in rest:
+        i = max((k for k, span in enumerate(out) if span[0] <= e.time_range.start), default=None)
+        if (i is not None and "spin_kernel" in e.name and getattr(e, "device_resource_id", None) == streams[i]
+                and (i + 1 == len(out) or e.time_range.start < out[i + 1][0])):
+            out[i][1] = max(out[i][1], e.time_range.end)
+        else:
+            work.append(e)
+    return [(a, b) for a, b in out], work
+
+
+def ahead_of_clock(spans: Sequence[tuple[float, float]], work: Sequence[Any]) -> list[dict[str, Any]]:
+    """The forward's device work that started while a preamble still ran: before the end of its
+    last kernel (the spin), so before the point where the clock records its start event. The
+    device was idle when each preamble began (a device-wide synchronize) and all of a forward's
+    work is launched after its preamble, so anything starting inside a preamble's span is that
+    run's forward, on a stream that did not wait for the caller's."""
+    found = []
+    for e in work:
+        start = e.time_range.start
+        for a, b in spans:
+            if a <= start < b - AHEAD_TOLERANCE_US:
+                found.append({"name": e.name, "stream": int(getattr(e, "device_resource_id", -1)),
+                              "early_us": round(b - start, 1)})
+                break
+    found.sort(key=lambda r: -r["early_us"])
+    return found
+
+
 def profile_forward(model: Callable, make_args: Callable[[int], Sequence[Any]], device: str,
-                    runs: int = 3, own_kernels: Sequence[str] = ()) -> list[dict[str, Any]]:
+                    runs: int = 3, own_kernels: Sequence[str] = ()) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The forward's profile rows, and (cuda) whether any of its work ran ahead of the clock:
+    each profiled run is preceded by the clock's own preamble (``hardware.clock.preamble``)."""
+    from hardware import clock
+
     arg_sets = [tuple(make_args(10_000 + i)) for i in range(runs)]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    ahead: dict[str, Any] = {}
     with torch.no_grad():
         model(*arg_sets[0])      # warm
+        flusher = None
         if device == "cuda":
+            flusher = clock.L2Flusher(device)
             torch.cuda.synchronize()
         with profile(activities=activities) as prof:
             for args in arg_sets:
+                if flusher is not None:
+                    with record_function(PREAMBLE):
+                        clock.preamble(flusher)
                 model(*args)
             if device == "cuda":
                 torch.cuda.synchronize()
+        del flusher
     totals: dict[str, list[float]] = {}
     if device == "cuda":
-        for evt in prof.events():
-            # record_function ranges (kernelloop_ext::*) also appear as device-side annotations; they
-            # are not kernels and would count the candidate's time twice.
-            if (getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA and evt.name
-                    and not evt.name.startswith("kernelloop_ext::")):
-                dur = evt.time_range.end - evt.time_range.start
-                entry = totals.setdefault(evt.name, [0, 0.0])
-                entry[0] += 1
-                entry[1] += dur
+        spans, work = split_preamble(prof.events())
+        ahead = {"runs_checked": len(spans), "runs": runs, "work": ahead_of_clock(spans, work)[:10],
+                 "tampered": clock.tampered_functions()}
+        for evt in work:
+            dur = evt.time_range.end - evt.time_range.start
+            entry = totals.setdefault(evt.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += dur
     else:
         for evt in prof.key_averages():
             name = evt.key
@@ -73,4 +151,4 @@ def profile_forward(model: Callable, make_args: Callable[[int], Sequence[Any]], 
     rows = [{"name": name, "count": int(round(c / runs)) or 1, "total_us": t / runs, "share": t / grand,
              "own": _is_own(name, own_kernels)} for name, (c, t) in totals.items()]
     rows.sort(key=lambda r: -r["total_us"])
-    return rows[:40]
+    return rows[:40], ahead

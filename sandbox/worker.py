@@ -487,11 +487,11 @@ class Worker:
         from sandbox.profiling import profile_forward
 
         try:
-            stats = profile_forward(self.model, self._make_args(int(req["seed"])), self.device,
-                                    runs=int(req.get("runs", 3)), own_kernels=self.kernel_names)
+            stats, ahead = profile_forward(self.model, self._make_args(int(req["seed"])), self.device,
+                                           runs=int(req.get("runs", 3)), own_kernels=self.kernel_names)
         except BaseException as exc:  # noqa: BLE001
             return {"ok": False, **_exc_payload(exc)}
-        return {"ok": True, "profile": stats}
+        return {"ok": True, "profile": stats, "ahead": ahead}
 
     def roofline(self, req: dict[str, Any]) -> dict[str, Any]:
         try:

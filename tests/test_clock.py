@@ -126,3 +126,5 @@ def test_rebinding_the_clocks_own_names_is_reported_as_tampering(monkeypatch):
     assert clock.tampered_functions() == []
     monkeypatch.setattr(clock, "_elapsed_time", lambda a, b: 0.001)
     assert clock.tampered_functions() == ["hardware.clock._elapsed_time"]
+    monkeypatch.setattr(clock, "preamble", lambda flusher, spin=None: None)
+    assert "hardware.clock.preamble" in clock.tampered_functions()

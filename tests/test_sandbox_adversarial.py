@@ -141,7 +141,8 @@ def test_suite_covers_every_known_exploit():
         assert required in names
     cuda_names = {p.stem for p in CUDA_CASES}
     assert names - {"segfault"} <= cuda_names | {"segfault"}
-    assert {"side_stream", "patched_sync", "illegal_address", "tf32_in_cpp", "graph_of_torch"} <= cuda_names
+    assert {"side_stream", "patched_sync", "illegal_address", "tf32_in_cpp", "graph_of_torch",
+            "side_stream_before_start", "join_in_comment"} <= cuda_names
     # legitimate techniques that resemble exploits: they must stay clean
     assert {"legit_cuda_graph", "legit_joined_side_stream"} <= cuda_names
 
