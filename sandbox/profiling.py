@@ -54,37 +54,33 @@ def _device_events(events: Sequence[Any]) -> list[Any]:
 
 def split_preamble(events: Sequence[Any]) -> tuple[list[tuple[float, float]], list[Any]]:
     """The GPU span (start, end, microseconds) of each run's preamble and the device events that
-    are not the preamble's. A device event belongs to the preamble when the CPU event it is linked
-    to (the op or range that launched it) started inside a ``PREAMBLE`` range."""
-    frontend = {e.id: e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CPU
-                and not getattr(e, "linked_correlation_id", 0)}
-    ranges = sorted((e.time_range.start, e.time_range.end) for e in frontend.values() if e.name == PREAMBLE)
-    spans: dict[int, list[float]] = {}
-    streams_of: dict[int, Optional[int]] = {}
-    rest = []
-    for e in _device_events(events):
-        launcher = frontend.get(getattr(e, "linked_correlation_id", 0))
-        at = launcher.time_range.start if launcher is not None else None
-        run = next((i for i, (a, b) in enumerate(ranges) if at is not None and a <= at <= b), None)
-        if run is None:
-            rest.append(e)
+    are not the preamble's, read from the device timeline alone (on an H100 the profiler linked
+    neither the flush nor the spin to the range that launched them).
+
+    The preamble runs on the caller's stream: its stream is that of the profile's first device
+    event (the first run's flush, launched after a device-wide synchronize and before any of the
+    candidate's code in the profile). Each run's preamble is a ``spin_kernel`` on that stream and
+    the event just before it there (the flush). A forward's own kernels on that stream queue
+    behind the spin, so nothing of the candidate's is taken for the preamble but what ran on the
+    caller's stream after the spin, which is no evidence either way."""
+    device = sorted(_device_events(events), key=lambda e: e.time_range.start)
+    if not device:
+        return [], []
+    stream = getattr(device[0], "device_resource_id", None)
+    on_stream = [e for e in device if getattr(e, "device_resource_id", None) == stream]
+    spans: list[tuple[float, float]] = []
+    preamble_ids: set[int] = set()
+    for i, e in enumerate(on_stream):
+        if "spin_kernel" not in e.name:
             continue
-        span = spans.setdefault(run, [e.time_range.start, e.time_range.end])
-        streams_of.setdefault(run, getattr(e, "device_resource_id", None))
-        span[0], span[1] = min(span[0], e.time_range.start), max(span[1], e.time_range.end)
-    # The spin is no dispatcher op: where the profiler links it to no CPU event, it is the
-    # ``spin_kernel`` on the preamble's stream that starts after that preamble's first kernel.
-    out = [spans[i] for i in sorted(spans)]
-    streams = [streams_of.get(i) for i in sorted(spans)]
-    work = []
-    for e in rest:
-        i = max((k for k, span in enumerate(out) if span[0] <= e.time_range.start), default=None)
-        if (i is not None and "spin_kernel" in e.name and getattr(e, "device_resource_id", None) == streams[i]
-                and (i + 1 == len(out) or e.time_range.start < out[i + 1][0])):
-            out[i][1] = max(out[i][1], e.time_range.end)
-        else:
-            work.append(e)
-    return [(a, b) for a, b in out], work
+        begin = e.time_range.start
+        before = on_stream[i - 1] if i > 0 else None
+        if before is not None and id(before) not in preamble_ids and (not spans or before.time_range.start >= spans[-1][1]):
+            begin = before.time_range.start
+            preamble_ids.add(id(before))
+        preamble_ids.add(id(e))
+        spans.append((begin, e.time_range.end))
+    return spans, [e for e in device if id(e) not in preamble_ids]
 
 
 def ahead_of_clock(spans: Sequence[tuple[float, float]], work: Sequence[Any]) -> list[dict[str, Any]]:
