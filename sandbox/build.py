@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 from filelock import FileLock
 
 from sandbox.lite_headers import FACTORY_OPS, LEAN_BINDING, MINIMAL_TORCH_PRELUDE
+from sandbox.pch import discard_pch, pch_key
 
 LOG_CAP = 20_000
 _TORCH_USE_RE = re.compile(r"\b(torch::|at::|c10::|TORCH_CHECK|AT_DISPATCH|#\s*include\s*<(torch|ATen|c10)/)")
@@ -48,6 +49,10 @@ _MISSING_TORCH_NAME_RE = re.compile(r'namespace "(?:torch|at|c10)[\w:]*" has no 
                                     # and GCC's words, for the C++ file
                                     r"|is not a member of .(?:torch|at|c10)\b|.(?:torch|at|c10)::[\w:]+. has not been declared"
                                     r"|no match for .operator")
+# what a compiler says of a precompiled header it found but could not read (a truncated or damaged
+# file: GCC stops there, where it skips one made for other flags); never the candidate's error
+_PCH_UNREADABLE_RE = re.compile(r"\.gch\b")
+PCH_NOTE = "a precompiled header could not be read: discarded, built again without it"
 MINIMAL_NOTE = "CUDA sources built with minimal ATen headers in place of torch's"
 LEAN_NOTE = "C++ bindings built with the lean binding header in place of <torch/extension.h>"
 TYPES_NOTE = "CUDA sources built with <torch/types.h> in place of <torch/extension.h>"
@@ -287,11 +292,29 @@ class HookedBuilder:
             os.environ["TORCH_CUDA_ARCH_LIST"] = self.arch
         self._original: Optional[Callable] = None
 
+    @property
+    def pch_root(self) -> Path:
+        """Where this builder's precompiled headers live (one directory per ``pch_key``)."""
+        return self.cache_root.parent / "pch"
+
     def install(self) -> None:
         from torch.utils import cpp_extension
 
         self._original = cpp_extension.load_inline
         cpp_extension.load_inline = self.load_inline  # type: ignore[assignment]
+
+    def pch_plan(self, extra_cflags: list[str], extra_include_paths: list[str], header: str = "torch/extension.h",
+                 text: Optional[str] = None, device: str = "cpu") -> tuple[str, list[str], Path]:
+        """The compiler and flags a precompiled header is made with, and its directory (``pch_key``)."""
+        import sysconfig
+
+        from torch.utils import cpp_extension as ce
+
+        compiler = ce.get_cxx_compiler()
+        system = ce.include_paths(device) + [sysconfig.get_path("include", scheme="posix_prefix")]
+        flags = (["-DTORCH_API_INCLUDE_EXTENSION_H"] + [f"-I{p}" for p in extra_include_paths]
+                 + [x for inc in system for x in ("-isystem", inc)] + ["-fPIC", "-std=c++20"] + list(extra_cflags))
+        return compiler, flags, self.pch_root / pch_key(compiler, flags, header, text)
 
     def _pch_include_dir(self, extra_cflags: list[str], extra_include_paths: list[str],
                          header: str = "torch/extension.h", text: Optional[str] = None,
@@ -309,17 +332,9 @@ class HookedBuilder:
         it is valid for the compile and reads the header beside it otherwise (for torch's
         header, a shim that sends it on to the real one).
         """
-        import sysconfig
-
-        import torch
         from torch.utils import cpp_extension as ce
 
-        compiler = ce.get_cxx_compiler()
-        system = ce.include_paths(device) + [sysconfig.get_path("include", scheme="posix_prefix")]
-        flags = (["-DTORCH_API_INCLUDE_EXTENSION_H"] + [f"-I{p}" for p in extra_include_paths]
-                 + [x for inc in system for x in ("-isystem", inc)] + ["-fPIC", "-std=c++20"] + list(extra_cflags))
-        key = hashlib.sha256(json.dumps([compiler, flags, torch.__version__, header, text]).encode()).hexdigest()[:16]
-        root = self.cache_root.parent / "pch" / key
+        compiler, flags, root = self.pch_plan(extra_cflags, extra_include_paths, header, text, device)
         target = root / (header + ".gch")
         failed = root / "failed"
         beside = root / header
@@ -435,12 +450,16 @@ class HookedBuilder:
                 tries = binding_tries(HeaderTry("", cuda, no_implicit_headers), lean_cpp, lite_dirs, device)
             notes: list[str] = []
             i: Optional[int] = 0
+            with_pch = self.use_pch
             while i is not None:
                 attempt = tries[i]
-                paths = [*attempt.include_paths, *include_paths]
-                if self.use_pch and not attempt.lean_binding:     # made on first need: a minute the first time
+                pch_root = str(self.pch_root) + os.sep
+                own_paths = [p for p in attempt.include_paths if with_pch or not p.startswith(pch_root)]
+                paths = [*own_paths, *include_paths]
+                if with_pch and not attempt.lean_binding:     # made on first need: a minute the first time
                     pch_dir = self._pch_include_dir(kwargs["extra_cflags"], include_paths)
-                    paths = [*attempt.include_paths, *([pch_dir] if pch_dir else []), *include_paths]
+                    paths = [*own_paths, *([pch_dir] if pch_dir else []), *include_paths]
+                used_pch = [p for p in paths if p.startswith(pch_root)]
                 try:
                     module = self._original(     # copies: load_inline adds its headers and bindings in place
                         name=ext_name, cpp_sources=[*attempt.cpp_prefix, *(cpp if attempt.cpp is None else attempt.cpp)],
@@ -454,6 +473,17 @@ class HookedBuilder:
                         keep_intermediates=keep_intermediates, use_pch=False,
                         no_implicit_headers=attempt.no_implicit_headers)
                 except Exception as exc:
+                    from torch.utils import cpp_extension as ce
+
+                    if used_pch and _PCH_UNREADABLE_RE.search(str(exc)):
+                        # the compiler stopped at a precompiled header of ours: the same try again
+                        # without any, so the verdict is the candidate's code's alone
+                        for d in used_pch:
+                            discard_pch(Path(d), f"unreadable in a build of {ext_name}:\n{exc}")
+                        with_pch = False
+                        notes.append(PCH_NOTE)
+                        ce.JIT_EXTENSION_VERSIONER.entries.pop(ext_name, None)
+                        continue
                     nxt = next_try(tries, i, str(exc))
                     if nxt is None:
                         self.records.append(BuildRecord(ext_name, name, str(directory), time.perf_counter() - t0,
@@ -463,8 +493,6 @@ class HookedBuilder:
                     notes.append(f"not {attempt.note}: tried {tries[nxt].note or OWN_NOTE}")
                     # torch would version the rebuild (``name_v1``): the library then no
                     # longer has the name a later cache hit imports
-                    from torch.utils import cpp_extension as ce
-
                     ce.JIT_EXTENSION_VERSIONER.entries.pop(ext_name, None)
                     i = nxt
                 else:
