@@ -46,7 +46,7 @@ from sandbox.quiet import TimingHistory
 from sandbox.process import WorkerDied, WorkerProcess, WorkerTimeout, kill_all_workers
 from sandbox.reference import Precomputed, ReferenceWorker
 from sandbox.result import BuildCheck, BuildInfo, EvalConfig, EvalResult, FlagKind, Status
-from sandbox.slots import cpu_thread_env, cpu_timing_threads, usable_cores, visible_gpus
+from sandbox.slots import build_plan, cpu_thread_env, cpu_timing_threads, usable_cores, visible_gpus
 from sandbox.tasks import TaskSpec
 
 
@@ -91,9 +91,7 @@ class Sandbox:
         self.config = config or EvalConfig()
         # what candidates are written in: the cascade asks it, never which one it is
         self.backend = backend_for(self.config.backend, device)
-        cores = usable_cores()
-        self.build_jobs = max(2, min(8, cores // max(1, build_slots or 1)))
-        self.build_slots = build_slots or max(1, cores // 4)
+        self.build_slots, self.build_jobs = build_plan(usable_cores(), build_slots)
         self._build_sem = threading.Semaphore(self.build_slots)
         self.slots: list[Optional[str]] = (gpus or visible_gpus() or [None]) if device == "cuda" else [None]
         self._slot_locks = [SlotLock() for _ in self.slots]
@@ -414,6 +412,7 @@ class Sandbox:
         """Load the candidate (outside the device lock: imports and CUDA start-up overlap with
         other candidates' runs), then hold the device for trials, timing and profiling."""
         slot = self._pick_slot(spec)
+        result.gpu = self.slots[slot]
         try:
             with phase(result, "memory_wait"):      # raises TaskTooLarge: no verdict for this task
                 admitted = self.memory.admit(spec, slot, self._close_reference, self._check_aborted)
