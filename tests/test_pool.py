@@ -461,3 +461,15 @@ def test_builds_run_in_warm_build_workers_each_used_once_with_the_gpu_hidden(tmp
     assert stats["taken_ready"] >= 1 and stats["started"] >= 2
     assert (broken.ok, broken.status, broken.error_type) == (cold_broken.ok, cold_broken.status, cold_broken.error_type)
     assert broken.status is not Status.infra_error
+
+
+def test_a_ray_build_task_builds_in_a_worker_of_its_own(tmp_path):
+    """``executors.ray_slot.build_on_node`` borrows the sandbox's build step without a sandbox (no
+    build pool there): it starts its own build worker, as before."""
+    from executors.ray_slot import build_on_node
+
+    log = tmp_path / "pids.jsonl"
+    reply = json.loads(build_on_node(_spec().__dict__, _PID_WRITER.format(path=str(log)), "cpu",
+                                     CFG.model_dump_json(), None, 2))
+    assert reply["ok"], reply
+    assert len(log.read_text().splitlines()) == 1
