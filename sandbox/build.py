@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 from filelock import FileLock
 
 from sandbox.lite_headers import FACTORY_OPS, LEAN_BINDING, MINIMAL_TORCH_PRELUDE
-from sandbox.pch import discard_pch, pch_key
+from sandbox.pch import discard_pch, leading_includes, pch_key, prefix_header, seen_before
 
 LOG_CAP = 20_000
 _TORCH_USE_RE = re.compile(r"\b(torch::|at::|c10::|TORCH_CHECK|AT_DISPATCH|#\s*include\s*<(torch|ATen|c10)/)")
@@ -53,6 +53,7 @@ _MISSING_TORCH_NAME_RE = re.compile(r'namespace "(?:torch|at|c10)[\w:]*" has no 
 # file: GCC stops there, where it skips one made for other flags); never the candidate's error
 _PCH_UNREADABLE_RE = re.compile(r"\.gch\b")
 PCH_NOTE = "a precompiled header could not be read: discarded, built again without it"
+PREFIX_NOTE = "the C++ file's leading includes precompiled"
 MINIMAL_NOTE = "CUDA sources built with minimal ATen headers in place of torch's"
 LEAN_NOTE = "C++ bindings built with the lean binding header in place of <torch/extension.h>"
 TYPES_NOTE = "CUDA sources built with <torch/types.h> in place of <torch/extension.h>"
@@ -388,6 +389,25 @@ class HookedBuilder:
                                                       lean_binding_text(device), device=device)
         return (pch, lite) if pch else (lite,)
 
+    def _prefix_pch(self, sources: list[str], extra_cflags: list[str], include_paths: list[str],
+                    lite: list[str], device: str) -> tuple[list[str], Optional[str]]:
+        """The C++ sources with their leading include block (beyond the lean binding header) taken
+        from a precompiled header of its own, and that header's directory; the sources unchanged
+        and None where the block is the lean header alone, is new (``seen_before``) or does not
+        precompile. The file's text is the same token for token, on the same lines: only the
+        compiler's reading of the headers is saved (on an H100 candidate's wrapper, the CUDA context
+        headers: a third of the C++ file's compile)."""
+        block, rest = leading_includes("\n".join(sources))   # as load_inline joins them
+        if sum(1 for line in block if "#" in line.split("//")[0]) < 2:
+            return sources, None
+        header, text = prefix_header(block)
+        if not seen_before(self.pch_root, header):
+            return sources, None
+        found = self._pch_include_dir(extra_cflags, [*lite, *include_paths], header, text, device=device)
+        if not found:
+            return sources, None
+        return ["\n".join([f"#include <{header}>", *[""] * (len(block) - 1), *rest])], found
+
     def load_inline(self, name: str, cpp_sources: Any, cuda_sources: Any = None, functions: Any = None,
                     extra_cflags: Any = None, extra_cuda_cflags: Any = None, extra_ldflags: Any = None,
                     extra_include_paths: Any = None, build_directory: Any = None, verbose: bool = False,
@@ -459,10 +479,18 @@ class HookedBuilder:
                 if with_pch and not attempt.lean_binding:     # made on first need: a minute the first time
                     pch_dir = self._pch_include_dir(kwargs["extra_cflags"], include_paths)
                     paths = [*own_paths, *([pch_dir] if pch_dir else []), *include_paths]
+                cpp_now = [*attempt.cpp_prefix, *(cpp if attempt.cpp is None else attempt.cpp)]
+                if with_pch and attempt.lean_binding:
+                    cpp_now, prefix_dir = self._prefix_pch(cpp_now, kwargs["extra_cflags"], include_paths,
+                                                           [p for p in own_paths if not p.startswith(pch_root)], device)
+                    if prefix_dir:
+                        paths = [prefix_dir, *paths]
+                        if PREFIX_NOTE not in notes:
+                            notes.append(PREFIX_NOTE)
                 used_pch = [p for p in paths if p.startswith(pch_root)]
                 try:
                     module = self._original(     # copies: load_inline adds its headers and bindings in place
-                        name=ext_name, cpp_sources=[*attempt.cpp_prefix, *(cpp if attempt.cpp is None else attempt.cpp)],
+                        name=ext_name, cpp_sources=cpp_now,
                         cuda_sources=list(attempt.cuda) or None,
                         functions=functions, extra_cflags=kwargs["extra_cflags"] or None,
                         extra_cuda_cflags=_with_nvcc_threads(kwargs["extra_cuda_cflags"]) if cuda else None,

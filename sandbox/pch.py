@@ -12,6 +12,7 @@ built again without (``HookedBuilder.load_inline``), its header discarded here.
 from __future__ import annotations
 
 import hashlib
+import re
 import json
 from pathlib import Path
 from typing import Any, Optional
@@ -74,3 +75,38 @@ def discard_pch(root: Path, why: str) -> None:
             gch.unlink(missing_ok=True)
         root.mkdir(parents=True, exist_ok=True)
         (root / "failed").write_text(why[-4000:])
+
+
+_LEADING_LINE_RE = re.compile(r'^[ \t]*(?:#[ \t]*include[ \t]*<[^<>"]+>[ \t]*)?(?://.*)?$')
+
+
+def leading_includes(text: str) -> tuple[list[str], list[str]]:
+    """``text``'s lines split after its leading block: the lines before the first one that is not
+    blank, a ``//`` comment or an ``#include <...>`` (the block ends on its last include)."""
+    lines = text.split("\n")
+    n = 0
+    for i, line in enumerate(lines):
+        if not _LEADING_LINE_RE.match(line):
+            break
+        if "#" in line.split("//")[0]:
+            n = i + 1
+    return lines[:n], lines[n:]
+
+
+def prefix_header(block: list[str]) -> tuple[str, str]:
+    """The name and text of a header holding a C++ file's leading include block: precompiled, the
+    file starts with it in the block's place, its other lines where they were (the block's lines
+    left blank: ``__LINE__`` in what follows, TORCH_CHECK's messages, stays the same)."""
+    text = "\n".join(block) + "\n"
+    return f"kernelloop/prefix_{hashlib.sha256(text.encode()).hexdigest()[:16]}.h", text
+
+
+def seen_before(root: Path, name: str) -> bool:
+    """Whether a prefix header named ``name`` was asked for before (a note under ``root`` made on the
+    first ask): precompiling one costs more than one compile saves, so only a recurring one is."""
+    note = root / "seen" / Path(name).name
+    if note.exists():
+        return True
+    note.parent.mkdir(parents=True, exist_ok=True)
+    note.touch()
+    return False

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import sandbox.pch as pch
-from sandbox.build import PCH_NOTE, HookedBuilder
+from sandbox.build import PCH_NOTE, PREFIX_NOTE, HookedBuilder
 from sandbox.lite_headers import LEAN_BINDING, lean_binding_text, lite_include_dir
 
 TINY = "kernelloop/tiny.h"
@@ -77,6 +77,20 @@ def test_the_key_follows_the_compiler_and_torchs_headers(tmp_path, monkeypatch):
     assert stamps[0] == torch.__version__ and any(size for _, size, _ in stamps[3])
 
 
+def test_a_leading_include_block_is_taken_out_line_for_line_and_precompiled_only_when_seen_again(tmp_path):
+    text = "#include <kernelloop/lean_binding.h>\n\n// wrappers\n#include <vector>\nint f() { return __LINE__; }\n"
+    block, rest = pch.leading_includes(text)
+    assert block == ["#include <kernelloop/lean_binding.h>", "", "// wrappers", "#include <vector>"]
+    assert rest == ["int f() { return __LINE__; }", ""]
+    # a quoted include, code or a macro ends the block; nothing before them is taken
+    assert pch.leading_includes('#include "mine.h"\n#include <vector>\n')[0] == []
+    assert pch.leading_includes("#define N 4\n#include <vector>\n")[0] == []
+    name, header = pch.prefix_header(block)
+    assert header == "\n".join(block) + "\n" and name.startswith("kernelloop/prefix_")
+    assert pch.prefix_header(block + ["#include <string>"])[0] != name
+    assert not pch.seen_before(tmp_path, name) and pch.seen_before(tmp_path, name)
+
+
 def test_an_unreadable_pch_is_discarded_and_the_build_done_again_without_it(tmp_path):
     """A damaged ``.gch`` (here: a real one cut short) stops GCC with an error. The build is the
     candidate's verdict, so it is done again without the header, which no later build uses."""
@@ -112,12 +126,15 @@ def test_an_unreadable_pch_is_discarded_and_the_build_done_again_without_it(tmp_
 
 
 @pytest.mark.slow
-def test_a_build_with_the_pch_compiles_to_what_one_without_does(tmp_path):
-    """The precompiled header changes how fast, not what: the same source built with the lean
-    header precompiled and without any precompiled header gives the same functions and results."""
-    src = ("torch::Tensor scale_add(torch::Tensor x, double s) {\n"
-           "  auto y = torch::empty_like(x); auto* p = x.data_ptr<float>(); auto* q = y.data_ptr<float>();\n"
-           "  for (long i = 0; i < x.numel(); ++i) q[i] = p[i] * (float)s + 1.0f;\n  return y;\n}\n")
+def test_a_build_with_the_pchs_compiles_to_what_one_without_does(tmp_path):
+    """The precompiled headers change how fast, not what: the same source built with the lean header
+    and its leading include block precompiled (the second source with that block: the first only
+    notes it) and without any precompiled header gives the same functions and results."""
+    head = "#include <torch/extension.h>\n#include <vector>\n"
+    body = ("torch::Tensor scale_add(torch::Tensor x, double s) {\n"
+            "  TORCH_CHECK(x.is_contiguous(), \"x must be contiguous\");\n"
+            "  auto y = torch::empty_like(x); auto* p = x.data_ptr<float>(); auto* q = y.data_ptr<float>();\n"
+            "  for (long i = 0; i < x.numel(); ++i) q[i] = p[i] * (float)s + 1.0f;\n  return y;\n}\n")
     x = torch.randn(64)
     built = {}
     for use_pch in (True, False):
@@ -126,7 +143,11 @@ def test_a_build_with_the_pch_compiles_to_what_one_without_does(tmp_path):
         try:
             from torch.utils.cpp_extension import load_inline
 
-            ext = load_inline(name=f"kl_same_{int(use_pch)}", cpp_sources=[src], functions=["scale_add"],
+            if use_pch:     # another candidate with the same leading includes, seen first
+                load_inline(name="kl_first", cpp_sources=[head + body.replace("1.0f", "2.0f")],
+                            functions=["scale_add"], extra_cflags=["-O2"])
+                assert PREFIX_NOTE not in b.records[-1].notes
+            ext = load_inline(name=f"kl_same_{int(use_pch)}", cpp_sources=[head + body], functions=["scale_add"],
                               extra_cflags=["-O2"])
         finally:
             from torch.utils import cpp_extension
@@ -134,18 +155,20 @@ def test_a_build_with_the_pch_compiles_to_what_one_without_does(tmp_path):
             cpp_extension.load_inline = b._original
         record = b.records[-1]
         assert record.ok and PCH_NOTE not in record.notes
+        assert (PREFIX_NOTE in record.notes) == use_pch, record.notes
         assert bool(list((tmp_path / f"pch{use_pch}" / "pch").rglob("*.gch"))) == use_pch
-        built[use_pch] = (ext.scale_add(x, 0.5), _text_symbols(Path(record.directory) / "main.o"))
+        built[use_pch] = (ext.scale_add(x, 0.5), _text_symbols(Path(record.directory) / "main.o", record.name))
     assert torch.equal(built[True][0], built[False][0])
     assert built[True][1] == built[False][1]
 
 
-def _text_symbols(obj: Path) -> dict[str, str]:
-    """Defined functions of an object file and their sizes (the extension's own name left out)."""
+def _text_symbols(obj: Path, ext_name: str) -> dict[str, str]:
+    """Defined functions of an object file and their sizes (those named after the extension left
+    out: the second build in one process is ``<name>_v1`` to torch)."""
     out = subprocess.run(["nm", "-S", "--defined-only", str(obj)], capture_output=True, text=True, check=True).stdout
     syms = {}
     for line in out.splitlines():
         parts = line.split()
-        if len(parts) == 4 and parts[2] in "TtWw" and "kl_same_" not in parts[3]:
+        if len(parts) == 4 and parts[2] in "TtWw" and ext_name not in parts[3]:
             syms[parts[3]] = parts[1]
     return syms
