@@ -47,6 +47,8 @@ class NodeBuilder:
 
     _build_env = Sandbox._build_env
     _build = Sandbox._build
+    _spawn_build = Sandbox._spawn_build
+    _build_pool = None          # each build task starts its worker (a Ray task is one build)
 
     def __init__(self, device: str, config: EvalConfig, arch: Optional[str], jobs: int):
         self.device, self.config, self.arch, self.build_jobs = device, config, arch, jobs

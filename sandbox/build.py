@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 from filelock import FileLock
 
 from sandbox.lite_headers import FACTORY_OPS, LEAN_BINDING, MINIMAL_TORCH_PRELUDE
+from sandbox.pch import discard_pch, leading_includes, pch_key, prefix_header, seen_before
 
 LOG_CAP = 20_000
 _TORCH_USE_RE = re.compile(r"\b(torch::|at::|c10::|TORCH_CHECK|AT_DISPATCH|#\s*include\s*<(torch|ATen|c10)/)")
@@ -48,6 +49,11 @@ _MISSING_TORCH_NAME_RE = re.compile(r'namespace "(?:torch|at|c10)[\w:]*" has no 
                                     # and GCC's words, for the C++ file
                                     r"|is not a member of .(?:torch|at|c10)\b|.(?:torch|at|c10)::[\w:]+. has not been declared"
                                     r"|no match for .operator")
+# what a compiler says of a precompiled header it found but could not read (a truncated or damaged
+# file: GCC stops there, where it skips one made for other flags); never the candidate's error
+_PCH_UNREADABLE_RE = re.compile(r"\.gch\b")
+PCH_NOTE = "a precompiled header could not be read: discarded, built again without it"
+PREFIX_NOTE = "the C++ file's leading includes precompiled"
 MINIMAL_NOTE = "CUDA sources built with minimal ATen headers in place of torch's"
 LEAN_NOTE = "C++ bindings built with the lean binding header in place of <torch/extension.h>"
 TYPES_NOTE = "CUDA sources built with <torch/types.h> in place of <torch/extension.h>"
@@ -287,11 +293,29 @@ class HookedBuilder:
             os.environ["TORCH_CUDA_ARCH_LIST"] = self.arch
         self._original: Optional[Callable] = None
 
+    @property
+    def pch_root(self) -> Path:
+        """Where this builder's precompiled headers live (one directory per ``pch_key``)."""
+        return self.cache_root.parent / "pch"
+
     def install(self) -> None:
         from torch.utils import cpp_extension
 
         self._original = cpp_extension.load_inline
         cpp_extension.load_inline = self.load_inline  # type: ignore[assignment]
+
+    def pch_plan(self, extra_cflags: list[str], extra_include_paths: list[str], header: str = "torch/extension.h",
+                 text: Optional[str] = None, device: str = "cpu") -> tuple[str, list[str], Path]:
+        """The compiler and flags a precompiled header is made with, and its directory (``pch_key``)."""
+        import sysconfig
+
+        from torch.utils import cpp_extension as ce
+
+        compiler = ce.get_cxx_compiler()
+        system = ce.include_paths(device) + [sysconfig.get_path("include", scheme="posix_prefix")]
+        flags = (["-DTORCH_API_INCLUDE_EXTENSION_H"] + [f"-I{p}" for p in extra_include_paths]
+                 + [x for inc in system for x in ("-isystem", inc)] + ["-fPIC", "-std=c++20"] + list(extra_cflags))
+        return compiler, flags, self.pch_root / pch_key(compiler, flags, header, text)
 
     def _pch_include_dir(self, extra_cflags: list[str], extra_include_paths: list[str],
                          header: str = "torch/extension.h", text: Optional[str] = None,
@@ -309,17 +333,9 @@ class HookedBuilder:
         it is valid for the compile and reads the header beside it otherwise (for torch's
         header, a shim that sends it on to the real one).
         """
-        import sysconfig
-
-        import torch
         from torch.utils import cpp_extension as ce
 
-        compiler = ce.get_cxx_compiler()
-        system = ce.include_paths(device) + [sysconfig.get_path("include", scheme="posix_prefix")]
-        flags = (["-DTORCH_API_INCLUDE_EXTENSION_H"] + [f"-I{p}" for p in extra_include_paths]
-                 + [x for inc in system for x in ("-isystem", inc)] + ["-fPIC", "-std=c++20"] + list(extra_cflags))
-        key = hashlib.sha256(json.dumps([compiler, flags, torch.__version__, header, text]).encode()).hexdigest()[:16]
-        root = self.cache_root.parent / "pch" / key
+        compiler, flags, root = self.pch_plan(extra_cflags, extra_include_paths, header, text, device)
         target = root / (header + ".gch")
         failed = root / "failed"
         beside = root / header
@@ -372,6 +388,25 @@ class HookedBuilder:
         pch = lean_binding and self.use_pch and self._pch_include_dir(extra_cflags, [lite, *include_paths], LEAN_BINDING[device],
                                                       lean_binding_text(device), device=device)
         return (pch, lite) if pch else (lite,)
+
+    def _prefix_pch(self, sources: list[str], extra_cflags: list[str], include_paths: list[str],
+                    lite: list[str], device: str) -> tuple[list[str], Optional[str]]:
+        """The C++ sources with their leading include block (beyond the lean binding header) taken
+        from a precompiled header of its own, and that header's directory; the sources unchanged
+        and None where the block is the lean header alone, is new (``seen_before``) or does not
+        precompile. The file's text is the same token for token, on the same lines: only the
+        compiler's reading of the headers is saved (on an H100 candidate's wrapper, the CUDA context
+        headers: a third of the C++ file's compile)."""
+        block, rest = leading_includes("\n".join(sources))   # as load_inline joins them
+        if sum(1 for line in block if "#" in line.split("//")[0]) < 2:
+            return sources, None
+        header, text = prefix_header(block)
+        if not seen_before(self.pch_root, header):
+            return sources, None
+        found = self._pch_include_dir(extra_cflags, [*lite, *include_paths], header, text, device=device)
+        if not found:
+            return sources, None
+        return ["\n".join([f"#include <{header}>", *[""] * (len(block) - 1), *rest])], found
 
     def load_inline(self, name: str, cpp_sources: Any, cuda_sources: Any = None, functions: Any = None,
                     extra_cflags: Any = None, extra_cuda_cflags: Any = None, extra_ldflags: Any = None,
@@ -435,15 +470,27 @@ class HookedBuilder:
                 tries = binding_tries(HeaderTry("", cuda, no_implicit_headers), lean_cpp, lite_dirs, device)
             notes: list[str] = []
             i: Optional[int] = 0
+            with_pch = self.use_pch
             while i is not None:
                 attempt = tries[i]
-                paths = [*attempt.include_paths, *include_paths]
-                if self.use_pch and not attempt.lean_binding:     # made on first need: a minute the first time
+                pch_root = str(self.pch_root) + os.sep
+                own_paths = [p for p in attempt.include_paths if with_pch or not p.startswith(pch_root)]
+                paths = [*own_paths, *include_paths]
+                if with_pch and not attempt.lean_binding:     # made on first need: a minute the first time
                     pch_dir = self._pch_include_dir(kwargs["extra_cflags"], include_paths)
-                    paths = [*attempt.include_paths, *([pch_dir] if pch_dir else []), *include_paths]
+                    paths = [*own_paths, *([pch_dir] if pch_dir else []), *include_paths]
+                cpp_now = [*attempt.cpp_prefix, *(cpp if attempt.cpp is None else attempt.cpp)]
+                if with_pch and attempt.lean_binding:
+                    cpp_now, prefix_dir = self._prefix_pch(cpp_now, kwargs["extra_cflags"], include_paths,
+                                                           [p for p in own_paths if not p.startswith(pch_root)], device)
+                    if prefix_dir:
+                        paths = [prefix_dir, *paths]
+                        if PREFIX_NOTE not in notes:
+                            notes.append(PREFIX_NOTE)
+                used_pch = [p for p in paths if p.startswith(pch_root)]
                 try:
                     module = self._original(     # copies: load_inline adds its headers and bindings in place
-                        name=ext_name, cpp_sources=[*attempt.cpp_prefix, *(cpp if attempt.cpp is None else attempt.cpp)],
+                        name=ext_name, cpp_sources=cpp_now,
                         cuda_sources=list(attempt.cuda) or None,
                         functions=functions, extra_cflags=kwargs["extra_cflags"] or None,
                         extra_cuda_cflags=_with_nvcc_threads(kwargs["extra_cuda_cflags"]) if cuda else None,
@@ -454,6 +501,17 @@ class HookedBuilder:
                         keep_intermediates=keep_intermediates, use_pch=False,
                         no_implicit_headers=attempt.no_implicit_headers)
                 except Exception as exc:
+                    from torch.utils import cpp_extension as ce
+
+                    if used_pch and _PCH_UNREADABLE_RE.search(str(exc)):
+                        # the compiler stopped at a precompiled header of ours: the same try again
+                        # without any, so the verdict is the candidate's code's alone
+                        for d in used_pch:
+                            discard_pch(Path(d), f"unreadable in a build of {ext_name}:\n{exc}")
+                        with_pch = False
+                        notes.append(PCH_NOTE)
+                        ce.JIT_EXTENSION_VERSIONER.entries.pop(ext_name, None)
+                        continue
                     nxt = next_try(tries, i, str(exc))
                     if nxt is None:
                         self.records.append(BuildRecord(ext_name, name, str(directory), time.perf_counter() - t0,
@@ -463,8 +521,6 @@ class HookedBuilder:
                     notes.append(f"not {attempt.note}: tried {tries[nxt].note or OWN_NOTE}")
                     # torch would version the rebuild (``name_v1``): the library then no
                     # longer has the name a later cache hit imports
-                    from torch.utils import cpp_extension as ce
-
                     ce.JIT_EXTENSION_VERSIONER.entries.pop(ext_name, None)
                     i = nxt
                 else:

@@ -41,12 +41,12 @@ from sandbox.checks import CandidateChecks
 from sandbox.footprint import FootprintBook, human_bytes
 from hardware.probe import cpu_model
 from sandbox.phases import Stages, phase
-from sandbox.pool import DeviceGate, SlotLock, WarmPool
+from sandbox.pool import BUILD_WARM_MESSAGE, DeviceGate, SlotLock, WarmPool
 from sandbox.quiet import TimingHistory
 from sandbox.process import WorkerDied, WorkerProcess, WorkerTimeout, kill_all_workers
 from sandbox.reference import Precomputed, ReferenceWorker
 from sandbox.result import BuildCheck, BuildInfo, EvalConfig, EvalResult, FlagKind, Status
-from sandbox.slots import cpu_thread_env, cpu_timing_threads, usable_cores, visible_gpus
+from sandbox.slots import build_plan, cpu_thread_env, cpu_timing_threads, usable_cores, visible_gpus
 from sandbox.tasks import TaskSpec
 
 
@@ -91,9 +91,8 @@ class Sandbox:
         self.config = config or EvalConfig()
         # what candidates are written in: the cascade asks it, never which one it is
         self.backend = backend_for(self.config.backend, device)
-        cores = usable_cores()
-        self.build_jobs = max(2, min(8, cores // max(1, build_slots or 1)))
-        self._build_sem = threading.Semaphore(build_slots or max(1, cores // 4))
+        self.build_slots, self.build_jobs = build_plan(usable_cores(), build_slots)
+        self._build_sem = threading.Semaphore(self.build_slots)
         self.slots: list[Optional[str]] = (gpus or visible_gpus() or [None]) if device == "cuda" else [None]
         self._slot_locks = [SlotLock() for _ in self.slots]
         self._slot_load = [0 for _ in self.slots]
@@ -115,6 +114,8 @@ class Sandbox:
         self.handoff = handoff.mode(device)     # how candidates' outputs reach the reference (a bad setting fails here)
         self._pool = WarmPool(self._spawn_candidate, {"device": device, "profile": self.config.profile},
                               warm, background=self._device_work) if warm > 0 else None
+        # build workers started ahead too (torch's import, 1.5-3 s of every build): one per build slot
+        self._build_pool = WarmPool(self._spawn_build, BUILD_WARM_MESSAGE, self.build_slots) if warm > 0 else None
         self.precompute = (warm > 0) if precompute is None else precompute
         self.prepare_ahead = (warm > 0) if prepare is None else prepare
         self._preparing: set[str] = set()
@@ -141,6 +142,9 @@ class Sandbox:
             env["KERNELLOOP_CUDA_ARCH"] = self.arch
         return env
 
+    def _spawn_build(self, slot: int = 0) -> WorkerProcess:
+        return WorkerProcess("build", hide_gpu=True, env=self._build_env())
+
     def _spawn_candidate(self, slot: int) -> WorkerProcess:
         return WorkerProcess("candidate", memory_limit_mb=self.config.memory_limit_mb if self.device == "cpu" else None,
                              env={**self._build_env(), **self._slot_env(slot)})
@@ -154,6 +158,10 @@ class Sandbox:
     @property
     def pool_stats(self) -> dict[str, int]:
         return dict(self._pool.stats) if self._pool is not None else {}
+
+    @property
+    def build_pool_stats(self) -> dict[str, int]:
+        return dict(self._build_pool.stats) if self._build_pool is not None else {}
 
     def reference(self, spec: TaskSpec, slot: int = 0) -> ReferenceWorker:
         with self._refs_lock:
@@ -257,8 +265,9 @@ class Sandbox:
         an error status, which the caller must not store as a verdict, and no evaluation starts
         another worker afterwards (one waiting for a build slot would otherwise build for a minute)."""
         self._aborted.set()
-        if self._pool is not None:
-            self._pool.close()
+        for pool in (self._pool, self._build_pool):
+            if pool is not None:
+                pool.close()
         kill_all_workers()
 
     def _check_aborted(self) -> None:
@@ -266,8 +275,9 @@ class Sandbox:
             raise WorkerDied("the sandbox was stopped (the run was interrupted)", None)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
+        for pool in (self._pool, self._build_pool):
+            if pool is not None:
+                pool.close()
         if self._aborted.is_set():
             kill_all_workers()          # whatever started in the moment before the abort
         with self._refs_lock:
@@ -285,7 +295,7 @@ class Sandbox:
     def _build(self, spec: TaskSpec, source: str, result: EvalResult) -> bool:
         cfg = self.config
         t0 = time.monotonic()
-        worker = WorkerProcess("build", hide_gpu=True, env=self._build_env())
+        worker = self._build_pool.take(0) if self._build_pool is not None else self._spawn_build()
         try:
             reply = worker.ask({"role": "build", "device": self.device, "out_dir": str(worker.out_dir),
                                 "task": spec.__dict__, "source": source, "init_seed": 0,
@@ -360,6 +370,8 @@ class Sandbox:
         if self._pool is not None and not self._aborted.is_set():
             for slot in range(len(self.slots)):
                 self._pool.prime(slot)      # warm while this candidate builds
+        if self._build_pool is not None and not self._aborted.is_set():
+            self._build_pool.prime(0)
         try:
             with phase(result, "build_wait"):
                 self._build_sem.acquire()
@@ -400,6 +412,7 @@ class Sandbox:
         """Load the candidate (outside the device lock: imports and CUDA start-up overlap with
         other candidates' runs), then hold the device for trials, timing and profiling."""
         slot = self._pick_slot(spec)
+        result.gpu = self.slots[slot]
         try:
             with phase(result, "memory_wait"):      # raises TaskTooLarge: no verdict for this task
                 admitted = self.memory.admit(spec, slot, self._close_reference, self._check_aborted)

@@ -7,7 +7,9 @@ per slot, while candidates build: each worker is started with the ``warm`` messa
 (``sandbox.worker``), which carries nothing of any candidate. ``take`` hands one worker to one
 candidate, with an output folder made for it at that moment; the worker is never handed out
 again (the caller kills it after its candidate, as before). A warm worker found dead, or that
-failed its warm-up, is thrown away and replaced: it is not the candidate's failure.
+failed its warm-up, is thrown away and replaced: it is not the candidate's failure. The sandbox
+keeps build workers warm the same way (``BUILD_WARM_MESSAGE``): a build's first seconds were
+torch's import.
 
 ``DeviceGate``: work on a slot's device that needs no exclusivity (the reference precomputing a
 trial while a candidate loads) may run beside other candidates' trials, but never while a
@@ -27,6 +29,9 @@ from sandbox.process import WorkerDied, WorkerProcess, WorkerTimeout, outputs_ro
 
 WARM_TIMEOUT_S = 300.0
 MAX_REPLACEMENTS = 3
+# A build worker started ahead (``Sandbox``'s build pool): the GPU hidden, nothing but Python's,
+# torch's and the build hook's imports paid before its one candidate (``sandbox.worker.serve``).
+BUILD_WARM_MESSAGE = {"device": "cpu", "profile": False, "serves": "build"}
 
 
 class _Warm:

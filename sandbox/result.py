@@ -161,6 +161,7 @@ class EvalResult(BaseModel):
     config: EvalConfig = EvalConfig()
     seconds: float = 0.0                     # wall time of the whole evaluation
     phases: dict[str, float] = {}            # seconds per stage (build_wait, build, reference, load, device_wait, trials, ...)
+    gpu: Optional[str] = None                # the slot's GPU it ran on (its CUDA_VISIBLE_DEVICES entry); None: cpu
 
     build: Optional[BuildInfo] = None
     error_type: Optional[str] = None

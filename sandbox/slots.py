@@ -16,6 +16,19 @@ def usable_cores() -> int:
         return os.cpu_count() or 2
 
 
+CORES_PER_BUILD = 4     # a build's translation units at once: the C++ file, the CUDA file (nvcc --threads 2)
+MAX_BUILD_JOBS = 8
+
+
+def build_plan(cores: int, build_slots: int | None = None) -> tuple[int, int]:
+    """Builds at once and ninja jobs per build on ``cores`` (``build_slots``: the builds at once, as
+    asked). A build compiles two translation units, nvcc's with two threads: about four cores each,
+    so one build per four cores (at least one), its jobs the cores it has (2 to 8). Warm build
+    workers are kept one per build slot (``Sandbox``)."""
+    slots = max(1, build_slots or cores // CORES_PER_BUILD)
+    return slots, max(2, min(MAX_BUILD_JOBS, cores // slots))
+
+
 CPU_THREADS_ENV = "KERNELLOOP_CPU_THREADS"
 
 

@@ -18,6 +18,8 @@ Roles:
 * ``warm``: a candidate worker started before its candidate is known (``sandbox.pool``): it
   pays Python's and torch's imports, the CUDA context and the profiler's first session, says so,
   then waits for its one ``candidate`` message. Nothing of any candidate has been in it before.
+  With ``serves: build`` it is a build worker started ahead (the GPU hidden, device ``cpu``): it
+  pays Python's, torch's and the build hook's imports, then waits for its one ``build`` message.
 
 Harness modules and the functions timing relies on are bound before candidate code runs.
 """
@@ -508,10 +510,11 @@ class Worker:
 def serve(conn: Connection) -> None:
     init = _recv(conn)
     if init.get("role") == "warm":
+        serves = "build" if init.get("serves") == "build" else "candidate"   # a build worker: the GPU hidden
         _send(conn, warm_up(init))
         init = _recv(conn)             # the one candidate this worker will ever serve
-        if init.get("role") != "candidate":
-            _send(conn, {"ok": False, "error_message": "a warm worker serves one candidate only"})
+        if init.get("role") != serves:
+            _send(conn, {"ok": False, "error_message": f"a warm {serves} worker serves one {serves} only"})
             return
     worker = Worker(conn, init)
     if worker.role == "build":

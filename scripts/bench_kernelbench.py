@@ -74,6 +74,26 @@ CPU_SIZES: dict[str, dict[str, Any]] = {
 }
 # Phases during which a candidate holds its slot's device (checks, timing, evidence).
 HELD = ("trials", "timing", "spot_checks", "profile", "floor")
+# What a candidate waits for before or between its held phases (a GPU idles meanwhile unless
+# another candidate holds it): build slots and builds, memory admission, its reference's start,
+# its worker, the device behind other candidates, background work at the gate.
+WAITS = ("build_wait", "build", "memory_wait", "reference", "worker", "load", "device_wait", "gate_wait")
+
+
+def per_gpu(results: list[EvalResult], wall: float) -> dict[str, dict[str, Any]]:
+    """Per GPU the candidates run there: how many, the fraction of the wall time the GPU was held for
+    checks and timing, and the seconds its candidates waited, per kind of wait (sum and median)."""
+    out: dict[str, dict[str, Any]] = {}
+    for gpu in sorted({str(r.gpu) for r in results}):
+        mine = [r for r in results if str(r.gpu) == gpu]
+        held = sum(r.phases.get(k, 0.0) for r in mine for k in HELD)
+        out[gpu] = {"candidates": len(mine), "busy_fraction": round(held / wall, 3) if wall > 0 else 0.0,
+                    "held_s": round(held, 1),
+                    "waited_s": {k: round(sum(r.phases.get(k, 0.0) for r in mine), 1) for k in WAITS
+                                 if any(k in r.phases for r in mine)},
+                    "waited_median_s": {k: round(statistics.median(r.phases.get(k, 0.0) for r in mine), 2)
+                                        for k in WAITS if any(k in r.phases for r in mine)}}
+    return out
 
 
 def task_specs(device: str, tasks: int, sets: dict[str, Any]) -> list[TaskSpec]:
@@ -234,10 +254,12 @@ def run_mode(mode: str, work: list[tuple[TaskSpec, str]], device: str, cfg: Eval
                 sb.abort()
             wall = time.monotonic() - t0
             stats = getattr(sb, "pool_stats", {})
+            build_stats = getattr(sb, "build_pool_stats", {})
         finally:
             sb.close()
     summary = summarize(mode, results, errors, wall, len(sb.slots), stats)
     summary["executor"] = executor
+    summary["build_pool"] = build_stats
     summary["not_started"] = skipped[0]
     summary["interrupted"] = interrupted
     return summary
@@ -260,6 +282,7 @@ def summarize(mode: str, results: list[EvalResult], errors: list[str], wall: flo
             "statuses": {s: sum(r.status.value == s for r in results) for s in sorted({r.status.value for r in results})},
             "phases_median_s": phases, "device_held_s": round(held, 1),
             "device_busy_fraction": round(held / (wall * slots), 3) if wall > 0 else 0.0, "slots": slots,
+            "per_gpu": per_gpu(results, wall),
             "pool": pool,
             # each candidate's verdict, to compare two runs of the same work (executors, modes)
             "verdicts": {f"{r.task}|{r.candidate_sha256[:12]}": _verdict(r) for r in results},
@@ -285,8 +308,13 @@ def report(s: dict[str, Any]) -> None:
         print(f"  with the footprint step's {s['footprints_s']} s counted (a first run on this device, where none is stored): "
               f"{s['per_min_with_footprints']} candidates/min")
     print("  median phase seconds: " + ", ".join(f"{k} {v}" for k, v in s["phases_median_s"].items()))
+    for gpu, g in s.get("per_gpu", {}).items():
+        print(f"  GPU {gpu}: {g['candidates']} candidates, held {g['busy_fraction'] * 100:.0f}% of wall time; "
+              "its candidates waited (median s): " + ", ".join(f"{k} {v}" for k, v in g["waited_median_s"].items()))
     if s["pool"]:
         print(f"  warm workers: {s['pool']}")
+    if s.get("build_pool"):
+        print(f"  warm build workers: {s['build_pool']}")
 
 
 def main() -> None:

@@ -4,7 +4,11 @@
 # and .kb (a copy of ../shared/KernelBench, git-ignored).
 #   bash scripts/gpu_scale.sh bench   # scripts/bench_kernelbench.py (TASKS x CANDIDATES: default the whole mix, 10 x 4),
 #                                     # MODES (default pipelined: one-at-a-time does not fit a call), MAX_S (no candidate
-#                                     # starts after it, default 300); footprints read from a carried .gpu-store/fp32.db
+#                                     # starts after it, default 300), PARALLEL (candidates in flight, default 12); footprints
+#                                     # read from a carried .gpu-store/fp32.db
+#   bash scripts/gpu_scale.sh builds  # scripts/bench_build.py (BUILD_STYLES, default builtin,torch: plain load_inline and
+#                                     # the sandbox side by side, per translation unit, cold and warm build workers; BUILD_S
+#                                     # box, default 220), then the bench stage boxed to BENCH_S (default 270) with MAX_S 120
 #   bash scripts/gpu_scale.sh big     # tasks check + optimize on the level-1 tasks that ran out of memory before
 #   bash scripts/gpu_scale.sh tests   # the GPU tests of the sandbox (adversarial, admission, pool, failures)
 #   bash scripts/gpu_scale.sh kb-memory    # GPU tests of sandbox failures; per-worker GPU memory on four 6 GiB tasks
@@ -29,7 +33,14 @@ case "${1:-bench}" in
   bench)
     db=(); [ -f .gpu-store/fp32.db ] && cp .gpu-store/fp32.db /tmp/bench-footprints.db && db=(--db /tmp/bench-footprints.db)
     box ${BENCH_S:-540} python3 scripts/bench_kernelbench.py --device cuda --tasks ${TASKS:-10} --candidates ${CANDIDATES:-4} \
-      --modes ${MODES:-pipelined} --max-seconds ${MAX_S:-300} "${db[@]}" --json "$OUT/bench.json" 2>&1 | grep -v USDT | tee "$OUT/bench.txt"
+      --modes ${MODES:-pipelined} --parallel ${PARALLEL:-12} --max-seconds ${MAX_S:-300} "${db[@]}" --json "$OUT/bench.json" 2>&1 | grep -v USDT | tee "$OUT/bench.txt"
+    ;;
+  builds)
+    box ${BUILD_S:-220} python3 scripts/bench_build.py --device cuda --n ${BUILD_N:-3} --parallel ${BUILD_P:-3} \
+      --styles ${BUILD_STYLES:-builtin,torch} --workers 2>&1 | grep -v USDT | tee "$OUT/bench_build.txt"
+    db=(); [ -f .gpu-store/fp32.db ] && cp .gpu-store/fp32.db /tmp/bench-footprints.db && db=(--db /tmp/bench-footprints.db)
+    box ${BENCH_S:-270} python3 scripts/bench_kernelbench.py --device cuda --tasks ${TASKS:-10} --candidates ${CANDIDATES:-4} \
+      --modes pipelined --parallel ${PARALLEL:-12} --max-seconds ${MAX_S:-120} "${db[@]}" --json "$OUT/bench.json" 2>&1 | grep -v USDT | tee "$OUT/bench.txt"
     ;;
   big)
     box ${CHECK_S:-200} $KL tasks check $(named $BIG) --device cuda 2>&1 | grep -v USDT | tee "$OUT/tasks_check.txt"

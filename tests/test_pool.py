@@ -4,6 +4,7 @@ after; a warm worker that died is replaced and not blamed; precomputed outputs a
 on-demand trial computes."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -390,7 +391,9 @@ def test_a_tasks_reference_starts_while_its_first_candidate_builds_and_a_release
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             ref = self._refs.get((spec.key, 0))
-            if ref is not None and not ref.needs_start():
+            # started: its process runs and its start (model, imports) is over, the lock let go
+            if ref is not None and not ref.needs_start() and ref.lock.acquire(blocking=False):
+                ref.lock.release()
                 break
             time.sleep(0.1)
         started_during_build.append(ref is not None and not ref.needs_start())
@@ -422,3 +425,51 @@ def test_a_tasks_reference_starts_while_its_first_candidate_builds_and_a_release
         assert sandbox.memory.admission.references() == []
     finally:
         sandbox.close()
+
+
+_PID_WRITER = '''import os, json, torch
+with open({path!r}, "a") as f:
+    f.write(json.dumps({{"pid": os.getpid(), "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}}) + "\\n")
+class ModelNew(torch.nn.Module):
+    def __init__(self, *a):
+        super().__init__()
+    def forward(self, x):
+        return x
+'''
+
+
+def test_builds_run_in_warm_build_workers_each_used_once_with_the_gpu_hidden(tmp_path):
+    """A build worker started ahead serves one build only (a fresh process per candidate, as a
+    cold one), sees no GPU, and answers as a cold one does: an import that fails is left to the
+    candidate's load (not the harness's failure), as from a cold worker."""
+    spec = _spec()
+    log = tmp_path / "pids.jsonl"
+    source = _PID_WRITER.format(path=str(log))
+    with Sandbox("cpu", CFG, build_slots=1, warm_workers=1) as sb:
+        first = sb.build_only(spec, source)
+        _wait_ready(sb._build_pool)
+        second = sb.build_only(spec, source + "\n# another candidate\n")
+        broken = sb.build_only(spec, "raise RuntimeError('candidate import fails')\n")
+        stats = sb.build_pool_stats
+    with Sandbox("cpu", CFG, build_slots=1, warm_workers=0) as cold:
+        cold_broken = cold.build_only(spec, "raise RuntimeError('candidate import fails')\n")
+        assert cold.build_pool_stats == {}
+    assert first.ok and second.ok, (first.error_message, second.error_message)
+    seen = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(seen) == 2 and seen[0]["pid"] != seen[1]["pid"]
+    assert all(s["gpus"] == "" for s in seen)
+    assert stats["taken_ready"] >= 1 and stats["started"] >= 2
+    assert (broken.ok, broken.status, broken.error_type) == (cold_broken.ok, cold_broken.status, cold_broken.error_type)
+    assert broken.status is not Status.infra_error
+
+
+def test_a_ray_build_task_builds_in_a_worker_of_its_own(tmp_path):
+    """``executors.ray_slot.build_on_node`` borrows the sandbox's build step without a sandbox (no
+    build pool there): it starts its own build worker, as before."""
+    from executors.ray_slot import build_on_node
+
+    log = tmp_path / "pids.jsonl"
+    reply = json.loads(build_on_node(_spec().__dict__, _PID_WRITER.format(path=str(log)), "cpu",
+                                     CFG.model_dump_json(), None, 2))
+    assert reply["ok"], reply
+    assert len(log.read_text().splitlines()) == 1
