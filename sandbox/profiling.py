@@ -115,6 +115,7 @@ def profile_forward(model: Callable, make_args: Callable[[int], Sequence[Any]], 
         flusher = None
         if device == "cuda":
             flusher = clock.L2Flusher(device)
+            clock.preamble(flusher)      # outside the profile: the spin measures its clock rate on first use
             torch.cuda.synchronize()
         with profile(activities=activities) as prof:
             for args in arg_sets:
