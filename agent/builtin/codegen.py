@@ -31,6 +31,7 @@ class Knobs:
     block: int = 256           # threads per block (cuda); chunk/tile scale (cpu)
     reduce: str = "onepass"    # onepass | twopass (logsumexp/softmax, norm statistics)
     matmul: str = "tc3"        # tc3 (large GEMMs as split-TF32 tensor-core GEMMs, cuda; see gemm.py) | ieee
+    layout: str = "nhwc"       # nhwc (convolutions in channels-last, epilogues on the permuted view; see layout.py) | nchw
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -274,7 +275,7 @@ def body_hash(source: str) -> str:
 
 
 def render_candidate(traced: Traced, plan: Plan, kgroups: list[KernelGroup], device: str,
-                     knobs: Knobs, header: dict[str, Any]) -> Rendered:
+                     knobs: Knobs, header: dict[str, Any], init: Optional[list[str]] = None) -> Rendered:
     codes = [GroupCode(kg, device, knobs) for kg in kgroups]
     qualifying = tc3_gemms(plan.infos, traced.modules, device, traced.precision)
     tc = qualifying if knobs.matmul == "tc3" else []
@@ -294,6 +295,9 @@ def render_candidate(traced: Traced, plan: Plan, kgroups: list[KernelGroup], dev
     digest = hashlib.sha256((cpp_source + cuda_source).encode()).hexdigest()[:16]
     ext_name = f"kl_builtin_{device}_{digest}"
     forward = emit_forward(traced, plan, codes, tc)
+    if init:
+        forward = "\n".join(["    def __init__(self, *args, **kwargs):", *("        " + line for line in init),
+                              "", forward])
     used: set[str] = set()
     for c in codes:
         used |= c.uses_knobs
