@@ -14,6 +14,7 @@ from agent.builtin import pysource
 from agent.builtin.dtypes import at_type, c_type
 from agent.builtin.gemm import TcGemm, tc3_gemms
 from agent.builtin.kernels import LANES, KernelGroup
+from agent.builtin.layout import forward_statement, uses_to_channels_last
 from agent.builtin.ops import c_float
 from agent.builtin.plan import Plan
 from agent.builtin.pysource import fmt, pytorch_statement, var
@@ -283,9 +284,12 @@ def render_candidate(traced: Traced, plan: Plan, kgroups: list[KernelGroup], dev
     kernels = "\n".join(c.kernel_source() for c in codes)
     if tc:
         kernels += ("\n" if kernels else "") + render("cuda_tc.cu.j2")
+    to_cl = device == "cuda" and uses_to_channels_last(traced)      # the channels-last input copy (layout.py)
+    if to_cl:
+        kernels += ("\n" if kernels else "") + render("cuda_nhwc.cu.j2")
     common = render("common.h.j2", device=device, half=any(c.kg.has_half for c in codes))
     wrappers = render("wrapper.cpp.j2", device=device, wrappers=[c.wrapper() for c in codes],
-                      tc_linear="kl_tc_linear" in tc_fns, tc_matmul="kl_tc_matmul" in tc_fns)
+                      tc_linear="kl_tc_linear" in tc_fns, tc_matmul="kl_tc_matmul" in tc_fns, to_cl=to_cl)
     if device == "cuda":
         cuda_source = common + "\n" + kernels
         cpp_source = wrappers
@@ -294,7 +298,7 @@ def render_candidate(traced: Traced, plan: Plan, kgroups: list[KernelGroup], dev
         cpp_source = common + "\n" + kernels + "\n" + wrappers
     digest = hashlib.sha256((cpp_source + cuda_source).encode()).hexdigest()[:16]
     ext_name = f"kl_builtin_{device}_{digest}"
-    forward = emit_forward(traced, plan, codes, tc)
+    forward = emit_forward(traced, plan, codes, tc, device)
     if init:
         forward = "\n".join(["    def __init__(self, *args, **kwargs):", *("        " + line for line in init),
                               "", forward])
@@ -305,7 +309,7 @@ def render_candidate(traced: Traced, plan: Plan, kgroups: list[KernelGroup], dev
         used.add("matmul")
     spec = traced.spec
     summary = _summary(plan, codes, tc, traced.precision)
-    functions = [c.kg.name for c in codes] + sorted(tc_fns)
+    functions = [c.kg.name for c in codes] + sorted(tc_fns) + (["kl_to_cl"] if to_cl else [])
     source = render(
         "candidate.py.j2",
         header=json.dumps(header, sort_keys=True, separators=(",", ":")),
@@ -349,7 +353,8 @@ def _summary(plan: Plan, codes: list[GroupCode], tc: list[TcGemm], precision: st
     return out
 
 
-def emit_forward(traced: Traced, plan: Plan, codes: list[GroupCode], tc: Optional[list[TcGemm]] = None) -> str:
+def emit_forward(traced: Traced, plan: Plan, codes: list[GroupCode], tc: Optional[list[TcGemm]] = None,
+                 device: str = "cuda") -> str:
     nodes = list(traced.gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     at_output = {c.kg.out_node: c for c in codes}
@@ -382,6 +387,11 @@ def emit_forward(traced: Traced, plan: Plan, codes: list[GroupCode], tc: Optiona
         if n in on_tc:
             body.append(on_tc[n].comment())
             body.append(on_tc[n].statement())
+            continue
+        to_cl = forward_statement(n, device)
+        if to_cl is not None:
+            body.append("# the convolution's input in channels-last memory")
+            body.append(to_cl)
             continue
         if info.kind == "other":
             body.append(f"# not covered by builtin: {info.op} ({info.note}); stays on PyTorch")

@@ -67,10 +67,6 @@ def memory_format(rank: int) -> str:
     return "torch.channels_last" if rank == 4 else "torch.channels_last_3d"
 
 
-def _fmt_obj(rank: int):
-    return torch.channels_last if rank == 4 else torch.channels_last_3d
-
-
 def _conv_of(node: Node, modules: dict[str, nn.Module]) -> Optional[str]:
     """The weight's parameter path of a 2-D/3-D convolution node (None: not one we convert)."""
     shape = shape_of(node)
@@ -193,7 +189,7 @@ def channels_last(traced: Traced, infos: dict[Node, OpInfo]) -> Optional[Channel
         if path is not None:
             r = len(shape_of(n))
             x = n.args[0]
-            xin = g.call_method("to", (natural(x),), {"memory_format": _fmt_obj(r)})
+            xin = g.call_function(to_channels_last, (natural(x),))
             nat[n] = g.node_copy(n, lambda a, x=x, xin=xin: xin if a is x else natural(a))
             rank_of[n] = r
             if path:
@@ -212,6 +208,34 @@ def channels_last(traced: Traced, infos: dict[Node, OpInfo]) -> Optional[Channel
     ShapeProp(new_gm).propagate(*inputs)
     out = replace(traced, gm=new_gm, modules=dict(new_gm.named_modules()))
     return ChannelsLast(traced=out, weights=sorted(set(weights)))
+
+
+def to_channels_last(x: torch.Tensor) -> torch.Tensor:
+    """A convolution's input in channels-last memory (the graph's node; the candidate calls the
+    generated tiled transpose on cuda, see ``forward_statement``)."""
+    return x.contiguous(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
+
+
+to_channels_last.kl_library = True      # ops.classify: a library operator, stays as it is
+
+
+def forward_statement(node: Node, device: str) -> Optional[str]:
+    """The candidate's statement for a ``to_channels_last`` node (None: not one): on cuda the
+    extension's ``kl_to_cl`` (a tiled shared-memory transpose, coalesced on both sides, where
+    PyTorch's strided copy reads one element per sector), on cpu PyTorch's copy."""
+    if node.op != "call_function" or node.target is not to_channels_last:
+        return None
+    from agent.builtin.pysource import fmt, var
+
+    x = fmt(node.args[0])
+    if device == "cuda":
+        return f"{var(node)} = _ext.kl_to_cl({x})"
+    shape = shape_of(node)
+    return f"{var(node)} = {x}.contiguous(memory_format={memory_format(len(shape) if shape else 4)})"
+
+
+def uses_to_channels_last(traced: Traced) -> bool:
+    return any(n.op == "call_function" and n.target is to_channels_last for n in traced.gm.graph.nodes)
 
 
 class _Skip(Exception):
