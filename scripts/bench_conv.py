@@ -115,7 +115,27 @@ def _time(fn, xs, warmup: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def bench(path: Path, extra: dict[str, Path], warmup: int, reps: int) -> dict[str, Any]:
+def _profile(label: str, fn, xs, calls: int = 5) -> None:
+    """The GPU kernels of ``calls`` calls, by total time (per call), for one model."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(*xs)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn(*xs)
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t > 0:
+            rows.append((t / calls / 1000.0, ev.count // calls, ev.key[:90]))
+    rows.sort(reverse=True)
+    print(f"  profile {label}: " + "; ".join(f"{ms:.3f} ms x{n} {k}" for ms, n, k in rows[:6]), flush=True)
+
+
+def bench(path: Path, extra: dict[str, Path], warmup: int, reps: int, prof: bool = False) -> dict[str, Any]:
     import torch
 
     from sandbox.harness import make_inputs, make_model
@@ -134,6 +154,8 @@ def bench(path: Path, extra: dict[str, Path], warmup: int, reps: int) -> dict[st
         row["ms"]["eager"] = _time(ref, xs, warmup, reps)
         comp = torch.compile(make_model(task.Model, task, 1, "cuda", num))
         row["ms"]["compile"] = _time(comp, xs, warmup, reps)
+        if prof:
+            _profile("compile", comp, xs)
         for label, src in srcs.items():
             try:
                 model = make_model(_load(src, f"{path.stem}_{label}"), task, 1, "cuda", num)
@@ -141,6 +163,8 @@ def bench(path: Path, extra: dict[str, Path], warmup: int, reps: int) -> dict[st
                 row["err"][label] = float((got.float() - want.float()).abs().max())
                 row["ok"][label] = bool(torch.allclose(got.float(), want.float(), atol=1e-2, rtol=1e-2))
                 row["ms"][label] = _time(model, xs, warmup, reps)
+                if prof and label == "nhwc":
+                    _profile(label, model, xs)
             except Exception as exc:  # noqa: BLE001
                 row["err"][label] = f"{type(exc).__name__}: {str(exc)[-300:]}"
                 row["ok"][label] = False
@@ -156,6 +180,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="append", default=[], help="a task whose GPU kernels to list (compile, nhwc)")
     a = ap.parse_args()
     kb = Path(a.kb)
     extra = {s.split("=", 1)[0]: Path(s.split("=", 1)[1]) for s in a.sources}
@@ -173,7 +198,7 @@ def main() -> int:
           f"(cuDNN TF32 {torch.backends.cudnn.allow_tf32}); ms = median of {a.reps} CUDA-event timings")
     rows = []
     for p in paths:
-        row = bench(p, extra, a.warmup, a.reps)
+        row = bench(p, extra, a.warmup, a.reps, p.stem in a.profile)
         rows.append(row)
         ms = row["ms"]
         parts = [f"eager {ms['eager']:.3f}", f"compile {ms['compile']:.3f}"]
