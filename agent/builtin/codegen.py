@@ -388,10 +388,9 @@ def emit_forward(traced: Traced, plan: Plan, codes: list[GroupCode], tc: Optiona
             body.append(on_tc[n].comment())
             body.append(on_tc[n].statement())
             continue
-        to_cl = forward_statement(n, device)
-        if to_cl is not None:
-            body.append("# the convolution's input in channels-last memory")
-            body.append(to_cl)
+        layout_lines = forward_statement(n, device)
+        if layout_lines is not None:
+            body.extend(layout_lines)
             continue
         if info.kind == "other":
             body.append(f"# not covered by builtin: {info.op} ({info.note}); stays on PyTorch")
