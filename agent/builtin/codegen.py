@@ -284,7 +284,8 @@ def render_candidate(traced: Traced, plan: Plan, kgroups: list[KernelGroup], dev
     kernels = "\n".join(c.kernel_source() for c in codes)
     if tc:
         kernels += ("\n" if kernels else "") + render("cuda_tc.cu.j2")
-    to_cl = device == "cuda" and uses_to_channels_last(traced)      # the channels-last input copy (layout.py)
+    # the channels-last input copy (layout.py), in candidates that build their own kernels anyway
+    to_cl = device == "cuda" and bool(codes or tc) and uses_to_channels_last(traced)
     if to_cl:
         kernels += ("\n" if kernels else "") + render("cuda_nhwc.cu.j2")
     common = render("common.h.j2", device=device, half=any(c.kg.has_half for c in codes))
@@ -298,7 +299,7 @@ def render_candidate(traced: Traced, plan: Plan, kgroups: list[KernelGroup], dev
         cpp_source = common + "\n" + kernels + "\n" + wrappers
     digest = hashlib.sha256((cpp_source + cuda_source).encode()).hexdigest()[:16]
     ext_name = f"kl_builtin_{device}_{digest}"
-    forward = emit_forward(traced, plan, codes, tc, device)
+    forward = emit_forward(traced, plan, codes, tc, to_cl)
     if init:
         forward = "\n".join(["    def __init__(self, *args, **kwargs):", *("        " + line for line in init),
                               "", forward])
@@ -354,7 +355,7 @@ def _summary(plan: Plan, codes: list[GroupCode], tc: list[TcGemm], precision: st
 
 
 def emit_forward(traced: Traced, plan: Plan, codes: list[GroupCode], tc: Optional[list[TcGemm]] = None,
-                 device: str = "cuda") -> str:
+                 to_cl: bool = False) -> str:
     nodes = list(traced.gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     at_output = {c.kg.out_node: c for c in codes}
@@ -388,7 +389,7 @@ def emit_forward(traced: Traced, plan: Plan, codes: list[GroupCode], tc: Optiona
             body.append(on_tc[n].comment())
             body.append(on_tc[n].statement())
             continue
-        layout_lines = forward_statement(n, device)
+        layout_lines = forward_statement(n, to_cl)
         if layout_lines is not None:
             body.extend(layout_lines)
             continue

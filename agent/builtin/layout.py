@@ -14,8 +14,10 @@ reads the convolution's output once. ``channels_last(traced)`` rewrites a traced
   dimensions renumbered - a reduction over channels becomes one over the innermost, contiguous
   dimension, which the reduction kernels do a warp per pixel. The generated kernels then read
   the convolution's output once, in its own memory order;
-* where a value leaves that region (a norm, a library operator, the output) it is permuted back to
-  its logical shape (channels-last memory, which PyTorch's operators accept);
+* where a value leaves that region (a library operator, the output) it is permuted back to its
+  logical shape (channels-last memory, which PyTorch's operators accept); a graph where the view
+  would feed a norm (group/batch/instance/layer norm) stays NCHW: the norm's fused prologue in one
+  NCHW kernel beats a copy back plus a separate kernel;
 * 2-D pooling on a channels-last tensor keeps the layout, so the operators after it stay in the
   permuted view too.
 
@@ -122,6 +124,7 @@ def channels_last(traced: Traced, infos: dict[Node, OpInfo]) -> Optional[Channel
     dom: dict[Node, Node] = {}           # old node -> new node with its permuted (NHWC) view
     rank_of: dict[Node, int] = {}        # old node -> rank of its channels-last value
     weights: list[tuple[str, int]] = []
+    norm_after = False
 
     def natural(o: Any) -> Any:
         if not isinstance(o, Node):
@@ -199,6 +202,7 @@ def channels_last(traced: Traced, infos: dict[Node, OpInfo]) -> Optional[Channel
             # a norm reads its input in logical (contiguous) order: PyTorch's CPU group norm on a
             # channels-last tensor measured 1e-3 off a float64 run where the NCHW one is 3e-6 off
             # (the generated norm kernels copy it to contiguous anyway, so this costs them nothing)
+            norm_after |= any(isinstance(a, Node) and a in rank_of for a in n.args)
             copied = g.node_copy(n, lambda a: g.call_function(to_logical, (natural(a),))
                                  if isinstance(a, Node) and a in rank_of else natural(a))
         else:
@@ -208,6 +212,10 @@ def channels_last(traced: Traced, infos: dict[Node, OpInfo]) -> Optional[Channel
             shape = shape_of(n)
             if shape is not None and len(shape) == rank_of[n.args[0]]:
                 rank_of[n] = rank_of[n.args[0]]
+    if norm_after:
+        # a norm fed by the view would need a copy back and lose its fused prologue (one NCHW kernel
+        # for bias, activations and the norm): these graphs stay NCHW
+        return None
     new_gm = GraphModule(gm, g)
     device = next((p.device for p in gm.parameters()), torch.device("meta"))
     inputs = [torch.zeros(p.meta["tensor_meta"].shape, dtype=p.meta["tensor_meta"].dtype, device=device)
@@ -235,10 +243,11 @@ def to_logical(x: torch.Tensor) -> torch.Tensor:
 to_logical.kl_library = True
 
 
-def forward_statement(node: Node, device: str) -> Optional[list[str]]:
+def forward_statement(node: Node, kernel: bool) -> Optional[list[str]]:
     """The candidate's lines (a comment, the statement) for a ``to_channels_last`` or ``to_logical``
-    node (None: neither): the input copy is on cuda the extension's ``kl_to_cl`` (a tiled
-    shared-memory transpose, coalesced on both sides), on cpu PyTorch's copy."""
+    node (None: neither): the input copy is, with ``kernel`` (cuda, in a candidate that builds an
+    extension anyway), the extension's ``kl_to_cl`` (a tiled shared-memory transpose, coalesced on
+    both sides), else PyTorch's copy."""
     if node.op != "call_function" or node.target not in (to_channels_last, to_logical):
         return None
     from agent.builtin.pysource import fmt, var
@@ -246,7 +255,7 @@ def forward_statement(node: Node, device: str) -> Optional[list[str]]:
     x = fmt(node.args[0])
     if node.target is to_logical:
         return ["# back to logical (NCHW) memory for the norm", f"{var(node)} = {x}.contiguous()"]
-    if device == "cuda":
+    if kernel:
         stmt = f"{var(node)} = _ext.kl_to_cl({x})"
     else:
         shape = shape_of(node)
