@@ -52,7 +52,6 @@ class Model(nn.Module):
     def __init__(self):
         super().__init__()
         self.convt = nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1)
-        self.gn = nn.GroupNorm(2, 6)
 
     def forward(self, x):
         x = torch.nn.functional.gelu(self.convt(x)) - 0.5
@@ -117,6 +116,15 @@ def test_layout_knob_changes_nothing_without_a_convolution(tmp_path):
     _, spec = _spec(tmp_path, "no_conv", text)
     a, b = generate(spec, "cpu", Knobs(layout="nhwc")), generate(spec, "cpu", Knobs(layout="nchw"))
     assert body_hash(a.source) == body_hash(b.source) and a.choices["knobs"] == b.choices["knobs"]
+
+
+def test_a_norm_after_the_convolution_keeps_nchw(tmp_path):
+    text = TRANSPOSED.replace("output_padding=1)\n", "output_padding=1)\n        self.gn = nn.GroupNorm(2, 6)\n") \
+        .replace("return torch.sigmoid(x)", "return self.gn(x)")
+    _, spec = _spec(tmp_path, "conv_norm", text)
+    traced = trace_task(spec, "cpu")
+    assert channels_last(traced, classify_graph(traced)) is None
+    assert "channels_last" not in generate(spec, "cpu", Knobs(layout="nhwc")).source
 
 
 def test_headers_before_the_layout_knob_read_as_nchw():
