@@ -50,7 +50,8 @@ class GeneratedCandidate:
 
 
 class _Generator:
-    def __init__(self, traced: Traced, device: str, fb: Feedback, math: Optional[str] = None):
+    def __init__(self, traced: Traced, device: str, fb: Feedback, math: Optional[str] = None,
+                 layout: str = "nchw", init: Optional[list[str]] = None):
         self.traced = traced
         self.device = device
         self.fb = fb
@@ -58,6 +59,19 @@ class _Generator:
         self.math = math                    # the run's math mode, recorded in the header
         self.infos = classify_graph(traced)
         self._plans: dict[str, tuple[Plan, list[KernelGroup], set[str]]] = {}
+        self.layout = layout                # the graph's layout (see layout.py)
+        self.init = init                    # the candidate's __init__ lines (nhwc: weight conversion)
+        self._others: dict[str, Optional[_Generator]] = {}
+
+    def other(self, layout: str) -> Optional["_Generator"]:
+        """The generator of the same task in another layout (None: it would change nothing)."""
+        if layout not in self._others:
+            from agent.builtin.layout import channels_last, init_lines
+
+            cl = channels_last(self.traced, self.infos) if layout == "nhwc" and self.layout == "nchw" else None
+            self._others[layout] = None if cl is None else _Generator(
+                cl.traced, self.device, self.fb, self.math, layout, init_lines(cl.weights) if cl.weights else None)
+        return self._others[layout]
 
     def plan(self, fusion: str, excluded_extra: frozenset = frozenset()):
         key = fusion + "|" + ",".join(sorted(excluded_extra))
@@ -79,18 +93,25 @@ class _Generator:
         return self._plans[key]
 
     def render(self, knobs: Knobs, excluded_extra: frozenset = frozenset()) -> Rendered:
+        if knobs.layout != self.layout and self.layout == "nchw":
+            other = self.other(knobs.layout)
+            if other is not None:
+                return other.render(knobs, excluded_extra)
         plan, kgroups, excluded = self.plan(knobs.fusion, excluded_extra)
         # knobs that change nothing in this plan are normalised, so equal code has equal headers
-        probe = render_candidate(self.traced, plan, kgroups, self.device, knobs, {})
+        probe = render_candidate(self.traced, plan, kgroups, self.device, knobs, {}, self.init)
         used = probe.knobs_used
+        # a layout is "used" where the graph has a convolution it rewrites (then both are distinct code)
+        has_layouts = self.layout != "nchw" or self.other("nhwc") is not None
         eff = Knobs(fusion=knobs.fusion,
                     vec=knobs.vec if "vec" in used else DEFAULT_KNOBS.vec,
                     block=knobs.block if "block" in used else DEFAULT_KNOBS.block,
                     reduce=knobs.reduce if "reduce" in used else DEFAULT_KNOBS.reduce,
-                    matmul=knobs.matmul if "matmul" in used else default_matmul(self.precision))
+                    matmul=knobs.matmul if "matmul" in used else default_matmul(self.precision),
+                    layout=self.layout if has_layouts else DEFAULT_KNOBS.layout)
         # (where the knob is used it is kept as asked, so the probe ran the same GEMMs)
         header = self.header(plan, kgroups, eff, excluded, [g.node.name for g in probe.tc])
-        return render_candidate(self.traced, plan, kgroups, self.device, eff, header)
+        return render_candidate(self.traced, plan, kgroups, self.device, eff, header, self.init)
 
     def header(self, plan: Plan, kgroups: list[KernelGroup], knobs: Knobs, excluded: set[str],
                tc: list[str]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from agent.builtin import pysource
 from agent.builtin.dtypes import at_type, c_type
 from agent.builtin.gemm import TcGemm, tc3_gemms
 from agent.builtin.kernels import LANES, KernelGroup
+from agent.builtin.layout import forward_statement, uses_to_channels_last
 from agent.builtin.ops import c_float
 from agent.builtin.plan import Plan
 from agent.builtin.pysource import fmt, pytorch_statement, var
@@ -31,6 +32,7 @@ class Knobs:
     block: int = 256           # threads per block (cuda); chunk/tile scale (cpu)
     reduce: str = "onepass"    # onepass | twopass (logsumexp/softmax, norm statistics)
     matmul: str = "tc3"        # tc3 (large GEMMs as split-TF32 tensor-core GEMMs, cuda; see gemm.py) | ieee
+    layout: str = "nhwc"       # nhwc (convolutions in channels-last, epilogues on the permuted view; see layout.py) | nchw
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -274,7 +276,7 @@ def body_hash(source: str) -> str:
 
 
 def render_candidate(traced: Traced, plan: Plan, kgroups: list[KernelGroup], device: str,
-                     knobs: Knobs, header: dict[str, Any]) -> Rendered:
+                     knobs: Knobs, header: dict[str, Any], init: Optional[list[str]] = None) -> Rendered:
     codes = [GroupCode(kg, device, knobs) for kg in kgroups]
     qualifying = tc3_gemms(plan.infos, traced.modules, device, traced.precision)
     tc = qualifying if knobs.matmul == "tc3" else []
@@ -282,9 +284,13 @@ def render_candidate(traced: Traced, plan: Plan, kgroups: list[KernelGroup], dev
     kernels = "\n".join(c.kernel_source() for c in codes)
     if tc:
         kernels += ("\n" if kernels else "") + render("cuda_tc.cu.j2")
+    # the channels-last input copy (layout.py), in candidates that build their own kernels anyway
+    to_cl = device == "cuda" and bool(codes or tc) and uses_to_channels_last(traced)
+    if to_cl:
+        kernels += ("\n" if kernels else "") + render("cuda_nhwc.cu.j2")
     common = render("common.h.j2", device=device, half=any(c.kg.has_half for c in codes))
     wrappers = render("wrapper.cpp.j2", device=device, wrappers=[c.wrapper() for c in codes],
-                      tc_linear="kl_tc_linear" in tc_fns, tc_matmul="kl_tc_matmul" in tc_fns)
+                      tc_linear="kl_tc_linear" in tc_fns, tc_matmul="kl_tc_matmul" in tc_fns, to_cl=to_cl)
     if device == "cuda":
         cuda_source = common + "\n" + kernels
         cpp_source = wrappers
@@ -293,7 +299,10 @@ def render_candidate(traced: Traced, plan: Plan, kgroups: list[KernelGroup], dev
         cpp_source = common + "\n" + kernels + "\n" + wrappers
     digest = hashlib.sha256((cpp_source + cuda_source).encode()).hexdigest()[:16]
     ext_name = f"kl_builtin_{device}_{digest}"
-    forward = emit_forward(traced, plan, codes, tc)
+    forward = emit_forward(traced, plan, codes, tc, to_cl)
+    if init:
+        forward = "\n".join(["    def __init__(self, *args, **kwargs):", *("        " + line for line in init),
+                              "", forward])
     used: set[str] = set()
     for c in codes:
         used |= c.uses_knobs
@@ -301,7 +310,7 @@ def render_candidate(traced: Traced, plan: Plan, kgroups: list[KernelGroup], dev
         used.add("matmul")
     spec = traced.spec
     summary = _summary(plan, codes, tc, traced.precision)
-    functions = [c.kg.name for c in codes] + sorted(tc_fns)
+    functions = [c.kg.name for c in codes] + sorted(tc_fns) + (["kl_to_cl"] if to_cl else [])
     source = render(
         "candidate.py.j2",
         header=json.dumps(header, sort_keys=True, separators=(",", ":")),
@@ -345,7 +354,8 @@ def _summary(plan: Plan, codes: list[GroupCode], tc: list[TcGemm], precision: st
     return out
 
 
-def emit_forward(traced: Traced, plan: Plan, codes: list[GroupCode], tc: Optional[list[TcGemm]] = None) -> str:
+def emit_forward(traced: Traced, plan: Plan, codes: list[GroupCode], tc: Optional[list[TcGemm]] = None,
+                 to_cl: bool = False) -> str:
     nodes = list(traced.gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     at_output = {c.kg.out_node: c for c in codes}
@@ -378,6 +388,10 @@ def emit_forward(traced: Traced, plan: Plan, codes: list[GroupCode], tc: Optiona
         if n in on_tc:
             body.append(on_tc[n].comment())
             body.append(on_tc[n].statement())
+            continue
+        layout_lines = forward_statement(n, to_cl)
+        if layout_lines is not None:
+            body.extend(layout_lines)
             continue
         if info.kind == "other":
             body.append(f"# not covered by builtin: {info.op} ({info.note}); stays on PyTorch")

@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 from agent.builtin.codegen import BLOCK_SIZES, HEADER_PREFIX, Knobs, body_hash
 from agent.builtin.gemm import MATMUL_MODES
+from agent.builtin.layout import LAYOUTS
 from agent.builtin.plan import FUSION_MODES, narrow
 from typing import TYPE_CHECKING
 
@@ -112,6 +113,8 @@ def _knobs_of(header: dict[str, Any]) -> dict[str, Any]:
     knobs = dict(header.get("knobs") or {})
     if knobs and "matmul" not in knobs:
         knobs["matmul"] = "ieee"
+    if knobs and "layout" not in knobs:
+        knobs["layout"] = "nchw"     # written before the layout knob: convolutions ran in NCHW
     return knobs
 
 
@@ -247,22 +250,25 @@ def read_history(history: list[AttemptView], device: str, precision: str = "fp32
 
 # The third entry is the first's twin with PyTorch's own float32 GEMM, so that the loop measures
 # the split-TF32 GEMMs against it early (on tasks without a qualifying GEMM the knob is
-# normalised away and the twin is the first again, skipped as seen).
+# normalised away and the twin is the first again, skipped as seen). The fourth is the first's
+# twin in NCHW: convolutions run in channels-last by default (layout.py), measured against it
+# (on tasks without a convolution the knob is normalised away the same way).
 DEFAULT_ORDER = [
     Knobs("max", True, 256, "onepass", "tc3"),
     Knobs("max", False, 256, "twopass", "tc3"),
     Knobs("max", True, 256, "onepass", "ieee"),
+    Knobs("max", True, 256, "onepass", "tc3", "nchw"),
     Knobs("max", True, 512, "twopass", "tc3"),
     Knobs("no_prologue", True, 256, "onepass", "tc3"),
     Knobs("elementwise", True, 256, "onepass", "tc3"),
     Knobs("max", True, 128, "onepass", "tc3"),
     Knobs("split", True, 256, "twopass", "tc3"),
 ]
-ALL_KNOBS = [Knobs(f, v, b, r, m) for f in FUSION_MODES for v in (True, False) for b in BLOCK_SIZES
-             for r in ("onepass", "twopass") for m in MATMUL_MODES]
+ALL_KNOBS = [Knobs(f, v, b, r, m, lay) for f in FUSION_MODES for v in (True, False) for b in BLOCK_SIZES
+             for r in ("onepass", "twopass") for m in MATMUL_MODES for lay in LAYOUTS]
 # Around the best, one-knob changes are tried in this order: the GEMM's mode first (the GEMM
 # dominates the time of every task that has a qualifying one).
-_PRIORITY = {"matmul": 0, "block": 1, "vec": 2, "reduce": 3, "fusion": 4}
+_PRIORITY = {"matmul": 0, "layout": 0, "block": 1, "vec": 2, "reduce": 3, "fusion": 4}
 
 
 def variant_order(fb: Feedback, precision: Optional[str] = None) -> list[Knobs]:

@@ -334,7 +334,7 @@ def _classify(node: Node, modules: dict[str, nn.Module], constants: dict[str, An
         return info
     if node.op == "call_function":
         target = node.target
-        if target in LIBRARY_FUNCTIONS:
+        if target in LIBRARY_FUNCTIONS or getattr(target, "kl_library", False):   # kl_library: layout.py's copies
             return OpInfo("library", getattr(target, "__name__", str(target)))
         spec = _FUNCTIONS.get(target)
         if spec is None:

@@ -1,0 +1,229 @@
+"""Convolution tasks side by side in one process: eager, torch.compile and builtin candidates.
+
+    python3 scripts/bench_conv.py --kb ../shared/KernelBench 57_Conv2d_ReLU_HardSwish 25_Conv2d_Min_Tanh_Tanh
+    python3 scripts/bench_conv.py --kb .kb --sources old=DIR ...   # also candidates written elsewhere
+                                                                    # (DIR/<task>.py, e.g. by another checkout)
+
+For each KernelBench level-2 task (published sizes, cuda) it builds the reference and, from this
+checkout's builtin generator (``--model builtin``), the candidate in each layout (``nchw``: the
+convolution in PyTorch's default layout, the layout before this change; ``nhwc``: channels-last,
+``agent/builtin/layout.py``), all other knobs at their defaults. Every model is built as the
+sandbox builds it (same seed) and fed the same inputs; the candidates are checked against eager
+(allclose at atol = rtol = 1e-2, KernelBench's fp32 tolerance, and the largest absolute error is
+printed) and timed with CUDA events (median of --reps after --warmup calls), all under the run's
+default numerics ``fp32/default`` (PyTorch's own TF32 switches: cuDNN convolutions may use TF32,
+matmuls not), one after another in this process. Candidates and torch.compile are built first
+in --jobs worker processes (their caches are on disk), so the timing loop only loads them.
+Prints per task the times (ms) and the ratios candidate/compile and candidate/eager, then the
+geomeans.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+LAYOUTS = ("nchw", "nhwc")
+
+
+def _task_path(kb: Path, name: str) -> Path:
+    p = kb / "level2" / (name if name.endswith(".py") else name + ".py")
+    if not p.exists():
+        raise SystemExit(f"no task {p}")
+    return p
+
+
+def _sources(path: Path, extra: dict[str, Path]) -> dict[str, str]:
+    from agent.builtin import generate
+    from agent.builtin.codegen import Knobs
+    from sandbox.tasks import read_spec
+
+    spec = read_spec(path, name=f"level2/{path.stem}")
+    out = {lay: generate(spec, "cuda", Knobs(layout=lay)).source for lay in LAYOUTS}
+    for label, d in extra.items():
+        f = d / f"{path.stem}.py"
+        if f.exists():
+            out[label] = f.read_text()
+    return out
+
+
+def _load(source: str, name: str) -> type:
+    ns: dict[str, Any] = {"__name__": f"kl_bench_{name}"}
+    exec(compile(source, f"{name}.py", "exec"), ns)
+    return ns["ModelNew"]
+
+
+def _prepare(args: tuple) -> dict[str, Any]:
+    """Worker: build every candidate and compile the reference once (fills the on-disk caches)."""
+    path, extra = args
+    import torch
+
+    from sandbox.harness import make_inputs, make_model
+    from sandbox.numerics import Numerics
+    from sandbox.tasks import load_task, read_spec, with_device_sizes
+
+    out: dict[str, Any] = {"task": path.stem, "errors": {}}
+    t0 = time.perf_counter()
+    try:
+        srcs = _sources(path, extra)
+    except Exception as exc:  # noqa: BLE001 - reported per task
+        out["errors"]["generate"] = f"{type(exc).__name__}: {exc}"
+        return out
+    for label, src in srcs.items():
+        try:
+            _load(src, f"{path.stem}_{label}")
+        except Exception as exc:  # noqa: BLE001
+            out["errors"][label] = f"{type(exc).__name__}: {str(exc)[-400:]}"
+    num = Numerics()
+    try:
+        spec = with_device_sizes(read_spec(path, name=f"level2/{path.stem}"), "cuda")
+        task = load_task(spec)
+        with num.enforced(), torch.no_grad():
+            ref = make_model(task.Model, task, 1, "cuda", num)
+            xs = make_inputs(task, 2, "cuda", num)
+            torch.compile(ref)(*xs)
+            torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001
+        out["errors"]["compile"] = f"{type(exc).__name__}: {str(exc)[-400:]}"
+    out["prepare_s"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def _time(fn, xs, warmup: int, reps: int) -> float:
+    import torch
+
+    for _ in range(warmup):
+        fn(*xs)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn(*xs)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def _profile(label: str, fn, xs, calls: int = 5) -> None:
+    """The GPU kernels of ``calls`` calls, by total time (per call), for one model."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(*xs)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn(*xs)
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t > 0:
+            rows.append((t / calls / 1000.0, ev.count // calls, ev.key[:90]))
+    rows.sort(reverse=True)
+    print(f"  profile {label}: " + "; ".join(f"{ms:.3f} ms x{n} {k}" for ms, n, k in rows[:6]), flush=True)
+
+
+def bench(path: Path, extra: dict[str, Path], warmup: int, reps: int, prof: bool = False) -> dict[str, Any]:
+    import torch
+
+    from sandbox.harness import make_inputs, make_model
+    from sandbox.numerics import Numerics
+    from sandbox.tasks import load_task, read_spec, with_device_sizes
+
+    num = Numerics()
+    spec = with_device_sizes(read_spec(path, name=f"level2/{path.stem}"), "cuda")
+    task = load_task(spec)
+    row: dict[str, Any] = {"task": path.stem, "ms": {}, "err": {}, "ok": {}}
+    srcs = _sources(path, extra)
+    with num.enforced(), torch.no_grad():
+        ref = make_model(task.Model, task, 1, "cuda", num)
+        xs = make_inputs(task, 2, "cuda", num)
+        want = ref(*xs)
+        row["ms"]["eager"] = _time(ref, xs, warmup, reps)
+        comp = torch.compile(make_model(task.Model, task, 1, "cuda", num))
+        row["ms"]["compile"] = _time(comp, xs, warmup, reps)
+        if prof:
+            _profile("compile", comp, xs)
+        for label, src in srcs.items():
+            try:
+                model = make_model(_load(src, f"{path.stem}_{label}"), task, 1, "cuda", num)
+                got = model(*xs)
+                row["err"][label] = float((got.float() - want.float()).abs().max())
+                row["ok"][label] = bool(torch.allclose(got.float(), want.float(), atol=1e-2, rtol=1e-2))
+                row["ms"][label] = _time(model, xs, warmup, reps)
+                if prof and label == "nhwc":
+                    _profile(label, model, xs)
+            except Exception as exc:  # noqa: BLE001
+                row["err"][label] = f"{type(exc).__name__}: {str(exc)[-300:]}"
+                row["ok"][label] = False
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("tasks", nargs="+", help="level-2 task names (file stems)")
+    ap.add_argument("--kb", default="../shared/KernelBench", help="KernelBench checkout (level2/ below it)")
+    ap.add_argument("--sources", action="append", default=[], help="LABEL=DIR of extra candidates DIR/<task>.py")
+    ap.add_argument("--jobs", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="append", default=[], help="a task whose GPU kernels to list (compile, nhwc)")
+    a = ap.parse_args()
+    kb = Path(a.kb)
+    extra = {s.split("=", 1)[0]: Path(s.split("=", 1)[1]) for s in a.sources}
+    paths = [_task_path(kb, t) for t in a.tasks]
+    import multiprocessing
+
+    t0 = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=a.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for r in pool.map(_prepare, [(p, extra) for p in paths]):
+            print(f"prepared {r['task']} in {r.get('prepare_s')} s {r['errors'] or ''}", flush=True)
+    print(f"prepare: {time.perf_counter() - t0:.0f} s", flush=True)
+    import torch
+
+    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}; numerics fp32/default "
+          f"(cuDNN TF32 {torch.backends.cudnn.allow_tf32}); ms = median of {a.reps} CUDA-event timings")
+    rows = []
+    for p in paths:
+        row = bench(p, extra, a.warmup, a.reps, p.stem in a.profile)
+        rows.append(row)
+        ms = row["ms"]
+        parts = [f"eager {ms['eager']:.3f}", f"compile {ms['compile']:.3f}"]
+        for label in [k for k in ms if k not in ("eager", "compile")]:
+            flag = "" if row["ok"].get(label) else " WRONG"
+            parts.append(f"{label} {ms[label]:.3f} (x{ms['compile'] / ms[label]:.2f} vs compile, "
+                         f"x{ms['eager'] / ms[label]:.2f} vs eager, err {row['err'][label]:.1e}{flag})")
+        bad = {k: v for k, v in row["err"].items() if isinstance(v, str)}
+        print(f"{row['task']}: " + "; ".join(parts) + (f" FAILED {bad}" if bad else ""), flush=True)
+    labels = sorted({k for r in rows for k in r["ms"] if k not in ("eager", "compile")})
+    print(f"compile vs eager geomean: x{_geo([r['ms']['eager'] / r['ms']['compile'] for r in rows]):.3f}")
+    for label in labels:
+        have = [r for r in rows if label in r["ms"] and r["ok"].get(label)]
+        if have:
+            print(f"{label}: geomean x{_geo([r['ms']['compile'] / r['ms'][label] for r in have]):.3f} vs compile, "
+                  f"x{_geo([r['ms']['eager'] / r['ms'][label] for r in have]):.3f} vs eager "
+                  f"({len(have)} of {len(rows)} correct)")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def _geo(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

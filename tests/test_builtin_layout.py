@@ -1,0 +1,142 @@
+"""The ``layout`` knob (agent/builtin/layout.py): convolutions in channels-last, their epilogues and
+channel reductions on the permuted NHWC view. CPU: the same plan shapes as cuda, built and run."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from agent.builtin import Knobs, generate
+from agent.builtin.codegen import body_hash
+from agent.builtin.feedback import _knobs_of
+from agent.builtin.layout import channels_last
+from agent.builtin.plan import classify_graph
+from agent.builtin.trace import trace_task
+from sandbox.tasks import load_task, read_spec
+
+LAYOUT_TASK = """
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.pool = nn.MaxPool2d(2)
+        self.scale = nn.Parameter(torch.randn(8, 1, 1))
+
+    def forward(self, x):
+        x = torch.relu(self.conv(x)) * self.scale     # bias, relu, a per-channel scale: on the NHWC view
+        y = self.pool(x)                              # a 2-D pool keeps channels-last
+        y = torch.tanh(y) + 1.0
+        m = torch.min(y, dim=1, keepdim=True)[0]      # over channels: the innermost dimension of the view
+        s = y.sum(dim=1)                              # over channels, not kept: comes out in logical order
+        return torch.softmax(y, dim=1) * m + s.unsqueeze(1)
+
+
+def get_inputs():
+    return [torch.randn(2, 3, 14, 12)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+TRANSPOSED = """
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.convt = nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1)
+
+    def forward(self, x):
+        x = torch.nn.functional.gelu(self.convt(x)) - 0.5
+        x = x.mean(dim=(2, 3), keepdim=True) + x      # over the spatial dims: the middle of the view
+        return torch.sigmoid(x)
+
+
+def get_inputs():
+    return [torch.randn(2, 4, 5, 7)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+def _spec(tmp_path, name: str, text: str):
+    path = tmp_path / f"{name}.py"
+    path.write_text(text)
+    return path, read_spec(path, name=f"fixtures/{name}")
+
+
+def _graph_matches_reference(spec) -> None:
+    """The rewritten graph (run by PyTorch, no kernels) computes what the reference computes."""
+    traced = trace_task(spec, "cpu")
+    cl = channels_last(traced, classify_graph(traced))
+    assert cl is not None
+    task = load_task(spec)
+    torch.manual_seed(0)
+    ref = task.Model()
+    gm = copy.deepcopy(cl.traced.gm)
+    gm.load_state_dict(ref.state_dict(), assign=True)
+    torch.manual_seed(1)
+    xs = task.get_inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*xs), ref(*xs), atol=1e-5, rtol=1e-5)
+
+
+def test_channels_last_graph_computes_the_reference(tmp_path):
+    for name, text in (("layout_mix", LAYOUT_TASK), ("layout_transposed", TRANSPOSED)):
+        _graph_matches_reference(_spec(tmp_path, name, text)[1])
+
+
+def test_nhwc_is_the_default_for_convolutions_and_nchw_is_the_old_code(tmp_path):
+    _, spec = _spec(tmp_path, "layout_mix", LAYOUT_TASK)
+    nhwc, nchw = generate(spec, "cpu"), generate(spec, "cpu", Knobs(layout="nchw"))
+    assert nhwc.choices["knobs"]["layout"] == "nhwc" and nchw.choices["knobs"]["layout"] == "nchw"
+    src = nhwc.source
+    assert "self.conv.weight.data = self.conv.weight.data.contiguous(memory_format=torch.channels_last)" in src
+    assert ".contiguous(memory_format=torch.channels_last)" in src.split("def forward")[1]   # the input
+    assert ".permute(0, 2, 3, 1)" in src and ".permute(0, 3, 1, 2)" in src
+    assert "channels_last" not in nchw.source and "permute" not in nchw.source
+    # the reduction over channels became one over the view's last dimension
+    assert any(g["ops"][0] in ("amin", "tanh") or "amin" in g["ops"] for g in nhwc.choices["groups"])
+    cuda = generate(spec, "cuda").source
+    assert "_ext.kl_to_cl(x)" in cuda and "kl_to_cl_kernel" in cuda and "'kl_to_cl'" in cuda
+
+
+def test_layout_knob_changes_nothing_without_a_convolution(tmp_path):
+    text = LAYOUT_TASK.replace("self.conv(x)", "x").replace("nn.Conv2d(3, 8, 3)", "nn.Identity()") \
+        .replace("torch.randn(8, 1, 1)", "torch.randn(3, 1, 1)")
+    _, spec = _spec(tmp_path, "no_conv", text)
+    a, b = generate(spec, "cpu", Knobs(layout="nhwc")), generate(spec, "cpu", Knobs(layout="nchw"))
+    assert body_hash(a.source) == body_hash(b.source) and a.choices["knobs"] == b.choices["knobs"]
+
+
+def test_a_norm_after_the_convolution_keeps_nchw(tmp_path):
+    text = TRANSPOSED.replace("output_padding=1)\n", "output_padding=1)\n        self.gn = nn.GroupNorm(2, 6)\n") \
+        .replace("return torch.sigmoid(x)", "return self.gn(x)")
+    _, spec = _spec(tmp_path, "conv_norm", text)
+    traced = trace_task(spec, "cpu")
+    assert channels_last(traced, classify_graph(traced)) is None
+    assert "channels_last" not in generate(spec, "cpu", Knobs(layout="nhwc")).source
+
+
+def test_headers_before_the_layout_knob_read_as_nchw():
+    old = {"knobs": {"fusion": "max", "vec": True, "block": 256, "reduce": "onepass", "matmul": "tc3"}}
+    assert Knobs(**_knobs_of(old)).layout == "nchw"
+
+
+def test_nhwc_candidate_builds_runs_and_matches_on_cpu(tmp_path):
+    from agent.builtin.selfcheck import check_source
+
+    path, spec = _spec(tmp_path, "layout_mix", LAYOUT_TASK)
+    cand = generate(spec, "cpu")
+    assert cand.choices["knobs"]["layout"] == "nhwc" and cand.choices["groups"]
+    report = check_source(str(path), "cpu", cand.source)
+    assert report["ok"], report
