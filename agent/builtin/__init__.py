@@ -21,6 +21,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from agent.builtin import attention
 from agent.builtin.codegen import HEADER_PREFIX, Knobs, Rendered, body_hash, render_candidate
 from agent.builtin.dtypes import precision_of
 from agent.builtin.feedback import Feedback, _knobs_of, parse_header, read_history, variant_order
@@ -79,20 +80,29 @@ class _Generator:
         return self._plans[key]
 
     def render(self, knobs: Knobs, excluded_extra: frozenset = frozenset()) -> Rendered:
-        plan, kgroups, excluded = self.plan(knobs.fusion, excluded_extra)
+        # attention spans (attention.py) leave the plan to one kernel each under attention="fused"
+        spans = attention.find(list(self.traced.gm.graph.nodes), self.infos,
+                               set(self.fb.excluded) | set(self.fb.cuts) | set(excluded_extra))
+        fused = spans if knobs.attention == "fused" else []
+        inside = frozenset(n.name for sp in fused for n in sp.nodes)
+        plan, kgroups, excluded = self.plan(knobs.fusion, excluded_extra | inside)
+        excluded = excluded - inside
+        extra = attention.codes(fused, len(plan.groups), self.infos, self.device, knobs)
         # knobs that change nothing in this plan are normalised, so equal code has equal headers
-        probe = render_candidate(self.traced, plan, kgroups, self.device, knobs, {})
-        used = probe.knobs_used
+        probe = render_candidate(self.traced, plan, kgroups, self.device, knobs, {}, extra)
+        used = probe.knobs_used | ({"attention"} if spans else set())
         eff = Knobs(fusion=knobs.fusion,
                     vec=knobs.vec if "vec" in used else DEFAULT_KNOBS.vec,
                     block=knobs.block if "block" in used else DEFAULT_KNOBS.block,
                     reduce=knobs.reduce if "reduce" in used else DEFAULT_KNOBS.reduce,
-                    matmul=knobs.matmul if "matmul" in used else default_matmul(self.precision))
+                    matmul=knobs.matmul if "matmul" in used else default_matmul(self.precision),
+                    attention=knobs.attention if "attention" in used else DEFAULT_KNOBS.attention)
         # (where the knob is used it is kept as asked, so the probe ran the same GEMMs)
-        header = self.header(plan, kgroups, eff, excluded, [g.node.name for g in probe.tc])
-        return render_candidate(self.traced, plan, kgroups, self.device, eff, header)
+        extra = attention.codes(fused, len(plan.groups), self.infos, self.device, eff)
+        header = self.header(plan, kgroups + [c.kg for c in extra], eff, excluded, [g.node.name for g in probe.tc])
+        return render_candidate(self.traced, plan, kgroups, self.device, eff, header, extra)
 
-    def header(self, plan: Plan, kgroups: list[KernelGroup], knobs: Knobs, excluded: set[str],
+    def header(self, plan: Plan, kgroups: list[Any], knobs: Knobs, excluded: set[str],
                tc: list[str]) -> dict[str, Any]:
         infos = plan.infos
         groups = [{"name": kg.name, "kind": kg.kind, "ops": kg.ops, "nodes": [n.name for n in kg.nodes],

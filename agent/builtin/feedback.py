@@ -28,6 +28,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
+from agent.builtin.attention import ATTENTION_MODES
 from agent.builtin.codegen import BLOCK_SIZES, HEADER_PREFIX, Knobs, body_hash
 from agent.builtin.gemm import MATMUL_MODES
 from agent.builtin.plan import FUSION_MODES, narrow
@@ -250,6 +251,7 @@ def read_history(history: list[AttemptView], device: str, precision: str = "fp32
 # normalised away and the twin is the first again, skipped as seen).
 DEFAULT_ORDER = [
     Knobs("max", True, 256, "onepass", "tc3"),
+    Knobs("max", True, 256, "onepass", "tc3", "library"),     # attention's matmuls on the library
     Knobs("max", False, 256, "twopass", "tc3"),
     Knobs("max", True, 256, "onepass", "ieee"),
     Knobs("max", True, 512, "twopass", "tc3"),
@@ -258,11 +260,11 @@ DEFAULT_ORDER = [
     Knobs("max", True, 128, "onepass", "tc3"),
     Knobs("split", True, 256, "twopass", "tc3"),
 ]
-ALL_KNOBS = [Knobs(f, v, b, r, m) for f in FUSION_MODES for v in (True, False) for b in BLOCK_SIZES
-             for r in ("onepass", "twopass") for m in MATMUL_MODES]
+ALL_KNOBS = [Knobs(f, v, b, r, m, a) for f in FUSION_MODES for v in (True, False) for b in BLOCK_SIZES
+             for r in ("onepass", "twopass") for m in MATMUL_MODES for a in ATTENTION_MODES]
 # Around the best, one-knob changes are tried in this order: the GEMM's mode first (the GEMM
 # dominates the time of every task that has a qualifying one).
-_PRIORITY = {"matmul": 0, "block": 1, "vec": 2, "reduce": 3, "fusion": 4}
+_PRIORITY = {"matmul": 0, "attention": 0, "block": 1, "vec": 2, "reduce": 3, "fusion": 4}
 
 
 def variant_order(fb: Feedback, precision: Optional[str] = None) -> list[Knobs]:
