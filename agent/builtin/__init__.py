@@ -107,14 +107,15 @@ class _Generator:
         infos = plan.infos
         groups = [{"name": kg.name, "kind": kg.kind, "ops": kg.ops, "nodes": [n.name for n in kg.nodes],
                    "kinds": [infos[n].kind for n in kg.nodes]} for kg in kgroups]
+        inside = {n for kg in kgroups if kg.kind == "attention" for n in kg.nodes}     # attention.py's spans
         return {
             "v": HEADER_VERSION, "generator": "builtin", "device": self.device, "task": self.traced.spec.name,
             "precision": self.precision, **({"math": self.math} if self.math else {}),
             "knobs": knobs.as_dict(), "groups": groups,
             "cuts": sorted(self.fb.cuts), "excluded": sorted(excluded),
-            "library": [infos[n].op for n in infos if infos[n].kind == "library"],
+            "library": [infos[n].op for n in infos if infos[n].kind == "library" and n not in inside],
             "tc3": tc,          # library GEMM nodes run as split-TF32 tensor-core GEMMs
-            "uncovered": sorted({infos[n].op for n in infos if infos[n].kind == "other"}),
+            "uncovered": sorted({infos[n].op for n in infos if infos[n].kind == "other" and n not in inside}),
         }
 
 
