@@ -96,3 +96,26 @@ def test_fused_attention_is_correct_in_the_cpu_sandbox():
                                              result.build.first_error if result.build else None)
     checks = [o for t in result.trials for o in t.outputs]
     assert checks and all(c.mismatched == 0 for c in checks)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_fused_attention_is_correct_on_cuda(precision):
+    """The CUDA kernel (cuda_attn.cu.j2) judged by the sandbox on a GPU: causal softmax, causal ReLU
+    and the non-causal mask, T = 37 (a partial query tile and key tile), in fp32 and bf16."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from sandbox.evaluate import evaluate
+    from sandbox.numerics import Numerics
+    from sandbox.result import EvalConfig, Status
+
+    spec = _spec(PAIR)
+    numerics = Numerics(precision=precision)
+    cand = propose(spec, "cuda", 0, 0, [], numerics=numerics)
+    assert sum(g["kind"] == "attention" for g in cand.choices["groups"]) == 3
+    cfg = EvalConfig(numerics=numerics, trials=3, warmup_runs=1, timed_runs=3, time_compile=False, profile=False)
+    result = evaluate(spec, cand.source, "cuda", cfg)
+    assert result.status is Status.correct, (result.status, result.error_message,
+                                             result.build.first_error if result.build else None)
