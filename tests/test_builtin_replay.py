@@ -121,11 +121,14 @@ def test_lstm_cell_fuses_the_gates_and_state_update_between_the_gemms():
 
 def test_causal_attention_slicing_a_buffer_by_a_traced_size_is_traced():
     """minGPT's ``self.bias[:, :, :T, :T]`` slices a buffer by a traced size: traced with the
-    buffers as proxies, the softmax gets a kernel (it used to fall back, untraceable)."""
+    buffers as proxies, the attention gets a kernel (it used to fall back, untraceable): the fused
+    attention by default, the softmax alone under attention="library"."""
     spec = _spec(ATTN)
     cand = propose(spec, "cpu", 0, 0, [])
     assert "fallback" not in cand.choices
-    assert any(g["ops"][-1] == "softmax" for g in cand.choices["groups"])
+    assert any(g["ops"][-1] == "attention_softmax" for g in cand.choices["groups"])
+    lib = builtin.generate(spec, "cpu", builtin.Knobs(attention="library"))
+    assert any(g["ops"][-1] == "softmax" for g in lib.choices["groups"])
     assert replay_verdict(spec).ran
 
 

@@ -166,3 +166,19 @@ def test_kernelbench_style_source_builds_with_the_lightest_headers_that_work(san
         assert line is not None and "undeclared_name" in source.splitlines()[line - 1]
     else:
         assert check.ok, check
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_fused_attention_builds(sandbox, precision):
+    """The attention kernel (cuda_attn.cu.j2: causal softmax, ReLU and a non-causal mask in one
+    extension, every head-dim instantiation) compiles with nvcc, in float32 and in bfloat16."""
+    from agent.builtin import generate
+    from sandbox.numerics import Numerics
+
+    spec = read_spec(ROOT / "tests" / "fixtures" / "builtin" / "attention_pair.py", name="fixtures/attention_pair")
+    cand = generate(spec, "cuda", numerics=Numerics(precision=precision))
+    assert [g["kind"] for g in cand.choices["groups"]] == ["attention"] * 3
+    assert "KL_ATTN_LAUNCH(128)" in cand.source and "kl_g1_causal_check<<<" in cand.source
+    check = sandbox.build_only(spec, cand.source)
+    detail = f"{precision}: {check.status} {check.error_message}\n{(check.build.log if check.build else '')[-3000:]}"
+    assert check.ok and check.build is not None and check.build.extensions, detail

@@ -21,6 +21,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from agent.builtin import attention
 from agent.builtin.codegen import HEADER_PREFIX, Knobs, Rendered, body_hash, render_candidate
 from agent.builtin.dtypes import precision_of
 from agent.builtin.feedback import Feedback, _knobs_of, parse_header, read_history, variant_order
@@ -97,10 +98,17 @@ class _Generator:
             other = self.other(knobs.layout)
             if other is not None:
                 return other.render(knobs, excluded_extra)
-        plan, kgroups, excluded = self.plan(knobs.fusion, excluded_extra)
+        # attention spans (attention.py) leave the plan to one kernel each under attention="fused"
+        spans = attention.find(list(self.traced.gm.graph.nodes), self.infos,
+                               set(self.fb.excluded) | set(self.fb.cuts) | set(excluded_extra))
+        fused = spans if knobs.attention == "fused" else []
+        inside = frozenset(n.name for sp in fused for n in sp.nodes)
+        plan, kgroups, excluded = self.plan(knobs.fusion, excluded_extra | inside)
+        excluded = excluded - inside
+        extra = attention.codes(fused, len(plan.groups), self.infos, self.device, knobs)
         # knobs that change nothing in this plan are normalised, so equal code has equal headers
-        probe = render_candidate(self.traced, plan, kgroups, self.device, knobs, {}, self.init)
-        used = probe.knobs_used
+        probe = render_candidate(self.traced, plan, kgroups, self.device, knobs, {}, self.init, extra)
+        used = probe.knobs_used | ({"attention"} if spans else set())
         # a layout is "used" where the graph has a convolution it rewrites (then both are distinct code)
         has_layouts = self.layout != "nchw" or self.other("nhwc") is not None
         eff = Knobs(fusion=knobs.fusion,
@@ -108,24 +116,27 @@ class _Generator:
                     block=knobs.block if "block" in used else DEFAULT_KNOBS.block,
                     reduce=knobs.reduce if "reduce" in used else DEFAULT_KNOBS.reduce,
                     matmul=knobs.matmul if "matmul" in used else default_matmul(self.precision),
-                    layout=self.layout if has_layouts else DEFAULT_KNOBS.layout)
+                    layout=self.layout if has_layouts else DEFAULT_KNOBS.layout,
+                    attention=knobs.attention if "attention" in used else DEFAULT_KNOBS.attention)
         # (where the knob is used it is kept as asked, so the probe ran the same GEMMs)
-        header = self.header(plan, kgroups, eff, excluded, [g.node.name for g in probe.tc])
-        return render_candidate(self.traced, plan, kgroups, self.device, eff, header, self.init)
+        extra = attention.codes(fused, len(plan.groups), self.infos, self.device, eff)
+        header = self.header(plan, kgroups + [c.kg for c in extra], eff, excluded, [g.node.name for g in probe.tc])
+        return render_candidate(self.traced, plan, kgroups, self.device, eff, header, self.init, extra)
 
-    def header(self, plan: Plan, kgroups: list[KernelGroup], knobs: Knobs, excluded: set[str],
+    def header(self, plan: Plan, kgroups: list[Any], knobs: Knobs, excluded: set[str],
                tc: list[str]) -> dict[str, Any]:
         infos = plan.infos
         groups = [{"name": kg.name, "kind": kg.kind, "ops": kg.ops, "nodes": [n.name for n in kg.nodes],
                    "kinds": [infos[n].kind for n in kg.nodes]} for kg in kgroups]
+        inside = {n for kg in kgroups if kg.kind == "attention" for n in kg.nodes}     # attention.py's spans
         return {
             "v": HEADER_VERSION, "generator": "builtin", "device": self.device, "task": self.traced.spec.name,
             "precision": self.precision, **({"math": self.math} if self.math else {}),
             "knobs": knobs.as_dict(), "groups": groups,
             "cuts": sorted(self.fb.cuts), "excluded": sorted(excluded),
-            "library": [infos[n].op for n in infos if infos[n].kind == "library"],
+            "library": [infos[n].op for n in infos if infos[n].kind == "library" and n not in inside],
             "tc3": tc,          # library GEMM nodes run as split-TF32 tensor-core GEMMs
-            "uncovered": sorted({infos[n].op for n in infos if infos[n].kind == "other"}),
+            "uncovered": sorted({infos[n].op for n in infos if infos[n].kind == "other" and n not in inside}),
         }
 
 

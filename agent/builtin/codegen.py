@@ -5,7 +5,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import jinja2
 from torch.fx import Node
@@ -33,6 +33,7 @@ class Knobs:
     reduce: str = "onepass"    # onepass | twopass (logsumexp/softmax, norm statistics)
     matmul: str = "tc3"        # tc3 (large GEMMs as split-TF32 tensor-core GEMMs, cuda; see gemm.py) | ieee
     layout: str = "nhwc"       # nhwc (convolutions in channels-last, epilogues on the permuted view; see layout.py) | nchw
+    attention: str = "fused"   # fused (q@k^T..softmax|relu..@v in one kernel, see attention.py) | library
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -276,9 +277,13 @@ def body_hash(source: str) -> str:
 
 
 def render_candidate(traced: Traced, plan: Plan, kgroups: list[KernelGroup], device: str,
-                     knobs: Knobs, header: dict[str, Any], init: Optional[list[str]] = None) -> Rendered:
-    codes = [GroupCode(kg, device, knobs) for kg in kgroups]
-    qualifying = tc3_gemms(plan.infos, traced.modules, device, traced.precision)
+                     knobs: Knobs, header: dict[str, Any], init: Optional[list[str]] = None,
+                     extra: Sequence[Any] = ()) -> Rendered:
+    """``init``: lines of the candidate's own ``__init__`` (layout.py); ``extra``: further kernels with
+    GroupCode's interface (attention.AttnCode), after the plan's."""
+    codes = [GroupCode(kg, device, knobs) for kg in kgroups] + list(extra)
+    inside = {n for c in extra for n in c.kg.nodes}
+    qualifying = [g for g in tc3_gemms(plan.infos, traced.modules, device, traced.precision) if g.node not in inside]
     tc = qualifying if knobs.matmul == "tc3" else []
     tc_fns = {g.fn for g in tc}
     kernels = "\n".join(c.kernel_source() for c in codes)
@@ -331,6 +336,10 @@ def _summary(plan: Plan, codes: list[GroupCode], tc: list[TcGemm], precision: st
                    "in float32, and round each result once, on store. Library operators (GEMMs, "
                    f"convolutions) stay on PyTorch in {precision} (the split-TF32 GEMM is for fp32 only).")
     for c in codes:
+        if c.kg.kind == "attention":
+            from agent.builtin.attention import describe_for_summary
+            out.append(describe_for_summary(c))
+            continue
         out.append(f"{c.kg.name}: {c.kg.kind} kernel fusing {c.kg.describe()} "
                    f"(nodes {', '.join(n.name for n in c.kg.nodes)})")
     for g in tc:
@@ -339,11 +348,11 @@ def _summary(plan: Plan, codes: list[GroupCode], tc: list[TcGemm], precision: st
                    "and the float32 remainder; cuBLAS (TF32 on for these calls only) computes bias + the two "
                    "cross products in one GEMM, then adds the big x big product in K-chunks of 256 with "
                    "float32 rounding: within 2x of an fp32 SGEMM's error against float64 (0.6-1.75x measured on an H200).")
-    on_tc = {g.node for g in tc}
+    on_tc = {g.node for g in tc} | {n for c in codes for n in c.kg.nodes}
     lib = [n.name for n, i in plan.infos.items() if i.kind == "library" and n not in on_tc]
     if lib:
         out.append(f"Library operators kept on PyTorch: {', '.join(lib)}.")
-    other = [f"{n.name} ({i.note})" for n, i in plan.infos.items() if i.kind == "other"]
+    other = [f"{n.name} ({i.note})" for n, i in plan.infos.items() if i.kind == "other" and n not in on_tc]
     if other:
         out.append(f"Left on PyTorch: {'; '.join(other)}.")
     if not codes:

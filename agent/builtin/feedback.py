@@ -28,6 +28,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
+from agent.builtin.attention import ATTENTION_MODES
 from agent.builtin.codegen import BLOCK_SIZES, HEADER_PREFIX, Knobs, body_hash
 from agent.builtin.gemm import MATMUL_MODES
 from agent.builtin.layout import LAYOUTS
@@ -258,17 +259,18 @@ DEFAULT_ORDER = [
     Knobs("max", False, 256, "twopass", "tc3"),
     Knobs("max", True, 256, "onepass", "ieee"),
     Knobs("max", True, 256, "onepass", "tc3", "nchw"),
+    Knobs("max", True, 256, "onepass", "tc3", attention="library"),     # attention's matmuls on the library
     Knobs("max", True, 512, "twopass", "tc3"),
     Knobs("no_prologue", True, 256, "onepass", "tc3"),
     Knobs("elementwise", True, 256, "onepass", "tc3"),
     Knobs("max", True, 128, "onepass", "tc3"),
     Knobs("split", True, 256, "twopass", "tc3"),
 ]
-ALL_KNOBS = [Knobs(f, v, b, r, m, lay) for f in FUSION_MODES for v in (True, False) for b in BLOCK_SIZES
-             for r in ("onepass", "twopass") for m in MATMUL_MODES for lay in LAYOUTS]
-# Around the best, one-knob changes are tried in this order: the GEMM's mode first (the GEMM
-# dominates the time of every task that has a qualifying one).
-_PRIORITY = {"matmul": 0, "layout": 0, "block": 1, "vec": 2, "reduce": 3, "fusion": 4}
+ALL_KNOBS = [Knobs(f, v, b, r, m, lay, a) for f in FUSION_MODES for v in (True, False) for b in BLOCK_SIZES
+             for r in ("onepass", "twopass") for m in MATMUL_MODES for lay in LAYOUTS for a in ATTENTION_MODES]
+# Around the best, one-knob changes are tried in this order: the GEMM's mode and the convolutions'
+# layout first (the GEMM or the convolution dominates the time of every task that has one).
+_PRIORITY = {"matmul": 0, "layout": 0, "attention": 1, "block": 2, "vec": 3, "reduce": 4, "fusion": 5}
 
 
 def variant_order(fb: Feedback, precision: Optional[str] = None) -> list[Knobs]:

@@ -190,6 +190,8 @@ class _Emulated:
         return self._torch(kg, tensors, flags)
 
     def _plan(self, kg: Any, tensors: list[torch.Tensor], flags: tuple) -> torch.Tensor:
+        if kg.kind == "attention":          # attention.AttnKernel: its own float64 emulation
+            return kg.emulate(tensors)
         first = next(t for t, i in zip(tensors, kg.inputs) if isinstance(i.value, Node))
         out_dtype = first.dtype
         by_key = {(i.value.key if isinstance(i.value, ModuleAttr) else i.value): t
@@ -219,7 +221,8 @@ class _Emulated:
         return env[kg.out_node].to(out_dtype)
 
     def _torch(self, kg: Any, tensors: list[torch.Tensor], flags: tuple) -> torch.Tensor:
-        by_node = {i.value: t.clone() for i, t in zip(kg.inputs, tensors) if isinstance(i.value, Node)}
+        by_node = {i.value: t.clone() if torch.is_tensor(t) else t      # (a scale passed as a float)
+                   for i, t in zip(kg.inputs, tensors) if isinstance(i.value, Node)}
         by_attr = {i.value.key: t for i, t in zip(kg.inputs, tensors) if isinstance(i.value, ModuleAttr)}
         env: dict[Node, Any] = {}
 
