@@ -92,7 +92,9 @@ def _trace_with(spec: TaskSpec, device: str, how: str, numerics: Any = None) -> 
         init = cast_values(numerics, task.get_init_inputs())
         model = cast_model(numerics, task.Model(*init))
         inputs = cast_values(numerics, task.get_inputs())
+    before = set(vars(model))
     gm = symbolic_trace(model)
+    made = set(vars(model)) - before       # tensors the tracer stored on the model (``_tensor_constant0``)
     ShapeProp(gm).propagate(*inputs)
     if _split_conv_bias(gm):
         ShapeProp(gm).propagate(*inputs)
@@ -102,12 +104,18 @@ def _trace_with(spec: TaskSpec, device: str, how: str, numerics: Any = None) -> 
     constants: dict[str, torch.Tensor] = {}
     for node in gm.graph.nodes:
         if node.op == "get_attr" and node.target not in known:
+            # a constant the tracer made from a tensor built in forward (``torch.min(x, torch.tensor(c))``)
+            # exists on the traced model only: the candidate's model (the reference's __init__) lacks it
+            traced_only = str(node.target).split(".")[0] in made
             try:
+                if traced_only:
+                    raise AttributeError(node.target)
                 value = _get_path(model, node.target)
             except AttributeError:
                 value = _get_path(gm, node.target)
                 if not isinstance(value, torch.Tensor) or value.numel() > 4096 or value.is_meta:
-                    raise ValueError(f"the trace holds a tensor constant {node.target} that the model lacks")
+                    raise ValueError(f"the trace holds a tensor constant {node.target} that the model lacks "
+                                     "(only tensors of at most 4096 values, not on the meta device, are copied)")
                 constants[node.target] = value.detach().cpu().clone()
     return Traced(spec=spec, device=device, gm=gm, modules=modules, constants=constants, how=how,
                   precision=precision_of(numerics))
