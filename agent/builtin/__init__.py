@@ -130,6 +130,14 @@ def propose(spec: TaskSpec, device: str, round: int, sample: int,
     traced = trace_task(spec, device, numerics)
     if not traced.ok:
         return _untraceable(traced, device, fb)
+    try:
+        return _propose_traced(traced, device, sample, fb, precision, numerics)
+    except Exception as exc:  # noqa: BLE001 - a generator bug costs this task its kernels, not every attempt
+        return _untraceable(traced, device, fb, f"{type(exc).__name__}: {exc}")
+
+
+def _propose_traced(traced: Traced, device: str, sample: int, fb: Feedback, precision: str,
+                    numerics: Optional[Numerics]) -> GeneratedCandidate:
     gen = _Generator(traced, device, fb, getattr(numerics, "math", None))
     picked: list[str] = []
     chosen: Optional[Rendered] = None
@@ -193,16 +201,21 @@ def _rewrite_header(source: str, header: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _untraceable(traced: Traced, device: str, fb: Feedback) -> GeneratedCandidate:
-    """A model torch.fx cannot trace: its forward, copied, on PyTorch (no kernel)."""
+def _untraceable(traced: Traced, device: str, fb: Feedback, generator_error: Optional[str] = None) -> GeneratedCandidate:
+    """A model torch.fx cannot trace (or, with ``generator_error``, whose trace the generator
+    failed on): its forward, copied, on PyTorch (no kernel), the reason in the header, the
+    docstring and the notes."""
     import json
 
     from agent.builtin import pysource
 
     spec = traced.spec
+    kind = "generator_error" if generator_error else "untraceable"
+    reason = generator_error or traced.error or ""
     header = {"v": HEADER_VERSION, "generator": "builtin", "device": device, "task": spec.name,
-              "precision": traced.precision, "fallback": "untraceable", "groups": [], "knobs": {}}
-    error = (traced.error or "").replace('"""', "'''")
+              "precision": traced.precision, "fallback": kind, "groups": [], "knobs": {},
+              "reason": reason.splitlines()[0][:300] if reason else ""}
+    error = reason.replace('"""', "'''")
     fwd = pysource.reference_forward(spec)
     fwd = "\n".join("    " + line for line in fwd.splitlines())
     prelude = pysource.task_prelude(spec)
@@ -210,9 +223,10 @@ def _untraceable(traced: Traced, device: str, fb: Feedback) -> GeneratedCandidat
         HEADER_PREFIX + json.dumps(header, sort_keys=True, separators=(",", ":")),
         '"""ModelNew for ' + spec.name + ", written by kernelloop's builtin generator.",
         "",
-        "torch.fx could not trace the reference, so nothing is fused: the forward below is the",
+        ("torch.fx could not trace the reference" if kind == "untraceable" else
+         "the builtin generator failed on this reference") + ", so nothing is fused: the forward below is the",
         "reference's own computation on PyTorch (no custom kernel).",
-        f"Trace error: {error}",
+        f"{'Trace' if kind == 'untraceable' else 'Generator'} error: {error}",
         '"""',
         "import torch",
         "import torch.nn as nn",
@@ -228,5 +242,5 @@ def _untraceable(traced: Traced, device: str, fb: Feedback) -> GeneratedCandidat
         fwd,
         "",
     ])
-    return GeneratedCandidate(source=source, choices=header, covered_ops=[], uncovered_ops=["<untraceable>"],
-                              notes=[f"untraceable: {traced.error}"])
+    return GeneratedCandidate(source=source, choices=header, covered_ops=[], uncovered_ops=[f"<{kind}>"],
+                              notes=[f"{kind}: {reason}"])
