@@ -240,9 +240,23 @@ def optimize_command(
     for p in progress:
         if p.error:
             err_console.print(f"[red]{p.name}[/]: {p.error}", highlight=False)
+    if cfg.rounds > 1 and status != "interrupted":
+        _print_gains(loop, run_id, specs)
     store.close()
     if status == "interrupted":
         raise typer.Exit(130)
+
+
+def _print_gains(loop: Any, run_id: int, specs: list) -> None:
+    """Each task's round-by-round best and where each gain came from (agent.gains)."""
+    from agent.gains import round_gains
+
+    console.print("Gains by round (best clean attempt so far; speedups vs eager and medians from each "
+                  "attempt's own evaluation):", highlight=False)
+    for spec in specs:
+        lines = round_gains(loop._views(run_id, loop._task_id(spec)))
+        for line in lines:
+            console.print(f"  {spec.name} {line}", highlight=False, soft_wrap=True)
 
 
 def progress_line(p: Any, last: Optional[tuple]) -> tuple[Optional[str], tuple]:

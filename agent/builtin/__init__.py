@@ -25,6 +25,7 @@ from agent.builtin.dtypes import precision_of
 from agent.builtin.feedback import Feedback, _knobs_of, parse_header, read_history, variant_order
 from agent.builtin.kernels import KernelGroup
 from agent.builtin.plan import Plan, classify_graph, make_plan
+from agent.builtin.search import lineage
 from agent.builtin.trace import Traced, trace_task
 from typing import TYPE_CHECKING
 
@@ -161,6 +162,10 @@ def _propose_traced(traced: Traced, device: str, sample: int, fb: Feedback, prec
             chosen = gen.render(best)
             chosen.header["repeat"] = True
             chosen.source = _rewrite_header(chosen.source, chosen.header)
+    family = lineage(chosen.header, fb.best_attempt, _knobs_of(fb.best) if fb.best else {})
+    if family:              # the parent it was derived from, and what it changes (search.py)
+        chosen.header.update(family)
+        chosen.source = _rewrite_header(chosen.source, chosen.header)
     covered = sorted({op for kg in chosen.groups for op in kg.kg.ops})
     uncovered = list(chosen.header.get("uncovered", []))
     excluded_ops = sorted({gen.infos[n].op for n in gen.infos if n.name in set(chosen.header.get("excluded", []))})
