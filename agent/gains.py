@@ -62,8 +62,9 @@ def round_gains(views: list[AttemptView]) -> list[str]:
                          f"(attempt {top.attempt_id}, {_ms(top):.4g} ms): {_origin(top, by_id)}")
             best = top
         elif best is not None:
+            tried = f"; this round's fastest, attempt {top.attempt_id}: {_origin(top, by_id)}" if top else ""
             lines.append(f"round {rnd}: no gain; best stays {best.result.speedup_eager:.3f}x vs eager "
-                         f"(attempt {best.attempt_id})")
+                         f"(attempt {best.attempt_id}){tried}")
         else:
             lines.append(f"round {rnd}: no clean attempt yet")
     return lines

@@ -109,7 +109,8 @@ def test_gain_lines_say_where_each_round_gain_came_from():
     assert lines[0].startswith("round 0: best 1.000x vs eager (attempt 1, 1 ms): the built-in's first variant")
     assert lines[1].startswith("round 1: best 1.000x -> 1.250x vs eager (attempt 2, 0.8 ms)")
     assert f"{knob} {old}->{new} vs parent attempt 1 (1 -> 0.8 ms, -20.0%)" in lines[1]
-    assert lines[2] == "round 2: no gain; best stays 1.250x vs eager (attempt 2)"
+    assert lines[2] == ("round 2: no gain; best stays 1.250x vs eager (attempt 2); this round's fastest, "
+                        "attempt 3: the model's rewrite of attempt 2 (0.8 -> 0.9 ms, +12.5%)")
     assert "the model's rewrite of attempt 2 (0.8 -> 0.5 ms, -37.5%)" in lines[3]
     bests = [float(re.findall(r"([\d.]+)x vs eager", line)[-1]) for line in lines]
     assert bests == sorted(bests)
