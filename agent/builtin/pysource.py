@@ -261,7 +261,7 @@ def constants_block(constants: dict[str, torch.Tensor]) -> Optional[str]:
     # each constant is copied to a device once, not on every call (a host-to-device copy from
     # pageable memory waits for the stream)
     lines += ["_ON_DEVICE = {}", "", "",
-              "def _constant(name, device):",
+              "def _kl_constant(name, device):",
               "    key = (name, str(device))",
               "    if key not in _ON_DEVICE:",
               "        _ON_DEVICE[key] = _CONSTANTS[name].to(device)",
