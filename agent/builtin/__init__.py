@@ -120,7 +120,29 @@ def propose(spec: TaskSpec, device: str, round: int, sample: int,
     """One candidate for one sample of one round (distinct from the round's other samples and
     from every source already in ``history``), in the run's ``numerics`` (None: fp32);
     ``backend`` ``triton``: Triton kernels for the elementwise groups (``triton_gen``), else the
-    device's C++/CUDA."""
+    device's C++/CUDA. A candidate derived from an earlier attempt names it in its header
+    (``parent``, ``changed``: see ``search``). A generator error costs the task its kernels, not
+    every attempt: the candidate is then the reference's forward, the error in its header."""
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', not {device!r}")
+    try:
+        cand = _propose_one(spec, device, round, sample, history, numerics, backend)
+    except Exception as exc:  # noqa: BLE001 - a generator bug, reported in the candidate
+        traced = trace_task(spec, device, numerics)
+        return _untraceable(traced, device, Feedback(precision=precision_of(numerics)), f"{type(exc).__name__}: {exc}")
+    if backend != "triton" and history and not cand.choices.get("fallback"):
+        fb = read_history(list(history), device, precision_of(numerics), getattr(numerics, "math", None))
+        family = lineage(cand.choices, fb.best_attempt, _knobs_of(fb.best) if fb.best else {})
+        if family:
+            cand.choices.update(family)
+            cand.source = _rewrite_header(cand.source, cand.choices)
+    return cand
+
+
+def _propose_one(spec: TaskSpec, device: str, round: int, sample: int,
+                 history: Optional[list[AttemptView]] = None, numerics: Optional[Numerics] = None,
+                 backend: Optional[str] = None) -> GeneratedCandidate:
+    """``propose``'s candidate, before its lineage is recorded."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', not {device!r}")
     history = list(history or [])
@@ -131,14 +153,6 @@ def propose(spec: TaskSpec, device: str, round: int, sample: int,
     traced = trace_task(spec, device, numerics)
     if not traced.ok:
         return _untraceable(traced, device, fb)
-    try:
-        return _propose_traced(traced, device, sample, fb, precision, numerics)
-    except Exception as exc:  # noqa: BLE001 - a generator bug costs this task its kernels, not every attempt
-        return _untraceable(traced, device, fb, f"{type(exc).__name__}: {exc}")
-
-
-def _propose_traced(traced: Traced, device: str, sample: int, fb: Feedback, precision: str,
-                    numerics: Optional[Numerics]) -> GeneratedCandidate:
     gen = _Generator(traced, device, fb, getattr(numerics, "math", None))
     picked: list[str] = []
     chosen: Optional[Rendered] = None
@@ -162,10 +176,6 @@ def _propose_traced(traced: Traced, device: str, sample: int, fb: Feedback, prec
             chosen = gen.render(best)
             chosen.header["repeat"] = True
             chosen.source = _rewrite_header(chosen.source, chosen.header)
-    family = lineage(chosen.header, fb.best_attempt, _knobs_of(fb.best) if fb.best else {})
-    if family:              # the parent it was derived from, and what it changes (search.py)
-        chosen.header.update(family)
-        chosen.source = _rewrite_header(chosen.source, chosen.header)
     covered = sorted({op for kg in chosen.groups for op in kg.kg.ops})
     uncovered = list(chosen.header.get("uncovered", []))
     excluded_ops = sorted({gen.infos[n].op for n in gen.infos if n.name in set(chosen.header.get("excluded", []))})

@@ -92,9 +92,7 @@ def _trace_with(spec: TaskSpec, device: str, how: str, numerics: Any = None) -> 
         init = cast_values(numerics, task.get_init_inputs())
         model = cast_model(numerics, task.Model(*init))
         inputs = cast_values(numerics, task.get_inputs())
-    before = set(vars(model))
     gm = symbolic_trace(model)
-    made = set(vars(model)) - before       # tensors the tracer stored on the model (``_tensor_constant0``)
     ShapeProp(gm).propagate(*inputs)
     if _split_conv_bias(gm):
         ShapeProp(gm).propagate(*inputs)
@@ -106,7 +104,7 @@ def _trace_with(spec: TaskSpec, device: str, how: str, numerics: Any = None) -> 
         if node.op == "get_attr" and node.target not in known:
             # a constant the tracer made from a tensor built in forward (``torch.min(x, torch.tensor(c))``)
             # exists on the traced model only: the candidate's model (the reference's __init__) lacks it
-            traced_only = str(node.target).split(".")[0] in made
+            traced_only = _made_by_tracer(str(node.target), spec.source)
             try:
                 if traced_only:
                     raise AttributeError(node.target)
@@ -119,6 +117,13 @@ def _trace_with(spec: TaskSpec, device: str, how: str, numerics: Any = None) -> 
                 constants[node.target] = value.detach().cpu().clone()
     return Traced(spec=spec, device=device, gm=gm, modules=modules, constants=constants, how=how,
                   precision=precision_of(numerics))
+
+
+def _made_by_tracer(target: str, source: str) -> bool:
+    """Whether a get_attr target is a tensor torch.fx's tracer stored on the model itself (it names
+    them ``_tensor_constant<i>``), not an attribute the task's own code sets."""
+    root = target.split(".")[0]
+    return root.startswith("_tensor_constant") and root not in source
 
 
 def _get_path(obj: Any, path: str) -> Any:
