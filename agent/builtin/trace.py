@@ -119,13 +119,6 @@ def _trace_with(spec: TaskSpec, device: str, how: str, numerics: Any = None) -> 
                   precision=precision_of(numerics))
 
 
-def _made_by_tracer(target: str, source: str) -> bool:
-    """Whether a get_attr target is a tensor torch.fx's tracer stored on the model itself (it names
-    them ``_tensor_constant<i>``), not an attribute the task's own code sets."""
-    root = target.split(".")[0]
-    return root.startswith("_tensor_constant") and root not in source
-
-
 def _get_path(obj: Any, path: str) -> Any:
     for part in path.split("."):
         obj = getattr(obj, part)
@@ -213,3 +206,10 @@ def _is_values_of(user: Node) -> bool:
     if user.target is operator.getitem and len(user.args) == 2 and user.args[1] == 0:
         return True
     return user.target is getattr and len(user.args) == 2 and user.args[1] == "values"
+
+
+def _made_by_tracer(target: str, source: str) -> bool:
+    """Whether a get_attr target is a tensor torch.fx's tracer stored on the model itself (it names
+    them ``_tensor_constant<i>``), not an attribute the task's own code sets."""
+    root = target.split(".")[0]
+    return root.startswith("_tensor_constant") and root not in source
