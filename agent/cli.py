@@ -124,6 +124,10 @@ def optimize_command(
     math: Optional[str] = MathOption,
     kernel_backend: Optional[str] = BackendOption,
     resume: Optional[int] = typer.Option(None, "--resume", help="continue run RUN where it stopped"),
+    seed_with: Optional[str] = typer.Option(None, "--seed-with",
+                                            help="builtin: the built-in proposer answers an extra first round, "
+                                                 "and the model's first round refines its fastest correct "
+                                                 "candidate (its measured profile in the prompt)"),
     executor: str = ExecutorOption,
     ray_address: Optional[str] = RayAddressOption,
     db: Optional[str] = DbOption,
@@ -169,7 +173,8 @@ def optimize_command(
                                      "reasoning_effort": reasoning_effort,
                                      "first_token_timeout_s": first_token_timeout, "stall_timeout_s": stall_timeout,
                                      "call_budget_s": call_budget}.items() if v is not None}
-        cfg = LoopConfig(model=model, device=dev, rounds=rounds, samples=samples, critic=critic,
+        cfg = LoopConfig(model=model, device=dev, rounds=rounds + (1 if seed_with else 0), samples=samples,
+                         critic=critic, seed_with=seed_with,
                          target_speedup=target_speedup, patience=patience,
                          eval=EvalConfig(trials=trials, timed_runs=timed_runs, time_compile=not no_compile,
                                          numerics=resolve_numerics(precision, math),
@@ -179,6 +184,9 @@ def optimize_command(
         fail(f"--critic must be grounded or llm, not {cfg.critic!r}")
     try:
         backend = get_backend(cfg.model, store=store, **cfg.backend_options)
+        if cfg.seed_with:
+            from agent.backends.seeded import seeded_backend
+            backend = seeded_backend(backend, cfg.seed_with, cfg.model)
     except BackendError as exc:
         fail(str(exc))
 
@@ -198,6 +206,9 @@ def optimize_command(
             s.get(Run, run_id).status = "running"
     console.print(f"run {run_id}: {len(specs)} task(s), {cfg.rounds} round(s) x {cfg.samples} sample(s), "
                   f"model {cfg.model}, device {cfg.device} ({facts.name}), store {store.url}")
+    if cfg.seed_with:
+        console.print(f"round 0 by {cfg.seed_with}: the model's first round (round 1) refines its fastest "
+                      "correct candidate", highlight=False)
     console.print(f"numerics {cfg.eval.numerics.describe()}; backend {cfg.eval.backend or cfg.device}", highlight=False)
     if cfg.device == "cpu":
         from sandbox.slots import cpu_timing_note
@@ -241,9 +252,23 @@ def optimize_command(
     for p in progress:
         if p.error:
             err_console.print(f"[red]{p.name}[/]: {p.error}", highlight=False)
+    if cfg.rounds > 1 and status != "interrupted":
+        _print_gains(loop, run_id, specs)
     store.close()
     if status == "interrupted":
         raise typer.Exit(130)
+
+
+def _print_gains(loop: Any, run_id: int, specs: list) -> None:
+    """Each task's round-by-round best and where each gain came from (agent.gains)."""
+    from agent.gains import round_gains
+
+    console.print("Gains by round (best clean attempt so far; speedups vs eager and medians from each "
+                  "attempt's own evaluation):", highlight=False)
+    for spec in specs:
+        lines = round_gains(loop._views(run_id, loop._task_id(spec)))
+        for line in lines:
+            console.print(f"  {spec.name} {line}", highlight=False, soft_wrap=True)
 
 
 def progress_line(p: Any, last: Optional[tuple]) -> tuple[Optional[str], tuple]:

@@ -49,9 +49,11 @@ class LoopConfig:
     patience: Optional[int] = None          # stop after this many rounds without improvement
     eval: EvalConfig = field(default_factory=EvalConfig)
     backend_options: dict[str, Any] = field(default_factory=dict)
+    seed_with: Optional[str] = None         # round 0 answered by this backend (agent.backends.seeded)
 
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model, "device": self.device, "rounds": self.rounds, "samples": self.samples,
+                **({"seed_with": self.seed_with} if self.seed_with else {}),
                 "critic": self.critic, "target_speedup": self.target_speedup, "patience": self.patience,
                 "eval": self.eval.model_dump(mode="json"),
                 "backend_options": {k: v for k, v in self.backend_options.items() if k != "store"}}
@@ -61,7 +63,7 @@ class LoopConfig:
         return cls(model=data["model"], device=data["device"], rounds=data["rounds"], samples=data["samples"],
                    critic=data.get("critic"), target_speedup=data.get("target_speedup"),
                    patience=data.get("patience"), eval=EvalConfig(**data.get("eval", {})),
-                   backend_options=dict(data.get("backend_options") or {}))
+                   backend_options=dict(data.get("backend_options") or {}), seed_with=data.get("seed_with"))
 
 
 @dataclass

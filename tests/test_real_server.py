@@ -2,7 +2,8 @@
 SmolLM2-135M-Instruct on loopback (issue 25). Not one of our endpoints: the server's window, slots,
 queueing and speed are its own, and its log is its own account of every generation.
 
-(a) a 4096-token window per slot, max_tokens 1024, two seed tasks, three rounds of two samples:
+(a) a 4096-token window per slot, max_tokens 1024, two seed tasks, three rounds of two samples
+    (round 0 by the built-in, ``--seed-with builtin``, rounds 1-2 the model's refining it):
     the run finishes with every attempt made, no call fails on the window, and the server stopped
     no answer for a full window;
 (b) a slow server (one thread, four slots of 8192 tokens, ``--ignore-eos`` so that every answer runs
@@ -69,11 +70,14 @@ def optimize(server: LlamaServer, db: Path, tasks: list[str], rounds: int, sampl
 def figures(db: Path) -> dict:
     with sqlite3.connect(db) as conn:
         run = conn.execute("SELECT id, status FROM runs ORDER BY id DESC LIMIT 1").fetchone()
+        # the server's calls (a --seed-with builtin round's are the built-in's, stored as model 'builtin')
         calls = conn.execute("SELECT purpose, error, finish_cause, prompt_tokens, completion_tokens, latency_s "
-                             "FROM model_calls WHERE run_id = ?", (run[0],)).fetchall()
+                             "FROM model_calls WHERE run_id = ? AND model != 'builtin'", (run[0],)).fetchall()
         attempts = conn.execute("SELECT round, sample, parse_status FROM attempts WHERE run_id = ?",
                                 (run[0],)).fetchall()
-    return {"status": run[1], "calls": calls, "attempts": attempts,
+        seeded = conn.execute("SELECT a.round, c.model, c.template, a.parent_ids FROM attempts a JOIN model_calls c "
+                              "ON c.id = a.model_call_id WHERE a.run_id = ? ORDER BY a.round", (run[0],)).fetchall()
+    return {"status": run[1], "calls": calls, "attempts": attempts, "by_round": seeded,
             "errors": [c[1] for c in calls if c[1]],
             "prompt_tokens": sum(c[3] or 0 for c in calls), "completion_tokens": sum(c[4] or 0 for c in calls),
             "longest_s": max((c[5] or 0 for c in calls), default=0.0)}
@@ -96,9 +100,11 @@ def report(name: str, wall_s: float, f: dict, server: LlamaServer) -> str:
 
 @pytest.mark.timeout(2400)
 def test_a_prompts_fit_a_4096_token_window(tmp_path: Path, llama_server):
+    """Seeded by the built-in (``--seed-with builtin``): round 0 is the built-in's, and the model's
+    rounds 1-2 refine it, their prompts carrying its generated source, fitted to the window."""
     server = llama_server(ctx=8192, parallel=2, threads=2)     # 4096 tokens per slot
     assert server.props()["default_generation_settings"]["n_ctx"] == 4096
-    proc, wall = optimize(server, tmp_path / "a.db", TASKS, 3, 2, "--max-tokens", "1024")
+    proc, wall = optimize(server, tmp_path / "a.db", TASKS, 2, 2, "--max-tokens", "1024", "--seed-with", "builtin")
     f = figures(tmp_path / "a.db")
     line = report("(a)", wall, f, server)
     assert proc.returncode == 0, line + "\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -106,6 +112,10 @@ def test_a_prompts_fit_a_4096_token_window(tmp_path: Path, llama_server):
     # every attempt made: two tasks x three rounds x two samples
     assert sorted((r, s) for r, s, _ in f["attempts"]) == sorted(
         [(r, s) for r in range(3) for s in range(2)] * 2), line
+    # round 0 by the built-in; every later round a refine round of the model's
+    assert {(r, m) for r, m, _, _ in f["by_round"] if r == 0} == {(0, "builtin")}, f["by_round"]
+    assert {t for r, m, t, _ in f["by_round"] if r > 0} == {"propose_refine"}, f["by_round"]
+    assert all(m == f"openai:{MODEL_ALIAS}" for r, m, _, _ in f["by_round"] if r > 0), f["by_round"]
     assert not [e for e in f["errors"] if "context" in e.lower() or "window" in e.lower()], f["errors"]
     assert not [c for c in f["calls"] if c[2] == "window"], line
     finished = server.finished()

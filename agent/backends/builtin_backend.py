@@ -42,6 +42,9 @@ def _sentence(cand, device: str) -> str:
     target = {"cuda": "CUDA", "triton": "Triton"}.get(device, "C++/OpenMP")
     if cand.choices.get("fallback") == "untraceable":
         return "The reference could not be traced with torch.fx, so this candidate keeps its computation on PyTorch."
+    if cand.choices.get("fallback") == "generator_error":
+        return ("The builtin generator failed on this reference "
+                f"({cand.choices.get('reason', '')}), so this candidate keeps its computation on PyTorch.")
     tc = cand.choices.get("tc3") or []
     gemms = f"running the GEMM(s) {', '.join(tc)} as split-TF32 tensor-core GEMMs with K-chunked accumulation"
     if not groups:

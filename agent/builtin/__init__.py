@@ -27,6 +27,7 @@ from agent.builtin.dtypes import precision_of
 from agent.builtin.feedback import Feedback, _knobs_of, parse_header, read_history, variant_order
 from agent.builtin.kernels import KernelGroup
 from agent.builtin.plan import Plan, classify_graph, make_plan
+from agent.builtin.search import lineage
 from agent.builtin.trace import Traced, trace_task
 from typing import TYPE_CHECKING
 
@@ -152,7 +153,29 @@ def propose(spec: TaskSpec, device: str, round: int, sample: int,
     """One candidate for one sample of one round (distinct from the round's other samples and
     from every source already in ``history``), in the run's ``numerics`` (None: fp32);
     ``backend`` ``triton``: Triton kernels for the elementwise groups (``triton_gen``), else the
-    device's C++/CUDA."""
+    device's C++/CUDA. A candidate derived from an earlier attempt names it in its header
+    (``parent``, ``changed``: see ``search``). A generator error costs the task its kernels, not
+    every attempt: the candidate is then the reference's forward, the error in its header."""
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', not {device!r}")
+    try:
+        cand = _propose_one(spec, device, round, sample, history, numerics, backend)
+    except Exception as exc:  # noqa: BLE001 - a generator bug, reported in the candidate
+        traced = trace_task(spec, device, numerics)
+        return _untraceable(traced, device, Feedback(precision=precision_of(numerics)), f"{type(exc).__name__}: {exc}")
+    if backend != "triton" and history and not cand.choices.get("fallback"):
+        fb = read_history(list(history), device, precision_of(numerics), getattr(numerics, "math", None))
+        family = lineage(cand.choices, fb.best_attempt, _knobs_of(fb.best) if fb.best else {})
+        if family:
+            cand.choices.update(family)
+            cand.source = _rewrite_header(cand.source, cand.choices)
+    return cand
+
+
+def _propose_one(spec: TaskSpec, device: str, round: int, sample: int,
+                 history: Optional[list[AttemptView]] = None, numerics: Optional[Numerics] = None,
+                 backend: Optional[str] = None) -> GeneratedCandidate:
+    """``propose``'s candidate, before its lineage is recorded."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', not {device!r}")
     history = list(history or [])
@@ -267,16 +290,21 @@ def _rewrite_header(source: str, header: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _untraceable(traced: Traced, device: str, fb: Feedback) -> GeneratedCandidate:
-    """A model torch.fx cannot trace: its forward, copied, on PyTorch (no kernel)."""
+def _untraceable(traced: Traced, device: str, fb: Feedback, generator_error: Optional[str] = None) -> GeneratedCandidate:
+    """A model torch.fx cannot trace (or, with ``generator_error``, whose trace the generator
+    failed on): its forward, copied, on PyTorch (no kernel), the reason in the header, the
+    docstring and the notes."""
     import json
 
     from agent.builtin import pysource
 
     spec = traced.spec
+    kind = "generator_error" if generator_error else "untraceable"
+    reason = generator_error or traced.error or ""
     header = {"v": HEADER_VERSION, "generator": "builtin", "device": device, "task": spec.name,
-              "precision": traced.precision, "fallback": "untraceable", "groups": [], "knobs": {}}
-    error = (traced.error or "").replace('"""', "'''")
+              "precision": traced.precision, "fallback": kind, "groups": [], "knobs": {},
+              "reason": reason.splitlines()[0][:300] if reason else ""}
+    error = reason.replace('"""', "'''")
     fwd = pysource.reference_forward(spec)
     fwd = "\n".join("    " + line for line in fwd.splitlines())
     prelude = pysource.task_prelude(spec)
@@ -284,9 +312,10 @@ def _untraceable(traced: Traced, device: str, fb: Feedback) -> GeneratedCandidat
         HEADER_PREFIX + json.dumps(header, sort_keys=True, separators=(",", ":")),
         '"""ModelNew for ' + spec.name + ", written by kernelloop's builtin generator.",
         "",
-        "torch.fx could not trace the reference, so nothing is fused: the forward below is the",
+        ("torch.fx could not trace the reference" if kind == "untraceable" else
+         "the builtin generator failed on this reference") + ", so nothing is fused: the forward below is the",
         "reference's own computation on PyTorch (no custom kernel).",
-        f"Trace error: {error}",
+        f"{'Trace' if kind == 'untraceable' else 'Generator'} error: {error}",
         '"""',
         "import torch",
         "import torch.nn as nn",
@@ -302,5 +331,5 @@ def _untraceable(traced: Traced, device: str, fb: Feedback) -> GeneratedCandidat
         fwd,
         "",
     ])
-    return GeneratedCandidate(source=source, choices=header, covered_ops=[], uncovered_ops=["<untraceable>"],
-                              notes=[f"untraceable: {traced.error}"])
+    return GeneratedCandidate(source=source, choices=header, covered_ops=[], uncovered_ops=[f"<{kind}>"],
+                              notes=[f"{kind}: {reason}"])

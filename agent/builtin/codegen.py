@@ -412,7 +412,7 @@ def emit_forward(traced: Traced, plan: Plan, codes: list[GroupCode], tc: Optiona
             body.append(f"# {info.op}: kept on PyTorch in this variant ({plan.fusion} fusion)")
         stmt = pytorch_statement(n, traced.constants)
         if n.op == "get_attr" and n.target in traced.constants and device_src is not None:
-            stmt += f".to({var(device_src)}.device)"
+            stmt = f"{var(n)} = _kl_constant({n.target!r}, {var(device_src)}.device)"
         body.append(stmt)
     sig = pysource.signature(placeholders)
     text = [f"    def forward({sig}):"]

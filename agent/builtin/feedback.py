@@ -33,6 +33,7 @@ from agent.builtin.codegen import BLOCK_SIZES, HEADER_PREFIX, Knobs, body_hash
 from agent.builtin.gemm import MATMUL_MODES
 from agent.builtin.layout import LAYOUTS
 from agent.builtin.plan import FUSION_MODES, narrow
+from agent.builtin.search import SearchState, neighbour_key, read_search
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # agent.types pulls in pydantic; the generator itself needs only torch and jinja2
@@ -68,6 +69,8 @@ class Feedback:
     best_ms: Optional[float] = None
     notes: list[str] = field(default_factory=list)
     precision: str = "fp32"                        # the run's (Numerics.precision)
+    best_attempt: Optional[int] = None             # the attempt id of ``best``
+    search: Optional[SearchState] = None           # what the measured parent -> child steps say (search.py)
 
     def knob_ok(self, k: Knobs) -> bool:
         items = frozenset(k.as_dict().items())
@@ -209,9 +212,10 @@ def read_history(history: list[AttemptView], device: str, precision: str = "fp32
         if t is None:
             continue
         if fb.best_ms is None or t < fb.best_ms:
-            fb.best, fb.best_ms = h, t
+            fb.best, fb.best_ms, fb.best_attempt = h, t, att.attempt_id
     if fb.best is None and correct:
-        fb.best = correct[0][1]
+        fb.best, fb.best_attempt = correct[0][1], correct[0][0].attempt_id
+    fb.search = read_search(correct, fb.best_attempt)
     for att, h in ours:
         status = att.result.status.value if hasattr(att.result.status, "value") else str(att.result.status)
         if status not in FAILED:
@@ -284,7 +288,10 @@ def variant_order(fb: Feedback, precision: Optional[str] = None) -> list[Knobs]:
         def key(k: Knobs) -> tuple:
             d = k.as_dict()
             diff = [name for name in d if d[name] != base.get(name)]
-            return (len(diff), sorted(_PRIORITY[n] for n in diff), ALL_KNOBS.index(k))
+            # measured losses last, measured wins and (where the library dominates the profile)
+            # the changes that move work between library and kernels first (search.py)
+            lost, rank = neighbour_key({n: d[n] for n in diff}, fb.search)
+            return (lost, len(diff), rank, sorted(_PRIORITY[n] for n in diff), ALL_KNOBS.index(k))
 
         order = sorted(ALL_KNOBS, key=key)
     else:

@@ -258,4 +258,12 @@ def constants_block(constants: dict[str, torch.Tensor]) -> Optional[str]:
     for name, t in constants.items():
         lines.append(f"    {name!r}: torch.tensor({t.tolist()!r}, dtype={t.dtype}),")
     lines.append("}")
+    # each constant is copied to a device once, not on every call (a host-to-device copy from
+    # pageable memory waits for the stream)
+    lines += ["_ON_DEVICE = {}", "", "",
+              "def _kl_constant(name, device):",
+              "    key = (name, str(device))",
+              "    if key not in _ON_DEVICE:",
+              "        _ON_DEVICE[key] = _CONSTANTS[name].to(device)",
+              "    return _ON_DEVICE[key]"]
     return "\n".join(lines)

@@ -102,12 +102,18 @@ def _trace_with(spec: TaskSpec, device: str, how: str, numerics: Any = None) -> 
     constants: dict[str, torch.Tensor] = {}
     for node in gm.graph.nodes:
         if node.op == "get_attr" and node.target not in known:
+            # a constant the tracer made from a tensor built in forward (``torch.min(x, torch.tensor(c))``)
+            # exists on the traced model only: the candidate's model (the reference's __init__) lacks it
+            traced_only = _made_by_tracer(str(node.target), spec.source)
             try:
+                if traced_only:
+                    raise AttributeError(node.target)
                 value = _get_path(model, node.target)
             except AttributeError:
                 value = _get_path(gm, node.target)
                 if not isinstance(value, torch.Tensor) or value.numel() > 4096 or value.is_meta:
-                    raise ValueError(f"the trace holds a tensor constant {node.target} that the model lacks")
+                    raise ValueError(f"the trace holds a tensor constant {node.target} that the model lacks "
+                                     "(only tensors of at most 4096 values, not on the meta device, are copied)")
                 constants[node.target] = value.detach().cpu().clone()
     return Traced(spec=spec, device=device, gm=gm, modules=modules, constants=constants, how=how,
                   precision=precision_of(numerics))
@@ -213,3 +219,10 @@ def _is_values_of(user: Node) -> bool:
     if user.target is operator.getitem and len(user.args) == 2 and user.args[1] == 0:
         return True
     return user.target is getattr and len(user.args) == 2 and user.args[1] == "values"
+
+
+def _made_by_tracer(target: str, source: str) -> bool:
+    """Whether a get_attr target is a tensor torch.fx's tracer stored on the model itself (it names
+    them ``_tensor_constant<i>``), not an attribute the task's own code sets."""
+    root = target.split(".")[0]
+    return root.startswith("_tensor_constant") and root not in source
