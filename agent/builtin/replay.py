@@ -44,7 +44,7 @@ from agent.builtin.plan import resolve_alias
 
 # activations summed over every node of a CPU trace, above which the replay is not run (its
 # forwards would cost seconds each on a small CPU)
-MAX_ELEMENTS = 64_000_000
+MAX_ELEMENTS = 32_000_000
 MAX_GROUP_PROBES = 64
 _EXT_LINE = "_ext = _build()"
 
@@ -383,7 +383,9 @@ def _rel_rms(ref32: list[Any], ref64: list[Any]) -> Optional[float]:
 
 def affordable(traced: Any) -> bool:
     """Whether the replay's forwards are cheap enough at the CPU trace's sizes."""
-    total = 0
+    # parameters and buffers count too: the replay holds the models in float32 and float64 (a
+    # level-2 GEMM's 67M weights took 4 GB and 17 s at published sizes)
+    total = sum(t.numel() for t in (*traced.gm.parameters(), *traced.gm.buffers()))
     for n in traced.gm.graph.nodes:
         tm = n.meta.get("tensor_meta")
         if hasattr(tm, "shape"):
