@@ -83,6 +83,10 @@ class TaskProgress:
 
 # Candidates kept in flight per device slot (OptimizeLoop.tasks_in_flight).
 CANDIDATES_PER_SLOT = 8
+# Said on stderr the moment Ctrl-C reaches the loop, before it waits for the answers in flight
+# (kept: --resume does not ask for them again); evaluations in flight are abandoned.
+STOPPING = ("[kernelloop] interrupted: stopping at the next step; answers in flight are kept, "
+            "evaluations in flight are abandoned (--resume continues)")
 
 
 def best_clean(views: list[AttemptView]) -> Optional[AttemptView]:
@@ -162,11 +166,13 @@ class OptimizeLoop:
             futures = [pool.submit(self._optimize_task, run_id, sp) for sp in specs]
             try:
                 return [f.result() for f in futures]
-            except BaseException:
+            except BaseException as exc:
                 # Ctrl-C (or a configuration error in one task): without this the pool's exit
                 # would wait for every task to finish all its rounds. Tasks stop at their next
                 # check; what they stored so far is what --resume continues from.
                 self.stop()
+                if isinstance(exc, KeyboardInterrupt):
+                    print(STOPPING, file=sys.stderr, flush=True)
                 for f in futures:
                     f.cancel()
                 # Evaluations in flight would hold the exit for minutes: their workers are

@@ -46,6 +46,7 @@ class Scripted:
     chunk_delay_s: float = 0.0          # streamed: pause between chunks
     stall_after: Optional[int] = None   # streamed: fall silent after this many chunks ...
     stall_s: float = 0.0                # ... for this long (then end without [DONE])
+    gate: Optional[threading.Event] = None  # answered only once this is set (the test says when)
 
 
 @dataclass
@@ -122,9 +123,12 @@ class FakeOpenAI:
         return self
 
     def reply(self, text: str, finish_reason: str = "stop", usage: Optional[tuple[int, int]] = (11, 22),
-              delay_s: float = 0.0, model: Optional[str] = None) -> "FakeOpenAI":
-        """A completion; ``usage`` is (prompt_tokens, completion_tokens), None for no usage field."""
-        return self.push(Scripted(text=text, finish_reason=finish_reason, usage=usage, delay_s=delay_s, model=model))
+              delay_s: float = 0.0, model: Optional[str] = None,
+              gate: Optional[threading.Event] = None) -> "FakeOpenAI":
+        """A completion; ``usage`` is (prompt_tokens, completion_tokens), None for no usage field;
+        with a ``gate``, held (in flight) until the test sets it."""
+        return self.push(Scripted(text=text, finish_reason=finish_reason, usage=usage, delay_s=delay_s, model=model,
+                                  gate=gate))
 
     def truncated(self, text: str, usage: tuple[int, int] = (11, 4096)) -> "FakeOpenAI":
         """A completion cut off at max_tokens (finish_reason=length)."""
@@ -321,6 +325,9 @@ class FakeOpenAI:
                 try:
                     if item.delay_s and server._stop.wait(item.delay_s):
                         return           # stopping
+                    while item.gate is not None and not item.gate.is_set():
+                        if server._stop.wait(0.02):
+                            return       # stopping
                 finally:
                     with server._lock:
                         server.in_flight -= 1
