@@ -143,8 +143,14 @@ class OptimizeLoop:
             return run.id
 
     def finish_run(self, run_id: int, status: str) -> None:
+        # What the backend had to change in the run (e.g. a server that does not stream, asked
+        # without streaming) is stored with the run, beside what earlier processes stored.
+        notes = list(getattr(self.backend, "run_notes", None) or [])
         with self.store.session() as s:
             run = s.get(Run, run_id)
+            kept = list((run.config or {}).get("backend_notes") or [])
+            if any(n not in kept for n in notes):
+                run.config = {**run.config, "backend_notes": kept + [n for n in notes if n not in kept]}
             run.status = status
             run.finished_at = dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)
 
