@@ -145,6 +145,7 @@ def test_kill9_mid_run_then_resume(fake_openai: FakeOpenAI, tmp_path: Path) -> N
     assert query(db, "SELECT round, critic FROM analyses ORDER BY id") == [(0, "grounded"), (1, "grounded")]
 
 
+@pytest.mark.timeout(900)     # a hang guard: two CLI processes on a loaded 2-core machine took over 420 s
 def test_ctrl_c_marks_run_interrupted_and_resume_finishes(fake_openai: FakeOpenAI, tmp_path: Path) -> None:
     """SIGINT while a round-0 answer is on its way: the process stops at the next step (it
     does not go on to evaluate or start round 1), keeps the answer, and marks the run
@@ -192,6 +193,7 @@ def test_ctrl_c_marks_run_interrupted_and_resume_finishes(fake_openai: FakeOpenA
     assert query(db, "SELECT round FROM analyses ORDER BY id") == [(0,), (1,)]
 
 
+@pytest.mark.timeout(900)     # a hang guard: two CLI processes on a loaded 2-core machine took over 420 s
 def test_ctrl_c_during_an_evaluation_stops_at_once_and_stores_no_verdict(fake_openai: FakeOpenAI,
                                                                          tmp_path: Path) -> None:
     """SIGINT while a candidate's forward hangs: the run must not wait for the run timeout
