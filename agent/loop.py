@@ -85,6 +85,10 @@ class TaskProgress:
 
 # Candidates kept in flight per device slot (OptimizeLoop.tasks_in_flight).
 CANDIDATES_PER_SLOT = 8
+# Said on stderr the moment Ctrl-C reaches the loop, before it waits for the answers in flight
+# (kept: --resume does not ask for them again); evaluations in flight are abandoned.
+STOPPING = ("[kernelloop] interrupted: stopping at the next step; answers in flight are kept, "
+            "evaluations in flight are abandoned (--resume continues)")
 
 
 def best_clean(views: list[AttemptView]) -> Optional[AttemptView]:
@@ -141,8 +145,14 @@ class OptimizeLoop:
             return run.id
 
     def finish_run(self, run_id: int, status: str) -> None:
+        # What the backend had to change in the run (e.g. a server that does not stream, asked
+        # without streaming) is stored with the run, beside what earlier processes stored.
+        notes = list(getattr(self.backend, "run_notes", None) or [])
         with self.store.session() as s:
             run = s.get(Run, run_id)
+            kept = list((run.config or {}).get("backend_notes") or [])
+            if any(n not in kept for n in notes):
+                run.config = {**run.config, "backend_notes": kept + [n for n in notes if n not in kept]}
             run.status = status
             run.finished_at = dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)
 
@@ -164,11 +174,13 @@ class OptimizeLoop:
             futures = [pool.submit(self._optimize_task, run_id, sp) for sp in specs]
             try:
                 return [f.result() for f in futures]
-            except BaseException:
+            except BaseException as exc:
                 # Ctrl-C (or a configuration error in one task): without this the pool's exit
                 # would wait for every task to finish all its rounds. Tasks stop at their next
                 # check; what they stored so far is what --resume continues from.
                 self.stop()
+                if isinstance(exc, KeyboardInterrupt):
+                    print(STOPPING, file=sys.stderr, flush=True)
                 for f in futures:
                     f.cancel()
                 # Evaluations in flight would hold the exit for minutes: their workers are

@@ -16,6 +16,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped when torch sees none)")
     config.addinivalue_line("markers", "nvcc: builds CUDA code; needs nvcc and a CUDA build of torch, no GPU")
     config.addinivalue_line("markers", "triton: needs the triton package (the `test` extra installs it)")
+    config.addinivalue_line("markers", "kernelbench: reads the real KernelBench checkout (KERNELLOOP_KERNELBENCH or "
+                                       "../shared/KernelBench); skipped where it is missing, failed where CI is set")
 
 
 def triton_missing() -> str | None:
@@ -25,6 +27,54 @@ def triton_missing() -> str | None:
     if importlib.util.find_spec("triton") is None:
         return "needs the triton package (pip install 'triton>=3.9,<3.10', part of the `test` extra)"
     return None
+
+
+FAKE_KERNELBENCH = ROOT / "tests" / "fixtures" / "kernelbench"     # made-up tasks and timings, in every clone
+
+
+def in_ci() -> bool:
+    """CI is set (``CI=true``, as .ci/run exports): there a missing KernelBench fails its tests."""
+    import os
+
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def kernelbench_missing() -> str | None:
+    """Why the real KernelBench cannot be read here (naming where it was looked for), or None."""
+    import os
+
+    from evals.kernelbench import kernelbench_root
+
+    root = kernelbench_root()
+    where = (f"KERNELLOOP_KERNELBENCH={os.environ['KERNELLOOP_KERNELBENCH']}" if os.environ.get("KERNELLOOP_KERNELBENCH")
+             else f"../shared/KernelBench beside the checkout ({root})")
+    if not root.is_dir():
+        return f"needs the real KernelBench: {where} does not exist (set KERNELLOOP_KERNELBENCH to a checkout)"
+    missing = [d for d in ("level1", "level2", "results/timing") if not (root / d).is_dir()]
+    if missing:
+        return f"needs the real KernelBench: {where} has no {', '.join(missing)}"
+    return None
+
+
+@pytest.fixture(autouse=True)
+def _kernelbench_or_skip(request: pytest.FixtureRequest) -> None:
+    """A ``kernelbench`` test where the real checkout is missing: skipped, saying what is missing;
+    failed instead where CI is set (CI has ../shared/KernelBench, so a skip there hides a loss)."""
+    if request.node.get_closest_marker("kernelbench") is None:
+        return
+    why = kernelbench_missing()
+    if why:
+        if in_ci():
+            pytest.fail(f"{why} (CI is set: KernelBench tests must run here)")
+        pytest.skip(why)
+
+
+@pytest.fixture
+def real_kernelbench() -> Path:
+    """The real KernelBench checkout (only in ``kernelbench`` tests, which the fixture above guards)."""
+    from evals.kernelbench import kernelbench_root
+
+    return kernelbench_root()
 
 
 def nvcc_missing() -> str | None:

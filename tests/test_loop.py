@@ -418,6 +418,36 @@ def test_same_source_answered_twice_is_evaluated_once(loop_env: pytest.MonkeyPat
         assert text in round1[0], f"the round-1 prompt lacks the mismatch evidence {text!r}\n{round1[0]}"
 
 
+def test_a_server_that_never_streams_loses_no_answer(loop_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Default settings (stream = true) against a server that answers every request with a whole
+    JSON completion: every answer with code is evaluated, none is lost as a parse error; the run
+    says once that the server does not stream and stores that with the run."""
+    db = tmp_path / "store.db"
+    with serving(loop_env) as server:
+        server.streams = False
+        server.reply(answer("wrong_scale.py", "N1")).reply(answer("correct.py", "N2"))
+        server.reply(answer("wrong_scale.py", "N3")).reply(prose("N4"))
+        result = invoke(optimize_args(db))
+        requests = list(server.requests)
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    no_compiler_crash(db)
+    # Round 0's two samples are asked at once, streamed; once an answer came whole, no more streaming.
+    assert len(requests) == 4 and requests[0].body.get("stream") is True
+    assert all("stream" not in r.body for r in requests[2:]), [r.body.get("stream") for r in requests]
+    attempts = query(db, "SELECT a.parse_status, c.error, c.response_text, json_extract(c.context, '$.stream'), "
+                         "(SELECT count(*) FROM evaluations e WHERE e.attempt_id = a.id) "
+                         "FROM attempts a JOIN model_calls c ON c.id = a.model_call_id ORDER BY a.round, a.sample")
+    by_tag = {tag_of(text): (status, error, stream, evals) for status, error, text, stream, evals in attempts}
+    assert set(by_tag) == {"N1", "N2", "N3", "N4"}, attempts
+    assert all(error is None and stream == "off" for _, error, stream, _ in by_tag.values()), attempts
+    for tag in ("N1", "N2", "N3"):
+        assert by_tag[tag][0] == "ok" and by_tag[tag][3] == 1, (tag, by_tag[tag])
+    assert by_tag["N4"][0] == "no_code"
+    assert flat(result.output).count(flat("(it does not stream)")) == 1, result.output
+    notes = json.loads(query(db, "SELECT config FROM runs")[0][0])["backend_notes"]
+    assert len(notes) == 1 and "does not stream" in notes[0] and "stream = false" in notes[0]
+
+
 # ------------------------------------------------------------------ 6. bad input
 
 def _nothing_stored(db: Path) -> None:

@@ -50,6 +50,7 @@ def sandboxes():
 
 
 @pytest.mark.gpu
+@pytest.mark.kernelbench
 @pytest.mark.parametrize("path, label", PARAMS, ids=[f"{p.stem}-{lab}" for p, lab in PARAMS])
 def test_numerics_verdict(sandboxes, path, label):
     task, expect = _header(path)

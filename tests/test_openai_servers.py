@@ -179,6 +179,39 @@ def test_think_tags_are_split_off(fake_openai):
     assert "stream" not in fake_openai.requests[0].body
 
 
+# ---------------------------------------------------------------- a server that never streams
+
+def test_a_server_that_never_streams_is_read_then_asked_without_streaming(fake_openai, capsys):
+    """A 200 to a streamed request carrying a whole JSON completion (no events) is that
+    completion, not an empty stream to retry; the backend then stops asking to stream, says so
+    once, keeps the words for the run, and marks each call so asked."""
+    fake_openai.streams = False
+    fake_openai.push(Scripted(text="```python\nx = 1\n```", reasoning="tiles first", usage=(40, 9)))
+    fake_openai.reply("<think>tiles of 32</think>\nsecond", usage=(41, 3)).reply("third")
+    b = backend()
+    assert b.stream is True
+    first = b.chat(MESSAGES)
+    second, third = b.chat(MESSAGES), b.chat(MESSAGES)
+    assert first.error is None and first.text == "```python\nx = 1\n```" and first.reasoning == "tiles first"
+    assert (first.prompt_tokens, first.completion_tokens, first.finish_cause) == (40, 9, "stop")
+    assert second.text.strip() == "second" and second.reasoning == "tiles of 32" and third.text == "third"
+    assert len(fake_openai.requests) == 3                            # nothing asked twice
+    bodies = [r.body for r in fake_openai.requests]
+    assert bodies[0]["stream"] is True and all("stream" not in body for body in bodies[1:])
+    assert b.stream is False and b.stream_off and "does not stream" in b.stream_off
+    assert "stream = false" in b.stream_off and b.run_notes == [b.stream_off]
+    assert capsys.readouterr().err.count("does not stream") == 1
+    assert [c.context.get("stream") for c in (first, second, third)] == ["off"] * 3
+
+
+def test_a_streaming_server_is_still_streamed(fake_openai):
+    fake_openai.reply("one").reply("two")
+    b = backend()
+    assert b.chat(MESSAGES).text == "one" and b.chat(MESSAGES).text == "two"
+    assert all(r.body["stream"] is True for r in fake_openai.requests)
+    assert b.stream is True and b.stream_off is None and b.run_notes == []
+
+
 # ---------------------------------------------------------------- fitting
 
 class _Budget:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -18,26 +19,26 @@ from evals.published import (COMPILE_FILE, EAGER_FILE, PUBLISHED_NUMERICS, compa
 from sandbox.tasks import read_spec
 
 REPO = Path(__file__).resolve().parents[1]
-KB = REPO.parent / "shared" / "KernelBench"         # beside the checkout, in CI too
-CONV = KB / "level2" / "1_Conv2D_ReLU_BiasAdd.py"
+# kernelloop's own logic runs on a KernelBench-shaped folder of made-up tasks and timings (every
+# clone has it); the tests marked `kernelbench` read the real checkout (tests/conftest.py finds it).
+FAKE = REPO / "tests" / "fixtures" / "kernelbench"
+CONV = FAKE / "level2" / "1_Tiny_Conv2D_ReLU_BiasAdd.py"
+MATMUL = FAKE / "level1" / "1_Tiny_Matmul.py"
 H100 = "NVIDIA H100 80GB HBM3"
 runner = CliRunner()
 
 
-def _published_json(name: str) -> dict:
-    assert (KB / "results" / "timing" / "H100_Modal" / name).is_file(), f"KernelBench is expected at {KB}"
-    return json.loads((KB / "results" / "timing" / "H100_Modal" / name).read_text())
+def _published_json(root: Path, name: str) -> dict:
+    return json.loads((root / "results" / "timing" / "H100_Modal" / name).read_text())
 
 
-# --------------------------------------------------------------------------- the real checkout
-
-def test_real_lookup_on_the_published_gpu():
-    eager = _published_json(EAGER_FILE)["level2"]["1_Conv2D_ReLU_BiasAdd.py"]
-    comp = _published_json(COMPILE_FILE)["level2"]["1_Conv2D_ReLU_BiasAdd.py"]
-    found = lookup_published(CONV, H100)
+def _check_lookup(root: Path, conv: Path, matmul: Path) -> None:
+    eager = _published_json(root, EAGER_FILE)["level2"][conv.name]
+    comp = _published_json(root, COMPILE_FILE)["level2"][conv.name]
+    found = lookup_published(conv, H100)
     assert found.reason is None and found.published is not None
     p = found.published
-    assert p.task == "level2/1_Conv2D_ReLU_BiasAdd.py" and p.timing_dir == "H100_Modal"
+    assert p.task == f"level2/{conv.name}" and p.timing_dir == "H100_Modal"
     assert p.match == "exact" and "exact" in p.match_note and p.hardware == H100
     assert p.eager.mean_ms == eager["mean"] and p.eager.std_ms == eager["std"]
     assert p.eager.num_trials == eager["num_trials"] == 100
@@ -45,27 +46,33 @@ def test_real_lookup_on_the_published_gpu():
     assert p.eager.source.endswith("H100_Modal/" + EAGER_FILE)
     assert p.compile.source.endswith("H100_Modal/" + COMPILE_FILE)
     assert p.numerics == PUBLISHED_NUMERICS == "fp32/default"
-    assert Path(p.root).resolve() == KB.resolve()
-    # a relative path from the repository works as well
-    rel = Path("..") / "shared" / "KernelBench" / "level1" / "1_Square_matrix_multiplication_.py"
-    assert (REPO / rel).is_file()
+    assert Path(p.root).resolve() == root.resolve()
+    # a path written relative to the repository (through .. for a checkout beside it) works as well
+    rel = Path(os.path.relpath(matmul, REPO))
+    assert not rel.is_absolute() and (REPO / rel).is_file()
     p1 = find_published(REPO / rel, H100)
-    assert p1 is not None and p1.eager.mean_ms == _published_json(EAGER_FILE)["level1"][
-        "1_Square_matrix_multiplication_.py"]["mean"]
+    assert p1 is not None and p1.eager.mean_ms == _published_json(root, EAGER_FILE)["level1"][matmul.name]["mean"]
 
 
-def test_real_lookup_by_gpu_model_says_so():
-    p = find_published(CONV, "NVIDIA H100 PCIe")
+def _check_gpu_model_and_others(conv: Path) -> None:
+    p = find_published(conv, "NVIDIA H100 PCIe")
     assert p is not None and p.match == "gpu model"
     assert "H100" in p.match_note and "NVIDIA H100 PCIe" in p.match_note and p.hardware == H100
-
-
-def test_real_lookup_on_another_gpu_says_why_not():
-    found = lookup_published(CONV, "NVIDIA A100-SXM4-80GB")
+    found = lookup_published(conv, "NVIDIA A100-SXM4-80GB")
     assert found.published is None and not found
     assert "A100-SXM4-80GB" in found.reason and f"published for: {H100}" in found.reason
-    cpu = lookup_published(CONV, "AMD EPYC 7763 64-Core Processor (2 threads)")
+    cpu = lookup_published(conv, "AMD EPYC 7763 64-Core Processor (2 threads)")
     assert cpu.published is None and "no published timings" in cpu.reason
+
+
+# --------------------------------------------------------------------------- lookups (made-up checkout)
+
+def test_lookup_on_the_published_gpu():
+    _check_lookup(FAKE, CONV, MATMUL)
+
+
+def test_lookup_by_gpu_model_or_on_another_gpu_says_so():
+    _check_gpu_model_and_others(CONV)
 
 
 def test_tasks_outside_a_checkout_or_unknown_have_none():
@@ -75,10 +82,25 @@ def test_tasks_outside_a_checkout_or_unknown_have_none():
     assert found.published is None and "not a levelN task of a KernelBench checkout" in found.reason
     assert find_checkout(bundled)[0] is None
     assert find_published(REPO / "README.md", H100) is None
-    unknown = lookup_published(KB / "level2" / "999_No_Such_Task.py", H100)
+    unknown = lookup_published(FAKE / "level2" / "999_No_Such_Task.py", H100)
     assert unknown.published is None and "no entry for level2/999_No_Such_Task.py" in unknown.reason
     assert lookup_published(None, H100).reason == "no task path"
     assert lookup_published(CONV, "").reason == "no device name"
+
+
+# --------------------------------------------------------------------------- the real checkout
+
+@pytest.mark.kernelbench
+def test_real_lookup_on_the_published_gpu(real_kernelbench):
+    _check_lookup(real_kernelbench, real_kernelbench / "level2" / "1_Conv2D_ReLU_BiasAdd.py",
+                  real_kernelbench / "level1" / "1_Square_matrix_multiplication_.py")
+
+
+@pytest.mark.kernelbench
+def test_real_lookup_by_gpu_model_or_on_another_gpu_says_so(real_kernelbench):
+    _check_gpu_model_and_others(real_kernelbench / "level2" / "1_Conv2D_ReLU_BiasAdd.py")
+    unknown = lookup_published(real_kernelbench / "level2" / "999_No_Such_Task.py", H100)
+    assert unknown.published is None and "no entry for level2/999_No_Such_Task.py" in unknown.reason
 
 
 @pytest.mark.parametrize("name, model", [

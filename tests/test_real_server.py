@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from llama_server import MODEL_ALIAS, LlamaServer, llama_server, model_file, server_binary  # noqa: F401
+from llama_server import MODEL_ALIAS, LlamaServer, llama_server, model_file, serve_decided, server_binary  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ["seeds/gemm_sigmoid_gemm_logsumexp", "seeds/conv2d_divide_leakyrelu"]
@@ -39,8 +39,9 @@ pytestmark = [pytest.mark.real_server, pytest.mark.slow]
 
 @pytest.fixture(autouse=True)
 def _needs_server():
-    if server_binary() is None or model_file() is None:
-        why = "needs llama-server and the SmolLM2 GGUF: run scripts/llama_server.sh"
+    if server_binary() is None or model_file() is None or not serve_decided():
+        why = ("needs llama-server, the SmolLM2 GGUF and the script's check that it serves on this CPU "
+               "(serve.json): run scripts/llama_server.sh")
         if os.environ.get("KERNELLOOP_REQUIRE_REAL_SERVER") == "1":
             pytest.fail(why)
         pytest.skip(why)

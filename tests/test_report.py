@@ -313,7 +313,10 @@ def test_many_tasks_from_plain_records():
 
 # ------------------------------------------------------------------------ numerics and published timings
 
-KB_CONV = Path(__file__).resolve().parents[1].parent / "shared" / "KernelBench" / "level2" / "1_Conv2D_ReLU_BiasAdd.py"
+# A KernelBench-shaped folder of made-up tasks and published timings (tests/fixtures/kernelbench)
+REPO = Path(__file__).resolve().parents[1]
+KB_CONV = REPO / "tests" / "fixtures" / "kernelbench" / "level2" / "1_Tiny_Conv2D_ReLU_BiasAdd.py"
+KB_TASK = "level2/" + KB_CONV.stem
 H100 = "NVIDIA H100 80GB HBM3"
 
 
@@ -327,7 +330,6 @@ def _published_run(tmp_path, numerics, eager_factor, conv_path=None, device_name
 
     from fixture_store import make_result
 
-    assert KB_CONV.is_file(), f"KernelBench is expected beside the checkout: {KB_CONV}"
     pub = json.loads((KB_CONV.parents[1] / "results" / "timing" / "H100_Modal" / "baseline_time_torch.json")
                      .read_text())["level2"][KB_CONV.name]["mean"]
     pub_c = json.loads((KB_CONV.parents[1] / "results" / "timing" / "H100_Modal"
@@ -336,7 +338,7 @@ def _published_run(tmp_path, numerics, eager_factor, conv_path=None, device_name
     tmp_path.mkdir(parents=True, exist_ok=True)
     store = Store(tmp_path / "pub.db")
     with store.session() as s:
-        kb = upsert_task(s, TaskSpec(name="level2/1_Conv2D_ReLU_BiasAdd", path=str(conv_path or KB_CONV),
+        kb = upsert_task(s, TaskSpec(name=KB_TASK, path=str(conv_path or KB_CONV),
                                      source=KB_CONV.read_text()))
         mine = upsert_task(s, TaskSpec(name="mine/relu", path=str(tmp_path / "level1" / "relu.py"), source="y = 2\n"))
         run = Run(model="m", critic="grounded", device="cuda", device_name=device_name, torch_version="t",
@@ -372,7 +374,7 @@ def test_report_shows_published_timings_and_flags_them(tmp_path):
     r = json.loads(out["json"])
     assert r["numerics"]["label"] == "fp32/default" and r["numerics"]["recorded"] is True
     tasks = {t["task"]: t["published"] for t in r["tasks"]}
-    kb, mine = tasks["level2/1_Conv2D_ReLU_BiasAdd"], tasks["mine/relu"]
+    kb, mine = tasks[KB_TASK], tasks["mine/relu"]
     assert kb["available"] and kb["eager"]["mean_ms"] == pub and kb["compile"]["mean_ms"] == pub_c
     assert kb["measured_eager_ms"] == pytest.approx(pub * 1.5) and kb["measured_evaluations"] == 2
     assert kb["comparison"]["eager"]["ratio"] == pytest.approx(1.5) and kb["comparison"]["eager"]["flagged"]
@@ -383,11 +385,11 @@ def test_report_shows_published_timings_and_flags_them(tmp_path):
     assert "Numerics: fp32/default: PyTorch defaults" in md
     assert "### Published KernelBench timings" in md
     section = md.split("### Published KernelBench timings", 1)[1].split("### Task ", 1)[0]
-    row = next(line for line in section.splitlines() if line.startswith("| [level2/1_Conv2D_ReLU_BiasAdd]"
-                                                                        "(#task-level2-1_conv2d_relu_biasadd) | "))
+    row = next(line for line in section.splitlines() if line.startswith(f"| [{KB_TASK}]"
+                                                                        f"(#task-{KB_TASK.lower().replace('/', '-')}) | "))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1:] == [f"{pub * 1.5:.3f}", f"{pub:.3f}", "1.50 (!)", f"{pub_c:.3f}", f"{pub_c:.3f}", "1.00"]
-    assert "- (!) level2/1_Conv2D_ReLU_BiasAdd: measured eager" in md and "50% above" in md
+    assert f"- (!) {KB_TASK}: measured eager" in md and "50% above" in md
     assert "the machine or the numerics convention differs" in md
     assert "Published by KernelBench (fp32/default, NVIDIA H100 80GB HBM3, exact match of the device name)" in md
     assert "| [mine/relu]" in md and md.count("1.50 (!)") == 2           # the table and the task's section
@@ -408,7 +410,7 @@ def test_report_marks_another_convention_and_old_runs(tmp_path, monkeypatch):
     assert "Numerics: fp32/strict: IEEE fp32 everywhere (TF32 off)" in out["md"]
     # a run from before numerics were recorded ran fp32/strict; a relative stored path is found
     # from the repository when the report is written elsewhere
-    rel = Path("..") / "shared" / "KernelBench" / "level2" / KB_CONV.name
+    rel = KB_CONV.relative_to(REPO)
     store, run_id, _, _ = _published_run(tmp_path / "old", None, 1.0, conv_path=rel)
     monkeypatch.chdir(tmp_path)
     out = _render_all(store, run_id)

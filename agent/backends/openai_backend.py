@@ -37,6 +37,10 @@ asked again at once with max_tokens lowered.
 
 Answers stream (``openai_stream``): a call that was receiving tokens is never retried for
 being slow; past ``stall_timeout_s`` or ``call_budget_s`` its partial answer is kept, cut off.
+A server that ignores ``stream`` and answers with a whole JSON completion is read as that
+completion; from then on this backend asks without streaming (``stream_off``), says so once
+(a line on stderr, the run's output) and keeps the words in ``run_notes``, which the loop stores
+with the run; each call asked so records ``"stream": "off"`` in its context.
 Reasoning returned apart from the answer (``reasoning_content``, ``reasoning``) or inside
 ``<think>`` is returned in ``Completion.reasoning`` and never in ``text``.
 """
@@ -45,6 +49,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import sys
 import threading
 import time
 from typing import Any, Mapping, Optional
@@ -57,8 +62,8 @@ from agent.backends.base import BackendError, register
 from agent.backends.errors import CallSite, ContextOverflow, GiveUp, ParameterRejected, Transient, classify
 from agent.backends.openai_config import (DEFAULT_BASE_URL, DEFAULTS, config_path, load_config,  # noqa: F401
                                           retry_after_seconds, settings)
-from agent.backends.openai_stream import FirstTokenTimeout, Limits, StreamResult, read_stream, reasoning_of, \
-    split_think, usage_figures
+from agent.backends.openai_stream import FirstTokenTimeout, Limits, StreamResult, completion_result, read_stream, \
+    split_think
 from agent.pricing import cost_usd, prices_from_config
 from agent.types import Completion, ProposalRequest
 
@@ -122,11 +127,8 @@ class OpenAIBackend:
         self.base_url = (url or DEFAULT_BASE_URL).rstrip("/")
         if not url:
             self._url_source = "the default (set OPENAI_BASE_URL for another endpoint)"
-        read = max(self.limits.first_token_s, self.limits.stall_s) + 5.0
-        if not self.stream and self.limits.budget_s:
-            read = self.limits.budget_s
-        self.client = openai.OpenAI(api_key=key, base_url=self.base_url, max_retries=0,
-                                    timeout=openai.Timeout(read, connect=10.0, write=60.0, pool=None))
+        self._key = key
+        self.client = self._client()
         self._probe_client = openai.OpenAI(api_key=key, base_url=self.base_url, max_retries=0,
                                            timeout=openai.Timeout(10.0, connect=5.0))
         self._limiter = ctx.limiter(self.base_url, self.concurrency)
@@ -137,6 +139,33 @@ class OpenAIBackend:
         # refuse stream_options. The first refusal switches these (errors.ParameterRejected).
         self.token_param = "max_tokens"
         self.stream_options = True
+        self.stream_off: Optional[str] = None        # why this backend stopped streaming, once it did
+        self.run_notes: list[str] = []               # said once in the run's output, stored with the run
+        self._stream_lock = threading.Lock()
+
+    def _client(self) -> openai.OpenAI:
+        """The client for answers: streamed, a read timeout a little past the chunk limits; not
+        streamed, ``call_budget_s`` (the whole answer comes at once)."""
+        read = max(self.limits.first_token_s, self.limits.stall_s) + 5.0
+        if not self.stream and self.limits.budget_s:
+            read = self.limits.budget_s
+        return openai.OpenAI(api_key=self._key, base_url=self.base_url, max_retries=0,
+                             timeout=openai.Timeout(read, connect=10.0, write=60.0, pool=None))
+
+    def _stop_streaming(self) -> None:
+        """The server answered a streamed request with a whole completion: ask without streaming
+        from now on (the answer itself was read, nothing is lost); said once."""
+        with self._stream_lock:
+            if not self.stream:
+                return
+            self.stream_off = (f"{self.base_url} answered a streamed request with a whole completion (it does not "
+                               f"stream): asking without streaming for the rest of the run (stream = false in "
+                               f"{self._config_where} says so from the start)")
+            self.stream = False
+            self.client = self._client()
+            self.run_notes.append(self.stream_off)
+        # Said on the run's output itself (not a log record a handler may swallow), once.
+        print(f"[kernelloop] {self.name}: {self.stream_off}", file=sys.stderr, flush=True)
 
     def _pick(self, option: Optional[str], env: str, from_file: Optional[str], file_key: str) -> tuple[Optional[str], str]:
         if option:
@@ -305,8 +334,9 @@ class OpenAIBackend:
 
     def _request(self, messages: list[dict[str, str]], max_tokens: Optional[int]) -> Completion:
         params = self._params(messages, max_tokens)
+        streamed = bool(params.get("stream"))
         try:
-            if self.stream:
+            if streamed:
                 self._limiter.acquire()
                 got = read_stream(lambda: self.client.chat.completions.create(**params), self.limits,
                                   self._limiter.release)
@@ -329,6 +359,8 @@ class OpenAIBackend:
                             f"{type(cause).__name__}: {cause}") from None
         except (ValueError, openai.APIResponseValidationError, openai.APIError) as exc:
             raise Transient(f"malformed response from {self.base_url}: {type(exc).__name__}: {exc}") from None
+        if got.whole:
+            self._stop_streaming()
         if got.chunks == 0 and not got.finish_reason and not got.text:
             raise Transient(f"malformed response from {self.base_url}: an empty stream")
         text, think = split_think(got.text)
@@ -341,20 +373,13 @@ class OpenAIBackend:
                           prompt_tokens=got.prompt_tokens, completion_tokens=got.completion_tokens,
                           cost_usd=cost_usd(self.model, got.prompt_tokens, got.completion_tokens, self.extra_prices),
                           reasoning=reasoning, reasoning_tokens=got.reasoning_tokens,
-                          finish_cause=got.ended_by, context={"ended": got.note} if got.note else {})
+                          finish_cause=got.ended_by,
+                          context={**({"ended": got.note} if got.note else {}),
+                                   **({"stream": "off"} if self.stream_off and (got.whole or not streamed) else {})})
 
     def _plain(self, params: dict[str, Any]) -> StreamResult:
         """One non-streamed answer (``stream = false``): one total timeout, ``call_budget_s``."""
-        response = self.client.chat.completions.create(**params)
-        choices = getattr(response, "choices", None)
-        if not choices:
-            raise ValueError(f"no choices in {str(response)[:200]!r}")
-        choice = choices[0]
-        got = StreamResult(chunks=1, finish_reason=choice.finish_reason)
-        got.text = (choice.message.content if choice.message else None) or ""
-        got.reasoning = reasoning_of(choice.message) if choice.message else ""
-        got.prompt_tokens, got.completion_tokens, got.reasoning_tokens = usage_figures(getattr(response, "usage", None))
-        return got
+        return completion_result(self.client.chat.completions.create(**params))
 
     def _judge(self, c: Completion, prompt_count: int, info: dict[str, Any]) -> None:
         """The finish cause, the truncated-prompt flag and the context record of a completed call."""

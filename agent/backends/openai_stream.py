@@ -17,12 +17,17 @@ limits and, when it gives up, shuts the connection down so the server stops gene
 (llama.cpp and vLLM cancel a request whose client went away). The in-flight slot is given
 back only when the reading thread has finished, so slots count what the server runs.
 
+A server that ignores ``stream`` (simple servers, some proxies) answers a streamed request with
+a whole JSON completion and no events: that answer is read as the completion it is
+(``StreamResult.whole``), not taken for an empty stream; the backend then stops streaming.
+
 Reasoning: ``delta.reasoning_content`` (llama.cpp, SGLang, DeepSeek) or ``delta.reasoning``
 (vLLM, OpenRouter) is collected apart from the answer; ``<think>...</think>`` inside the
 content is split off afterwards (``split_think``).
 """
 from __future__ import annotations
 
+import json
 import queue
 import re
 import socket
@@ -59,6 +64,43 @@ class StreamResult:
     chunks: int = 0
     model: Optional[str] = None
     extras: dict[str, Any] = field(default_factory=dict)
+    whole: bool = False                       # a streamed request answered with a whole completion
+
+
+def completion_result(response: Any) -> StreamResult:
+    """A whole (not streamed) chat completion as a ``StreamResult`` of one chunk; ValueError
+    when it has no choices."""
+    choices = getattr(response, "choices", None)
+    if not choices:
+        raise ValueError(f"no choices in {str(response)[:200]!r}")
+    choice = choices[0]
+    message = getattr(choice, "message", None)
+    got = StreamResult(chunks=1, finish_reason=getattr(choice, "finish_reason", None),
+                       model=getattr(response, "model", None))
+    got.text = (getattr(message, "content", None) if message is not None else None) or ""
+    got.reasoning = reasoning_of(message) if message is not None else ""
+    got.prompt_tokens, got.completion_tokens, got.reasoning_tokens = usage_figures(getattr(response, "usage", None))
+    return got
+
+
+def whole_answer(stream: Any) -> Optional[Any]:
+    """The whole JSON completion a server sent instead of events to a streamed request, or None
+    (events, or a body that is no completion: then the body, read and kept by httpx, is left to
+    the event reader)."""
+    response = getattr(stream, "response", None)
+    headers = getattr(response, "headers", None)
+    if response is None or headers is None or "event-stream" in headers.get("content-type", "").lower():
+        return None
+    body = response.read()
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
+        return None
+    from openai.types.chat import ChatCompletion
+
+    return ChatCompletion.model_construct(**data)   # lenient, nested, as the client builds answers
 
 
 def reasoning_of(delta: Any) -> str:
@@ -135,6 +177,10 @@ def read_stream(open_stream: Callable[[], Any], limits: Limits, release: Callabl
             if abandoned.is_set():
                 _shutdown(stream)
                 return
+            whole = whole_answer(stream)
+            if whole is not None:
+                events.put(("whole", whole))
+                return
             for chunk in stream:
                 events.put(("chunk", chunk))
                 if abandoned.is_set():
@@ -183,6 +229,10 @@ def read_stream(open_stream: Callable[[], Any], limits: Limits, release: Callabl
             return result
         if kind == "end":
             return result
+        if kind == "whole":
+            whole = completion_result(item)
+            whole.whole, whole.first_chunk_s = True, time.monotonic() - start
+            return whole
         if kind == "error":
             if result.chunks and isinstance(item, (openai.APIError, ValueError)):
                 result.ended_by = "broken"
