@@ -212,21 +212,25 @@ def get_init_inputs():
 
 def test_conv_bias_joins_the_next_kernel(tmp_path):
     """PyTorch adds a convolution's bias in a kernel of its own; where the convolution feeds a
-    generated kernel, the builtin calls it without the bias and adds the bias in that kernel."""
-    gn = propose(_gn_spec(), "cpu", 0, 0, [])
+    generated kernel, the builtin calls it without the bias and adds the bias in that kernel
+    (on cuda; on the CPU oneDNN adds the bias inside the convolution, so it stays there)."""
+    gn = propose(_gn_spec(), "cuda", 0, 0, [])
     assert "torch.conv2d(x, v_conv_weight, None, (1, 1), (0, 0), (1, 1), 1)" in gn.source
     assert "v_conv_bias.view(-1, 1, 1)" in gn.source and "self.conv(" not in gn.source
+    on_cpu = propose(_gn_spec(), "cpu", 0, 0, [])
+    assert "self.conv(x)" in on_cpu.source and "v_conv_bias" not in on_cpu.source
+    assert [g["ops"] for g in on_cpu.choices["groups"]] == [["add", "mul", "sigmoid", "group_norm"]]
     path = tmp_path / "conv_pool.py"
     path.write_text(CONV_POOL)
     spec = read_spec(path, name="fixtures/conv_pool")
-    cand = propose(spec, "cpu", 0, 0, [])
+    cand = propose(spec, "cuda", 0, 0, [])
     src = cand.source
     assert [g["ops"] for g in cand.choices["groups"]] == [["add", "tanh"]]
     assert "self.conv(" in src and "self.last(" in src and "self.convt(" not in src
     assert "torch.conv_transpose2d(" in src and "v_convt_bias.view(-1, 1, 1)" in src
     # the split graph computes what the reference computes (the kernels stubbed by PyTorch here)
     from agent.builtin.trace import trace_task
-    traced = trace_task(spec, "cpu")
+    traced = trace_task(spec, "cuda")
     task = load_task(spec)
     torch.manual_seed(0)
     ref = task.Model()

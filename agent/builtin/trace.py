@@ -94,7 +94,8 @@ def _trace_with(spec: TaskSpec, device: str, how: str, numerics: Any = None) -> 
         inputs = cast_values(numerics, task.get_inputs())
     gm = symbolic_trace(model)
     ShapeProp(gm).propagate(*inputs)
-    if _split_conv_bias(gm):
+    # on the CPU oneDNN adds the bias inside the convolution (no extra pass): it stays there
+    if device != "cpu" and _split_conv_bias(gm):
         ShapeProp(gm).propagate(*inputs)
     _rewrite_tuple_reductions(gm)
     modules = dict(gm.named_modules())
