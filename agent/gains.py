@@ -9,7 +9,7 @@ the measured delta (each attempt's median in its own evaluation).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from agent.types import AttemptView
 
@@ -33,12 +33,20 @@ def _origin(v: AttemptView, by_id: dict[int, AttemptView]) -> str:
             knobs = ", ".join(f"{k}={val}" for k, val in sorted((h.get("knobs") or {}).items()))
             return f"the built-in's first variant ({knobs or 'no knobs'})"
         changed = h.get("changed") or {}
-        what = ", ".join(f"{k} {a}->{b}" for k, (a, b) in sorted(changed.items())) or "the same knobs"
+        what = ", ".join(_change(k, a, b) for k, (a, b) in sorted(changed.items())) or "the same knobs"
         return f"{what} vs parent attempt {parent.attempt_id}{_delta(v, parent)}"
     parent = next((by_id[p] for p in v.parent_ids if p in by_id), None)
     if parent is None:
         return "a new candidate (no parent)"
     return f"the model's rewrite of attempt {parent.attempt_id}{_delta(v, parent)}"
+
+
+def _change(knob: str, old: Any, new: Any) -> str:
+    if knob == "excluded":
+        back, kept = sorted(set(new) - set(old)), sorted(set(old) - set(new))
+        return "; ".join(filter(None, [f"{', '.join(back)} left to PyTorch" if back else "",
+                                       f"{', '.join(kept)} fused again" if kept else ""])) or "the same groups"
+    return f"{knob} {old}->{new}"
 
 
 def _delta(v: AttemptView, parent: AttemptView) -> str:

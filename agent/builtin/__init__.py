@@ -165,7 +165,8 @@ def propose(spec: TaskSpec, device: str, round: int, sample: int,
         return _untraceable(traced, device, Feedback(precision=precision_of(numerics)), f"{type(exc).__name__}: {exc}")
     if backend != "triton" and history and not cand.choices.get("fallback"):
         fb = read_history(list(history), device, precision_of(numerics), getattr(numerics, "math", None))
-        family = lineage(cand.choices, fb.best_attempt, _knobs_of(fb.best) if fb.best else {})
+        family = lineage(cand.choices, fb.best_attempt, _knobs_of(fb.best) if fb.best else {},
+                         list(fb.best.get("excluded") or []) if fb.best else None)
         if family:
             cand.choices.update(family)
             cand.source = _rewrite_header(cand.source, cand.choices)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -106,7 +107,7 @@ class GroupCode:
     def uses_knobs(self) -> set[str]:
         op = self.kg.op
         used = set() if (self.device == "cpu" and self.kg.kind == "norm") else {"block"}
-        if self.device == "cuda" or self.kg.kind in ("ew", "norm") or op in ("softmax", "log_softmax"):
+        if self.device == "cuda" or self.kg.kind in ("ew", "norm") or op in ("softmax", "log_softmax", "logsumexp"):
             used.add("vec")
         if self.kg.kind == "norm" or op in ("logsumexp", "softmax", "log_softmax"):
             used.add("reduce")
@@ -117,10 +118,11 @@ class GroupCode:
         template = {"ew": "ew", "reduce": "reduce", "norm": "norm"}[kg.kind]
         template = f"{'cuda' if self.device == 'cuda' else 'cpu'}_{template}." + ("cu.j2" if self.device == "cuda" else "cpp.j2")
         eps = c_float(kg.core_info.params["eps"]) if kg.kind == "norm" else "0.f"
-        return render(template, g=self, op=kg.op, vec=self.knobs.vec, block=self.knobs.block,
-                      twopass=self.knobs.reduce == "twopass", lanes=LANES, eps=eps,
-                      blocks_per_sm=max(2048 // self.knobs.block, 1) * 2,
-                      chunk=self.knobs.block * 32, tile=max(self.knobs.block // 4, 16))
+        source = render(template, g=self, op=kg.op, vec=self.knobs.vec, block=self.knobs.block,
+                        twopass=self.knobs.reduce == "twopass", lanes=LANES, eps=eps,
+                        blocks_per_sm=max(2048 // self.knobs.block, 1) * 2,
+                        chunk=self.knobs.block * 32, tile=max(self.knobs.block // 4, 16))
+        return source if self.device == "cuda" else cpu_math(source)
 
     # wrapper ---------------------------------------------------------------------------
     def wrapper(self) -> dict[str, Any]:
@@ -245,6 +247,14 @@ class GroupCode:
                 f"{out} = _ext.{kg.name}({', '.join(args)}, bool(_bn.training), bool(_update), _factor)",
             ]
         return [f"{out} = _ext.{kg.name}({', '.join(args)}, True, False, 0.0)"]
+
+
+_EXPF = re.compile(r"(?<![\w.])expf\(")
+
+
+def cpu_math(source: str) -> str:
+    """A CPU kernel's ``expf`` calls as ``kl_expf`` (common.h.j2): vectorisable, within 1.4 ulp."""
+    return _EXPF.sub("kl_expf(", source)
 
 
 def _c_str(text: str) -> str:

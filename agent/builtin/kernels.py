@@ -195,7 +195,7 @@ class KernelGroup:
     def var(self, n: Node) -> str:
         return f"t_{n.name}"
 
-    def _load_expr(self, acc: Access, index: str, lane: Optional[int]) -> str:
+    def _load_expr(self, acc: Access, index: str, lane: Optional[int], chan: Optional[str] = None) -> str:
         k = acc.input
         if acc.kind == "scalar":
             return f"s{k}"
@@ -203,8 +203,16 @@ class KernelGroup:
             if lane is not None:
                 return self._to_float(k, f"v{k}.{LANES[lane]}")
             return self.load(k, index)
+        if chan is not None and self.per_channel(acc):
+            index = chan
         terms = " + ".join(f"kl_off({index}, {acc.name}{j})" for j in range(len(acc.runs)))
         return self.load(k, terms)
+
+    def per_channel(self, acc: Access) -> bool:
+        """Whether a broadcast operand varies with the batch and channel dims only (its runs end
+        at dim 1 of an (N, C, spatial...) space): constant over one channel's spatial values, so a
+        loop over them may index it at the channel's first element (``chan``)."""
+        return acc.kind == "runs" and len(self.p_shape) >= 3 and all(b <= 1 for _, b in acc.runs)
 
     # storage types ----------------------------------------------------------------------
     def _to_float(self, k: int, expr: str) -> str:
@@ -248,7 +256,7 @@ class KernelGroup:
         return c_float(o)
 
     def _body(self, nodes: list[Node], space: str, index: str, lane: Optional[int], prefix: str,
-              extra_loads: Optional[list[Value]] = None) -> tuple[list[str], dict[int, str]]:
+              extra_loads: Optional[list[Value]] = None, chan: Optional[str] = None) -> tuple[list[str], dict[int, str]]:
         lines: list[str] = []
         loads: dict[int, str] = {}
         wanted: list[int] = []
@@ -261,7 +269,7 @@ class KernelGroup:
         for k in dict.fromkeys(wanted):
             acc = self.accesses[(k, space)]
             name = f"{prefix}{k}"
-            lines.append(f"const float {name} = {self._load_expr(acc, index, lane)};")
+            lines.append(f"const float {name} = {self._load_expr(acc, index, lane, chan)};")
             loads[k] = name
         for n in nodes:
             info = self.plan.infos[n]
@@ -269,17 +277,19 @@ class KernelGroup:
             lines.append(f"const float {self.var(n)} = {ew_expr(info.op, args, info.params)};")
         return lines, loads
 
-    def prologue(self, index: str = "i", lane: Optional[int] = None, assign: bool = False) -> str:
+    def prologue(self, index: str = "i", lane: Optional[int] = None, assign: bool = False,
+                 chan: Optional[str] = None) -> str:
         """Statements computing every prologue value and ``x`` (the core's input, or the output);
-        ``assign``: assign an ``x`` declared outside instead of declaring it."""
+        ``assign``: assign an ``x`` declared outside instead of declaring it; ``chan``: the index
+        of the first element of ``index``'s channel, for the per-channel operands (``per_channel``)."""
         decl = "x = " if assign else "const float x = "
         if self.core is None:
-            lines, _ = self._body(self.prologue_nodes, "p", index, lane, "a")
+            lines, _ = self._body(self.prologue_nodes, "p", index, lane, "a", chan=chan)
             lines.append(f"{decl}{self.var(self.out_node)};")
             return "\n".join(lines)
         data = self.core_info.operands[0]
         extra = [] if data in self.members else [data]
-        lines, loads = self._body(self.prologue_nodes, "p", index, lane, "a", extra)
+        lines, loads = self._body(self.prologue_nodes, "p", index, lane, "a", extra, chan=chan)
         x = self.var(data) if data in self.members else loads[self._input_of[data]]
         lines.append(f"{decl}{x};")
         return "\n".join(lines)

@@ -77,6 +77,8 @@ def read_search(measured: list[tuple[Any, dict[str, Any]]], best_attempt: Option
     outcomes: dict[tuple[str, Any], list[float]] = {}
     for s in state.steps:
         for knob, (_, new) in s.changed.items():
+            if knob == "excluded":          # nodes left to PyTorch, not a knob value to rank
+                continue
             outcomes.setdefault((knob, new), []).append(s.ratio)
     for kv, ratios in outcomes.items():
         if all(r > LOSS for r in ratios):
@@ -104,10 +106,15 @@ def neighbour_key(diff: dict[str, Any], state: Optional[SearchState]) -> tuple:
     return (lost, profile - won)
 
 
-def lineage(header: dict[str, Any], best_attempt: Optional[int], best_knobs: dict[str, Any]) -> dict[str, Any]:
-    """The header entries naming a candidate's parent and the knobs it changed."""
+def lineage(header: dict[str, Any], best_attempt: Optional[int], best_knobs: dict[str, Any],
+            best_excluded: Optional[list[str]] = None) -> dict[str, Any]:
+    """The header entries naming a candidate's parent and what it changed: the knobs it sets
+    differently and, as ``excluded``, the nodes it leaves to PyTorch where those differ (a group
+    the profile showed slower than the library goes back to it with the same knobs)."""
     if best_attempt is None:
         return {}
     mine = header.get("knobs") or {}
     changed = {k: [best_knobs.get(k), v] for k, v in mine.items() if best_knobs.get(k) != v}
+    if best_excluded is not None and sorted(best_excluded) != sorted(header.get("excluded") or []):
+        changed["excluded"] = [sorted(best_excluded), sorted(header.get("excluded") or [])]
     return {"parent": best_attempt, "changed": changed}

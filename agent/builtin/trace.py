@@ -95,7 +95,8 @@ def _trace_with(spec: TaskSpec, device: str, how: str, numerics: Any = None) -> 
     gm = _symbolic_trace(model)
     ShapeProp(gm).propagate(*inputs)
     _rewrite_tuple_reductions(gm)       # first: a convolution followed by torch.min(x, 1)[0] splits its bias too
-    if _split_conv_bias(gm):
+    # on the CPU oneDNN adds the bias inside the convolution (no extra pass): it stays there
+    if device != "cpu" and _split_conv_bias(gm):
         ShapeProp(gm).propagate(*inputs)
     modules = dict(gm.named_modules())
     known = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}

@@ -1,0 +1,39 @@
+"""The builtin's vectorised CPU paths build (one load_inline build) and match PyTorch: kl_expf
+over the float range and its special values, the row logsumexp with +inf, all -inf and NaN rows,
+and the group norm whose prologue is cached in the output between its passes."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from agent.builtin import generate
+from sandbox.tasks import load_task, read_spec
+
+FIXTURE = Path(__file__).parent / "fixtures" / "builtin" / "cpu_vector_paths.py"
+
+
+def test_cpu_vector_paths_match_pytorch():
+    spec = read_spec(FIXTURE, name="fixtures/cpu_vector_paths")
+    cand = generate(spec, "cpu")
+    src = cand.source
+    assert "KL_CPU_CLONES static void" in src                      # every kernel multiversioned
+    assert "kl_expf(-" in src and "kl_expf(" in src.split("// ---- kl_g0 begin")[1]
+    assert "reduction(max:m)" in src                               # the vectorised logsumexp
+    assert "const float x = out[i];" in src                        # the norm reads its cached prologue
+    ns: dict = {"__name__": "kl_candidate"}
+    exec(compile(src, "c.py", "exec"), ns)
+    task = load_task(spec)
+    torch.manual_seed(3)
+    ref = task.Model(*task.get_init_inputs())
+    torch.manual_seed(3)
+    new = ns["ModelNew"](*task.get_init_inputs())
+    x, y, z = task.get_inputs()
+    with torch.no_grad():
+        (ra, rb, rc), (na, nb, nc) = ref(x, y, z), new(x, y, z)
+    # exp: within a few ulp of PyTorch's everywhere, exact on inf/-inf/NaN, overflow to inf
+    torch.testing.assert_close(na, ra, rtol=4e-7, atol=1e-40, equal_nan=True)
+    assert torch.isinf(na[x > 88.73]).all() and (na[x < -104.0] == 0).all()
+    torch.testing.assert_close(nb, rb, rtol=1e-6, atol=1e-5, equal_nan=True)
+    assert nb[1] == float("inf") and nb[2] == float("-inf") and torch.isnan(nb[3])
+    torch.testing.assert_close(nc, rc, rtol=1e-5, atol=1e-5)
