@@ -266,6 +266,14 @@ class AttnCode:
     def uses_knobs(self) -> set[str]:
         return {"attention"}
 
+    def summary_line(self) -> str:
+        """The candidate's docstring line for this kernel (GroupCode's interface)."""
+        kg = self.kg
+        causal = ("the mask is checked on the device each call; where it is zero above the diagonal (causal) "
+                  "the keys after each query are skipped") if kg.span.mask is not None else "no mask"
+        return (f"{kg.name}: {kg.describe()} (nodes {', '.join(n.name for n in kg.nodes)}): flash-style, the "
+                f"scores never stored, float32 accumulation; {causal}. The QKV and output GEMMs stay on the library.")
+
     def kernel_source(self) -> str:
         from agent.builtin.codegen import render
 
@@ -344,14 +352,6 @@ class AttnCode:
 
 def codes(spans: list[Span], first_index: int, infos: dict[Node, OpInfo], device: str, knobs: Any) -> list[AttnCode]:
     return [AttnCode(AttnKernel(sp, first_index + i, infos), device, knobs) for i, sp in enumerate(spans)]
-
-
-def describe_for_summary(code: AttnCode) -> str:
-    kg = code.kg
-    causal = ("the mask is checked on the device each call; where it is zero above the diagonal (causal) "
-              "the keys after each query are skipped") if kg.span.mask is not None else "no mask"
-    return (f"{kg.name}: {kg.describe()} (nodes {', '.join(n.name for n in kg.nodes)}): flash-style, the "
-            f"scores never stored, float32 accumulation; {causal}. The QKV and output GEMMs stay on the library.")
 
 
 __all__ = ["Span", "AttnKernel", "AttnCode", "find", "codes", "ATTENTION_MODES"]

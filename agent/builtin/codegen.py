@@ -113,6 +113,11 @@ class GroupCode:
             used.add("reduce")
         return used
 
+    def summary_line(self) -> str:
+        """The candidate's docstring line for this kernel."""
+        return (f"{self.kg.name}: {self.kg.kind} kernel fusing {self.kg.describe()} "
+                f"(nodes {', '.join(n.name for n in self.kg.nodes)})")
+
     def kernel_source(self) -> str:
         kg = self.kg
         template = {"ew": "ew", "reduce": "reduce", "norm": "norm"}[kg.kind]
@@ -346,12 +351,7 @@ def _summary(plan: Plan, codes: list[GroupCode], tc: list[TcGemm], precision: st
                    "in float32, and round each result once, on store. Library operators (GEMMs, "
                    f"convolutions) stay on PyTorch in {precision} (the split-TF32 GEMM is for fp32 only).")
     for c in codes:
-        if c.kg.kind == "attention":
-            from agent.builtin.attention import describe_for_summary
-            out.append(describe_for_summary(c))
-            continue
-        out.append(f"{c.kg.name}: {c.kg.kind} kernel fusing {c.kg.describe()} "
-                   f"(nodes {', '.join(n.name for n in c.kg.nodes)})")
+        out.append(c.summary_line())
     for g in tc:
         out.append(f"{g.fn} ({g.node.name}, [{g.m}x{g.k}] x [{g.k}x{g.n}]): the float32 GEMM runs as split-TF32 "
                    "tensor-core GEMMs with K-chunked accumulation: each operand is split into its TF32 rounding "
