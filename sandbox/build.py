@@ -51,7 +51,10 @@ _MISSING_TORCH_NAME_RE = re.compile(r'namespace "(?:torch|at|c10)[\w:]*" has no 
                                     r"|no match for .operator")
 # what a compiler says of a precompiled header it found but could not read (a truncated or damaged
 # file: GCC stops there, where it skips one made for other flags); never the candidate's error
-_PCH_UNREADABLE_RE = re.compile(r"\.gch\b")
+# (GCC: "error: while reading precompiled header"; not any line naming a .gch, which a candidate's own
+# compile error carries beside -Winvalid-pch's notes: that would discard a good header for everyone)
+_PCH_UNREADABLE_RE = re.compile(r"while reading precompiled header|precompiled header[^\n]*(?:corrupt|malformed)"
+                                r"|(?:cannot|could not) (?:read|open)[^\n]*\.gch\b")     # GCC: "cannot read x.h.gch"
 PCH_NOTE = "a precompiled header could not be read: discarded, built again without it"
 PREFIX_NOTE = "the C++ file's leading includes precompiled"
 MINIMAL_NOTE = "CUDA sources built with minimal ATen headers in place of torch's"
