@@ -5,7 +5,8 @@ its own kernels. The sandbox's profile of that attempt (``EvalResult.profile``: 
 kernel, ``own`` for the candidate's) names them: ``kl_g3_kernel``/``kl_g3_kernel4`` on cuda,
 ``kl_g3`` on the CPU. The group whose kernels took the most time is left to PyTorch in later
 rounds (the library's call comes back for that part), unless the same group (same nodes) ran in
-an attempt at least as fast as eager. One group per slow attempt, so a round narrows step by step
+an attempt at least as fast as eager, or it is the attempt's last kernel (then the search goes on
+over its variants instead). One group per slow attempt, so a round narrows step by step
 and the best attempt of the run (the fastest correct) decides in the end.
 """
 from __future__ import annotations
@@ -46,6 +47,11 @@ def blame_slow(correct: list[tuple[Any, dict[str, Any]]], fb: Any) -> None:
             continue
         g = slowest_group(att.result, h)
         if g is None or tuple(g["nodes"]) in fast:
+            continue
+        left = [x for x in h.get("groups", []) if not set(x["nodes"]) <= (fb.excluded | set(g["nodes"]))]
+        if not left:
+            # its last kernel: leaving it to PyTorch too would leave no kernel to search over (every
+            # variant the same fallback); the knobs' other variants are measured instead
             continue
         fb.excluded |= set(g["nodes"])
         ms = group_times(att.result)[g["name"]] / 1000.0
