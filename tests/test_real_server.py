@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from llama_server import MODEL_ALIAS, LlamaServer, llama_server, model_file, serve_decided, server_binary  # noqa: F401
+from llama_server import MODEL_ALIAS, LlamaServer, llama_server, model_file, serve_args, serve_decided, server_binary  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ["seeds/gemm_sigmoid_gemm_logsumexp", "seeds/conv2d_divide_leakyrelu"]
@@ -134,6 +134,13 @@ def test_b_a_slow_server_with_default_client_settings(tmp_path: Path, llama_serv
     runs on to what the window leaves, as a model that writes until max_tokens does, so that a call
     takes longer than the old client's 300 s. The client runs with every setting at its default."""
     full = os.environ.get("KERNELLOOP_FULL_B") == "1"
+    if "--no-repack" in serve_args() and not full and os.environ.get("KERNELLOOP_SLOW_B") != "1":
+        # Where the build cannot repack its weights on this CPU (SIGILL on AMX, issue 34), SmolLM2 ran
+        # about 4x slower in (a) (1024 tokens in 170-310 s on 2 cores): one task of (b) would take about
+        # 50 minutes against its 25-minute box, more than CI has. Run it there with KERNELLOOP_SLOW_B=1
+        # or bash scripts/real_server_b.sh.
+        pytest.skip("the server runs without weight repacking on this CPU (serve.json: --no-repack), about 4x "
+                    "slower: (b) needs KERNELLOOP_SLOW_B=1 or scripts/real_server_b.sh here")
     tasks = TASKS if full else TASKS[:1]
     server = llama_server(ctx=4 * 8192, parallel=4, threads=1, extra=("--ignore-eos",))
     assert server.props()["total_slots"] == 4
