@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, profile
 
 
 def _is_own(name: str, own_kernels: Sequence[str]) -> bool:
@@ -41,12 +41,11 @@ def warm_up(device: str) -> None:
         pass
 
 
-PREAMBLE = "kernelloop::preamble"     # the clock's preamble, as a profiler range
 AHEAD_TOLERANCE_US = 1.0              # timestamps of two streams compared: below this, no evidence
 
 
 def _device_events(events: Sequence[Any]) -> list[Any]:
-    """Device-side activity (kernels, copies, memsets); ranges of ``record_function`` also show as
+    """Device-side activity (kernels, copies, memsets); ranges of ``record_function`` (a candidate's) also show as
     device-side annotations, which are not work and would count a candidate's time twice."""
     return [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and e.name
             and not e.name.startswith(("kernelloop_ext::", "kernelloop::")) and not getattr(e, "is_user_annotation", False)]
@@ -120,8 +119,7 @@ def profile_forward(model: Callable, make_args: Callable[[int], Sequence[Any]], 
         with profile(activities=activities) as prof:
             for args in arg_sets:
                 if flusher is not None:
-                    with record_function(PREAMBLE):
-                        clock.preamble(flusher)
+                    clock.preamble(flusher)
                 model(*args)
             if device == "cuda":
                 torch.cuda.synchronize()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sandbox import anticheat
-from sandbox.profiling import PREAMBLE, ahead_of_clock, split_preamble
+from sandbox.profiling import ahead_of_clock, split_preamble
 from sandbox.anticheat import UNFORKED, UNJOINED, side_stream_flags
 
 SIDE = "s = torch.cuda.Stream()\nwith torch.cuda.stream(s):\n    y = f(x)\n"
@@ -78,7 +78,7 @@ def _profile(side_start: float):
     events = []
     for run, t in enumerate((0.0, 1000.0)):
         rid, zid = 100 + 10 * run, 101 + 10 * run
-        events += [_evt(PREAMBLE, t, t + 20, CPU, id=rid), _evt("aten::zero_", t + 5, t + 8, CPU, id=zid),
+        events += [_evt("preamble", t, t + 20, CPU, id=rid), _evt("aten::zero_", t + 5, t + 8, CPU, id=zid),
                    _evt("fill_kernel", t + 30, t + 90, linked=zid),
                    _evt("at::cuda::spin_kernel(long)", t + 91, t + 291),
                    _evt("gemm", t + 300, t + 400, linked=200 + run),
