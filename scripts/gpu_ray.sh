@@ -11,6 +11,9 @@
 #                                    # mid-evaluation and started again; the run must complete with each attempt
 #                                    # evaluated exactly once (python -m executors.audit)
 # .whl-ray (about 42 MB), .whl and .kb fit one call together; install stays a stage of its own.
+# On a host with several GPUs, WORKERS=2 (issue 36) starts two worker nodes, each its own `ray start`
+# owning half the GPUs (CUDA_VISIBLE_DEVICES) and half the cores; the local executor it is compared with
+# sees the same GPUs and cores. `faults` then kills the last worker node only.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -40,14 +43,22 @@ start_head() {
   CUDA_VISIBLE_DEVICES="" $RAY start --head --port="$PORT" --num-cpus=2 --num-gpus=0 --include-dashboard=false \
     --disable-usage-stats >"$OUT/ray_head.log" 2>&1 || { tail -20 "$OUT/ray_head.log"; exit 1; }
 }
-start_worker() {
-  $RAY start --address="$RAY_ADDRESS" --num-cpus="$CPUS" --num-gpus=1 --resources="{\"$WORKER_MARK\": 1}" \
-    --disable-usage-stats >>"$OUT/ray_worker.log" 2>&1 || { tail -20 "$OUT/ray_worker.log"; exit 1; }
+WORKERS=${WORKERS:-1}
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l); [ "$NGPU" -ge 1 ] || NGPU=1
+[ "$WORKERS" -le "$NGPU" ] || { echo "WORKERS=$WORKERS but this host has $NGPU GPU(s)"; exit 2; }
+PER_GPUS=$((NGPU / WORKERS)); PER_CPUS=$((CPUS / WORKERS))
+start_worker() {    # start_worker [I]: worker node I (default the last) owns GPUs I*PER_GPUS.. and PER_CPUS cores
+  local i=${1:-$((WORKERS - 1))}
+  local gpus; gpus=$(seq -s, $((i * PER_GPUS)) $((i * PER_GPUS + PER_GPUS - 1)))
+  CUDA_VISIBLE_DEVICES=$gpus $RAY start --address="$RAY_ADDRESS" --num-cpus="$PER_CPUS" --num-gpus="$PER_GPUS" \
+    --resources="{\"${WORKER_MARK}_$i\": 1}" --disable-usage-stats >>"$OUT/ray_worker.log" 2>&1 \
+    || { tail -20 "$OUT/ray_worker.log"; exit 1; }
+  echo "worker node $i: GPUs $gpus, $PER_CPUS cores"
 }
-worker_raylet() {   # the worker node's raylet: the raylet whose command line carries the worker's resource
+worker_raylet() {   # the last worker node's raylet: the raylet whose command line carries its resource
   for p in /proc/[0-9]*; do
-    [ "$(cat "$p/comm" 2>/dev/null)" = raylet ] && tr '\0' ' ' <"$p/cmdline" 2>/dev/null | grep -q "$WORKER_MARK" \
-      && basename "$p"
+    [ "$(cat "$p/comm" 2>/dev/null)" = raylet ] \
+      && tr '\0' ' ' <"$p/cmdline" 2>/dev/null | grep -q "${WORKER_MARK}_$((WORKERS - 1))\b" && basename "$p"
   done
 }
 descendants() { local kids; kids=$(ps -o pid= --ppid "$1" 2>/dev/null); for k in $kids; do echo "$k"; descendants "$k"; done; }
@@ -62,7 +73,7 @@ stop_cluster() { $RAY stop --force >/dev/null 2>&1; }   # this machine holds onl
 trap stop_cluster EXIT
 
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
-start_head; start_worker
+start_head; for i in $(seq 0 $((WORKERS - 1))); do start_worker "$i"; done
 $RAY status 2>&1 | grep -E "CPU|GPU" | head -4
 
 case "$stage" in

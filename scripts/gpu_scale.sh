@@ -10,6 +10,10 @@
 #                                     # the sandbox side by side, per translation unit, cold and warm build workers; BUILD_S
 #                                     # box, default 220), then the bench stage boxed to BENCH_S (default 270) with MAX_S 120
 #   bash scripts/gpu_scale.sh big     # tasks check + optimize on the level-1 tasks that ran out of memory before
+#   bash scripts/gpu_scale.sh scaling # issue 36 on a host with several GPUs: the mix bench on GPU 0 with 16 cores, then on
+#                                     # every GPU with every core, in this call, footprints measured once (by the first);
+#                                     # prints the ratio (goal >= 3.4 on 4 GPUs, 1.8 on 2). TASKS, CANDIDATES (default 8),
+#                                     # MAX_S (default 150: no candidate starts after it), PARALLEL (per GPU, default 12)
 #   bash scripts/gpu_scale.sh tests   # the GPU tests of the sandbox (adversarial, admission, pool, failures)
 #   bash scripts/gpu_scale.sh kb-memory    # GPU tests of sandbox failures; per-worker GPU memory on four 6 GiB tasks
 #   bash scripts/gpu_scale.sh kb-check     # tasks check over KernelBench levels 1-3 (CHECK_S box, default 540;
@@ -47,6 +51,26 @@ case "${1:-bench}" in
     box ${LOOP_S:-330} $KL optimize $(named $BIG) --model builtin --rounds 1 --samples ${SAMPLES:-2} --device cuda 2>&1 \
       | grep -v USDT | tee "$OUT/optimize_big.txt"
     ;;
+  scaling)
+    ngpu=$(nvidia-smi -L | wc -l); ncpu=$(nproc); per=${PARALLEL:-12}
+    common=(--device cuda --tasks ${TASKS:-10} --candidates ${CANDIDATES:-8} --modes pipelined --max-seconds ${MAX_S:-150}
+            --db /tmp/scaling-footprints.db)
+    echo "one GPU (GPU 0, cores 0-15), then $ngpu GPUs ($ncpu cores)"
+    CUDA_VISIBLE_DEVICES=0 box ${BENCH_S:-300} taskset -c 0-15 python3 scripts/bench_kernelbench.py "${common[@]}" \
+      --parallel "$per" --json "$OUT/scaling_1.json" 2>&1 | grep -v USDT | tee "$OUT/scaling_1.txt" | tail -12
+    box ${BENCH_S:-300} python3 scripts/bench_kernelbench.py "${common[@]}" --parallel $((per * ngpu)) \
+      --json "$OUT/scaling_all.json" 2>&1 | grep -v USDT | tee "$OUT/scaling_all.txt" | tail -16
+    python3 - "$OUT/scaling_1.json" "$OUT/scaling_all.json" "$ngpu" <<'EOF2' | tee "$OUT/scaling_ratio.txt"
+import json, sys
+one, every = (json.load(open(p))["modes"][0] for p in sys.argv[1:3])
+n = int(sys.argv[3]); goal = {2: 1.8, 4: 3.4}.get(n, 0.85 * n)
+ratio = every["per_min"] / one["per_min"] if one["per_min"] else 0.0
+print(f"{n} GPUs {every['per_min']} candidates/min, one GPU {one['per_min']}: {ratio:.2f}x (goal >= {goal}: "
+      f"{'met' if ratio >= goal else 'NOT met'})")
+for gpu, g in sorted(every.get("per_gpu", {}).items()):
+    print(f"  GPU {gpu}: {g['candidates']} candidates, held {g['busy_fraction']:.0%}, waited (median s) {g['waited_median_s']}")
+EOF2
+    ;;
   tests)
     box ${TESTS_S:-560} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 500 tests/test_sandbox_adversarial.py \
       tests/test_admission.py tests/test_pool.py tests/test_sandbox_failures.py 2>&1 | tail -15 | tee "$OUT/tests.txt"
@@ -77,7 +101,7 @@ case "${1:-bench}" in
     fi
     tail -c 6000 "$OUT"/kb_*.txt; cp /tmp/kb.db "$OUT/fp32.db"
     ;;
-  *) echo "unknown stage $1 (bench, big, tests, kb-memory, kb-check, kb-optimize)"; exit 2 ;;
+  *) echo "unknown stage $1 (bench, builds, scaling, big, tests, kb-memory, kb-check, kb-optimize)"; exit 2 ;;
 esac
 # the stages that wrote a store return it (bench writes none: the script's status stays the stages')
 if [ -f "$KERNELLOOP_DB" ]; then cp "$KERNELLOOP_DB" "$OUT/"; fi

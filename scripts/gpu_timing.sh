@@ -31,7 +31,7 @@ kb=$!
 box 60 $KL device probe --device cuda 2>&1 | tee "$OUT/probe.txt"
 wait $kb $adv; echo "adversarial cases built: $(cat "$OUT/prebuild_adversarial.txt")"
 # 2. the timing comparison
-box ${TIMING_S:-90} python3 scripts/bench_timing.py --json "$OUT/bench_timing.json" 2>&1 | grep -v USDT \
+box ${TIMING_S:-150} python3 scripts/bench_timing.py --json "$OUT/bench_timing.json" 2>&1 | grep -v USDT \
   | tee "$OUT/bench_timing.txt"
 # 3. KernelBench's harness vs kernelloop
 box ${KB_S:-120} python3 scripts/kb_harness.py --json "$OUT/kb_harness.json" 2>&1 | grep -vE "USDT|^\[(Eval|Profiling|Compilation)" \
