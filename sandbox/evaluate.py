@@ -62,6 +62,13 @@ def _device_name(device: str) -> str:
 
 # Candidate workers kept started per slot (each one candidate's, then gone).
 DEFAULT_WARM_WORKERS = 2
+# A task's candidates stay on the GPU where its reference already runs until that GPU has this many
+# more candidates in flight than the least-loaded one. Each GPU starts its own reference worker per
+# task (its model and warm-up torch.compile: 10-19 s at KernelBench's level-2 sizes, holding back
+# that GPU's timings meanwhile), while a candidate holds a GPU for about a second: on four H200s
+# the least-loaded rule started every task's reference on every GPU (reference 15 s median on
+# GPUs 1-3 of the level-2 mix), and four GPUs gave 2.5x one.
+REFERENCE_AFFINITY = 4
 
 
 class Sandbox:
@@ -119,6 +126,7 @@ class Sandbox:
         self.precompute = (warm > 0) if precompute is None else precompute
         self.prepare_ahead = (warm > 0) if prepare is None else prepare
         self._preparing: set[str] = set()
+        self._prepared_on: list[int] = []     # the slot of each reference being prepared
         self._released_while_preparing: set[str] = set()
         self._history = TimingHistory()     # running medians of reference timings (sandbox.quiet)
 
@@ -173,12 +181,15 @@ class Sandbox:
             return ref
 
     def _pick_slot(self, spec: Optional[TaskSpec] = None) -> int:
-        """The least-loaded slot; among equals, one where the task's reference already runs
-        (each slot starts its own reference worker, torch.compile included)."""
+        """The least-loaded slot, where a slot running the task's reference counts
+        ``REFERENCE_AFFINITY`` candidates less (each slot starts its own reference worker,
+        torch.compile included); among equals, one with the reference, then the first."""
         with self._slot_pick:
             key = spec.key if spec is not None else None
+            with self._refs_lock:
+                has_ref = [(key, i) in self._refs for i in range(len(self.slots))]
             slot = min(range(len(self.slots)),
-                       key=lambda i: (self._slot_load[i], (key, i) not in self._refs))
+                       key=lambda i: (self._slot_load[i] - (REFERENCE_AFFINITY if has_ref[i] else 0), not has_ref[i]))
             self._slot_load[slot] += 1
             return slot
 
@@ -208,8 +219,12 @@ class Sandbox:
             if spec.key in self._preparing or any(k[0] == spec.key for k in self._refs):
                 return
             self._preparing.add(spec.key)
-        with self._slot_pick:
-            slot = min(range(len(self.slots)), key=lambda i: self._slot_load[i])
+        with self._slot_pick, self._refs_lock:
+            # the slot with the fewest tasks' references (started or starting), then the least loaded:
+            # at a run's start every slot's load is 0 and each task's candidates follow its reference
+            tasks = [sum(1 for k in self._refs if k[1] == i) + self._prepared_on.count(i) for i in range(len(self.slots))]
+            slot = min(range(len(self.slots)), key=lambda i: (tasks[i], self._slot_load[i]))
+            self._prepared_on.append(slot)
         threading.Thread(target=self._prepare, args=(spec, slot), daemon=True, name="prepare").start()
 
     def _prepare(self, spec: TaskSpec, slot: int) -> None:
@@ -237,6 +252,7 @@ class Sandbox:
             with self._refs_lock:
                 self._preparing.discard(spec.key)
                 self._released_while_preparing.discard(spec.key)
+                self._prepared_on.remove(slot)
 
     def too_large(self, spec: TaskSpec) -> Optional[TaskTooLarge]:
         """Whether the task cannot fit even alone (its footprint is measured first if not known)."""

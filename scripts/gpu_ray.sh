@@ -13,7 +13,7 @@
 # .whl-ray (about 42 MB), .whl and .kb fit one call together; install stays a stage of its own.
 # On a host with several GPUs, WORKERS=2 (issue 36) starts two worker nodes, each its own `ray start`
 # owning half the GPUs (CUDA_VISIBLE_DEVICES) and half the cores; the local executor it is compared with
-# sees the same GPUs and cores. `faults` then kills the last worker node only.
+# sees the same GPUs and cores (GPUS=2,3 to use some of them only). `faults` then kills the last worker node only.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -44,12 +44,16 @@ start_head() {
     --disable-usage-stats >"$OUT/ray_head.log" 2>&1 || { tail -20 "$OUT/ray_head.log"; exit 1; }
 }
 WORKERS=${WORKERS:-1}
-NGPU=$(nvidia-smi -L 2>/dev/null | wc -l); [ "$NGPU" -ge 1 ] || NGPU=1
-[ "$WORKERS" -le "$NGPU" ] || { echo "WORKERS=$WORKERS but this host has $NGPU GPU(s)"; exit 2; }
+# GPUS: the GPUs the cluster and the local run it is compared with use (default every GPU); the cores
+# are those the script may run on (run it under taskset to give it fewer)
+GPU_IDS=(${GPUS:-$(seq -s, 0 $(( $(nvidia-smi -L 2>/dev/null | wc -l) - 1 )) )}); GPU_IDS=(${GPU_IDS[0]//,/ })
+NGPU=${#GPU_IDS[@]}; [ "$NGPU" -ge 1 ] || { GPU_IDS=(0); NGPU=1; }
+[ "$WORKERS" -le "$NGPU" ] || { echo "WORKERS=$WORKERS but $NGPU GPU(s) are given"; exit 2; }
+export CUDA_VISIBLE_DEVICES=$(IFS=,; echo "${GPU_IDS[*]}")
 PER_GPUS=$((NGPU / WORKERS)); PER_CPUS=$((CPUS / WORKERS))
-start_worker() {    # start_worker [I]: worker node I (default the last) owns GPUs I*PER_GPUS.. and PER_CPUS cores
+start_worker() {    # start_worker [I]: worker node I (default the last) owns the I-th PER_GPUS of the GPUs and PER_CPUS cores
   local i=${1:-$((WORKERS - 1))}
-  local gpus; gpus=$(seq -s, $((i * PER_GPUS)) $((i * PER_GPUS + PER_GPUS - 1)))
+  local gpus; gpus=$(IFS=,; echo "${GPU_IDS[*]:$((i * PER_GPUS)):$PER_GPUS}")
   CUDA_VISIBLE_DEVICES=$gpus $RAY start --address="$RAY_ADDRESS" --num-cpus="$PER_CPUS" --num-gpus="$PER_GPUS" \
     --resources="{\"${WORKER_MARK}_$i\": 1}" --disable-usage-stats >>"$OUT/ray_worker.log" 2>&1 \
     || { tail -20 "$OUT/ray_worker.log"; exit 1; }

@@ -12,7 +12,7 @@
 #   bash scripts/gpu_scale.sh big     # tasks check + optimize on the level-1 tasks that ran out of memory before
 #   bash scripts/gpu_scale.sh scaling # issue 36 on a host with several GPUs: the mix bench on GPU 0 with 16 cores, then on
 #                                     # every GPU with every core, in this call, footprints measured once (by the first);
-#                                     # prints the ratio (goal >= 3.4 on 4 GPUs, 1.8 on 2). TASKS, CANDIDATES (default 8),
+#                                     # prints the ratio (goal >= 3.4 on 4 GPUs, 1.8 on 2). TASKS, CANDIDATES (default 16),
 #                                     # MAX_S (default 150: no candidate starts after it), PARALLEL (per GPU, default 12)
 #   bash scripts/gpu_scale.sh tests   # the GPU tests of the sandbox (adversarial, admission, pool, failures)
 #   bash scripts/gpu_scale.sh kb-memory    # GPU tests of sandbox failures; per-worker GPU memory on four 6 GiB tasks
@@ -53,7 +53,7 @@ case "${1:-bench}" in
     ;;
   scaling)
     ngpu=$(nvidia-smi -L | wc -l); ncpu=$(nproc); per=${PARALLEL:-12}
-    common=(--device cuda --tasks ${TASKS:-10} --candidates ${CANDIDATES:-8} --modes pipelined --max-seconds ${MAX_S:-150}
+    common=(--device cuda --tasks ${TASKS:-10} --candidates ${CANDIDATES:-16} --modes pipelined --max-seconds ${MAX_S:-150}
             --db /tmp/scaling-footprints.db)
     echo "one GPU (GPU 0, cores 0-15), then $ngpu GPUs ($ncpu cores)"
     CUDA_VISIBLE_DEVICES=0 box ${BENCH_S:-300} taskset -c 0-15 python3 scripts/bench_kernelbench.py "${common[@]}" \

@@ -3,6 +3,7 @@ compiler-error mapping, and the one-shot ``kernelloop eval`` command."""
 from __future__ import annotations
 
 import re
+import types
 from pathlib import Path
 
 import pytest
@@ -332,12 +333,34 @@ def test_candidates_spread_over_gpu_slots_and_workers_see_only_theirs(monkeypatc
     spec = read_spec(TASK, name="adversarial/task_small")
     assert sb.reference(spec, 0) is not sb.reference(spec, 1)   # one trusted reference per GPU
     assert Sandbox("cpu", EvalConfig()).slots == [None]
-    # among equally loaded slots, the one where the task's reference already runs
+    # a task's candidates stay where its reference runs until that slot has REFERENCE_AFFINITY more
+    # candidates in flight than the least-loaded one (a reference start costs a GPU 10-19 s)
     sb2 = Sandbox("cuda", EvalConfig(), arch="9.0a")
     sb2.reference(spec, 1)
-    assert sb2._pick_slot(spec) == 1 and sb2._pick_slot(spec) == 0
+    picks = [sb2._pick_slot(spec) for _ in range(ev.REFERENCE_AFFINITY + 2)]
+    assert picks == [1] * (ev.REFERENCE_AFFINITY + 1) + [0], picks
+    assert sb2._pick_slot() == 0                            # a call without a task: the least loaded
     sb2.release(spec)
     assert sb2._refs == {}
+
+
+def test_references_of_new_tasks_spread_over_slots(monkeypatch):
+    """At a run's start every slot's load is 0: each new task's reference goes to the slot with the
+    fewest tasks' references (started or starting), not all to the first."""
+    import sandbox.evaluate as ev
+
+    monkeypatch.setattr(ev, "_device_name", lambda device: "fake GPU")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    sb = Sandbox("cuda", EvalConfig(), arch="9.0a")
+    started = []
+    monkeypatch.setattr(sb, "_prepare", lambda spec, slot: started.append(slot))   # the slot chosen, nothing started
+    monkeypatch.setattr(ev.threading, "Thread", lambda target, args, **kw: types.SimpleNamespace(
+        start=lambda: target(*args)))
+    specs = [read_spec(TASK, {"batch_size": 2 + i}, name=f"adversarial/task_{i}") for i in range(6)]   # six tasks
+    sb._prepared_on.extend([0])                   # one reference starting on slot 0 already
+    for spec in specs:
+        sb.prepare(spec)
+    assert started == [1, 2, 0, 1, 2, 0], started
 
 
 def test_release_stops_a_finished_tasks_reference_worker(sandbox):
