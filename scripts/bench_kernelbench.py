@@ -120,22 +120,27 @@ def _defines(source: str, name: str) -> bool:
 
 
 def candidates(specs: list[TaskSpec], device: str, n: int, cfg: EvalConfig) -> list[tuple[TaskSpec, str]]:
+    """Up to ``n`` builtin candidates per task, sample-major (sample 0 of every task, then sample 1,
+    ...): a run cut by ``--max-seconds`` has evaluated a like share of every task. A repeated
+    candidate with a C++ source gets a comment at its end, so that it is a real build (at the end:
+    the leading include block, precompiled, stays the same); a repeat without one (PyTorch
+    fallback, nothing to build) is left out."""
     from agent.builtin import propose
 
     out = []
-    for spec in specs:
-        seen: set[str] = set()
-        for sample in range(n):
+    seen: dict[str, set[str]] = {spec.key: set() for spec in specs}
+    for sample in range(n):
+        for spec in specs:
             src = propose(spec, device, 0, sample, [], numerics=cfg.numerics).source
-            if src in seen and '_CPP_SOURCE = r"""' in src:
-                # a repeat would be a cached build: a comment at the end of its C++ source makes it a
-                # real one (at the end: the leading include block, precompiled, stays the same)
+            if src in seen[spec.key]:
+                if '_CPP_SOURCE = r"""' not in src:
+                    print(f"note: {spec.name} sample {sample} repeats an earlier candidate with nothing to build: "
+                          "left out", file=sys.stderr)
+                    continue
                 start = src.index('_CPP_SOURCE = r"""') + len('_CPP_SOURCE = r"""')
                 end = src.index('"""', start)
                 src = src[:end] + f"// bench: sample {sample}\n" + src[end:]
-            elif src in seen:
-                print(f"note: {spec.name} sample {sample} repeats an earlier candidate", file=sys.stderr)
-            seen.add(src)
+            seen[spec.key].add(src)
             out.append((spec, src))
     return out
 
@@ -291,10 +296,20 @@ def summarize(mode: str, results: list[EvalResult], errors: list[str], wall: flo
             "per_gpu": per_gpu(results, wall),
             "pool": pool,
             # each candidate's verdict, to compare two runs of the same work (executors, modes)
-            "verdicts": {f"{r.task}|{r.candidate_sha256[:12]}": _verdict(r) for r in results},
+            # (keyed by task and candidate hash, and the repeat's number where a hash repeats)
+            "verdicts": {k: _verdict(r) for k, r in _keyed(results)},
             # and why each flag was raised (a `contended` names the process and the window)
-            "flag_reasons": {f"{r.task}|{r.candidate_sha256[:12]}": [f"{f.kind.value}: {f.reason}" for f in r.flags]
-                             for r in results if r.flags}}
+            "flag_reasons": {k: [f"{f.kind.value}: {f.reason}" for f in r.flags] for k, r in _keyed(results) if r.flags}}
+
+
+def _keyed(results: list[EvalResult]) -> list[tuple[str, EvalResult]]:
+    seen: dict[str, int] = {}
+    out = []
+    for r in results:
+        key = f"{r.task}|{r.candidate_sha256[:12]}"
+        seen[key] = seen.get(key, 0) + 1
+        out.append((key if seen[key] == 1 else f"{key}#{seen[key]}", r))
+    return out
 
 
 def _verdict(r: EvalResult) -> str:
