@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import typer
 
+from kernelloop import pyast
 from kernelloop.cli_common import (DbOption, DeviceOption, MathOption, PrecisionOption, SetOption, console, fail,
                                    resolve_device, resolve_numerics)
 from sandbox.tasks import (CPU_PRESET_NAME, TaskError, TaskSpec, discover, load_task, parse_overrides,
@@ -106,7 +107,7 @@ class _OpCollector(ast.NodeVisitor):
 def ops_summary(source: str) -> str:
     """A one-line, statically read summary of ``Model.forward``: ``Conv2d → add → sigmoid → GroupNorm``."""
     try:
-        tree = ast.parse(source)
+        tree = pyast.parse(source)
     except SyntaxError:
         return "?"
     cls = _model_class(tree)
@@ -131,7 +132,7 @@ def module_sizes(source: str) -> dict[str, Any]:
     """Module-level constants with literal values (the task's sizes), in file order."""
     sizes: dict[str, Any] = {}
     try:
-        tree = ast.parse(source)
+        tree = pyast.parse(source)
     except SyntaxError:
         return sizes
     for node in tree.body:

@@ -12,6 +12,7 @@ import ast
 import re
 from typing import Optional
 
+from kernelloop import pyast
 from sandbox.result import Flag, FlagKind
 
 PRECISION_PATTERNS = [
@@ -140,7 +141,7 @@ def side_stream_flags(source: str) -> list[str]:
     py = _PyStreams()
     try:
         # two passes: names bound to current_stream() anywhere count wherever they are used
-        tree = ast.parse(source)
+        tree = pyast.parse(source)
         py.visit(tree)
         py.strings.clear()
         py.visit(tree)
@@ -178,7 +179,7 @@ def scan(source: str, precision_patterns: Optional[list[tuple[re.Pattern, str]]]
     for reason in side_stream_flags(source):
         add(FlagKind.suspicious, reason)
     try:
-        tree = ast.parse(source)
+        tree = pyast.parse(source)
     except SyntaxError:
         return flags
     for node in ast.walk(tree):

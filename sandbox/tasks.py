@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from kernelloop import pyast
 REQUIRED_NAMES = ("Model", "get_inputs", "get_init_inputs")
 CPU_PRESET_NAME = "CPU_SIZES"
 
@@ -122,7 +123,7 @@ def with_device_sizes(spec: TaskSpec, device: str) -> TaskSpec:
 def _cpu_preset_of(spec: TaskSpec) -> dict[str, Any]:
     """Read CPU_SIZES statically (no execution) so presets are known before loading."""
     try:
-        tree = ast.parse(spec.source, filename=spec.path)
+        tree = pyast.parse(spec.source, filename=spec.path)
     except SyntaxError:
         return {}
     for node in tree.body:

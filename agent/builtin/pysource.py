@@ -18,6 +18,7 @@ import torch
 from torch.fx import Node
 from torch.fx.node import _get_qualified_name
 
+from kernelloop import pyast
 from sandbox.tasks import TaskSpec
 
 SKIP_TOP = {"Model", "get_inputs", "get_init_inputs", "CPU_SIZES"}
@@ -59,7 +60,7 @@ def _defined_names(stmt: ast.stmt) -> set[str]:
 
 def task_prelude(spec: TaskSpec) -> str:
     """Imports and the module-level definitions the reference's class needs (sizes overridden)."""
-    tree = ast.parse(spec.source)
+    tree = pyast.parse(spec.source)
     model = _model_class(tree)
     needed = _names_in(model)
     stmts = [s for s in tree.body if not (_defined_names(s) & SKIP_TOP) and s is not model]
@@ -81,7 +82,7 @@ def task_prelude(spec: TaskSpec) -> str:
             continue
         if isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name) \
                 and s.targets[0].id in spec.overrides:
-            s = ast.Assign(targets=s.targets, value=ast.parse(repr(spec.overrides[s.targets[0].id]),
+            s = ast.Assign(targets=s.targets, value=pyast.parse(repr(spec.overrides[s.targets[0].id]),
                                                                 mode="eval").body, lineno=s.lineno)
         keep.append(s)
     return "\n".join(ast.unparse(s) for s in keep)
@@ -103,9 +104,9 @@ def _strip_docstring(body: list[ast.stmt]) -> list[ast.stmt]:
 
 def layers_class(spec: TaskSpec) -> str:
     """The reference class without forward, renamed ``_Layers`` (its __init__ unchanged)."""
-    tree = ast.parse(spec.source)
+    tree = pyast.parse(spec.source)
     model = _model_class(tree)
-    cls = _RenameModel().visit(ast.parse(ast.unparse(model)).body[0])
+    cls = _RenameModel().visit(pyast.parse(ast.unparse(model)).body[0])
     cls.name = "_Layers"
     body = [s for s in _strip_docstring(cls.body)
             if not (isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)) and s.name == "forward")]
@@ -119,7 +120,7 @@ def layers_class(spec: TaskSpec) -> str:
 
 def reference_forward(spec: TaskSpec) -> str:
     """The reference's forward (renamed references), for the candidate of an untraceable model."""
-    tree = ast.parse(spec.source)
+    tree = pyast.parse(spec.source)
     model = _RenameModel().visit(_model_class(tree))
     for s in model.body:
         if isinstance(s, ast.FunctionDef) and s.name == "forward":

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from kernelloop import pyast
 from sandbox.anticheat import dotted_name
 
 # ======================================================================================
@@ -46,7 +47,7 @@ def native_blocks(source: Optional[str]) -> list[NativeBlock]:
         return []
     blocks: list[NativeBlock] = []
     try:
-        tree = ast.parse(source)
+        tree = pyast.parse(source)
         for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 text = node.value
@@ -288,7 +289,7 @@ def pytorch_calls_in_forward(source: Optional[str]) -> list[str]:
     if not source:
         return []
     try:
-        tree = ast.parse(source)
+        tree = pyast.parse(source)
     except SyntaxError:
         return []
     cls = next((n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "ModelNew"), None)
@@ -345,7 +346,7 @@ def task_constants(task_source: str, overrides: Optional[dict] = None) -> dict[s
     """Module-level integer constants of a task file, with size overrides applied."""
     consts: dict[str, int] = {}
     try:
-        tree = ast.parse(task_source)
+        tree = pyast.parse(task_source)
     except SyntaxError:
         return consts
     for node in tree.body:

@@ -31,6 +31,7 @@ import ast
 import re
 from typing import Optional
 
+from kernelloop import pyast
 from sandbox import anticheat
 from sandbox.result import Flag, FlagKind
 
@@ -54,7 +55,7 @@ def _tf32_dots(source: str) -> bool:
     the GPU) or asks for TF32: neither ``input_precision="ieee"``/``"tf32x3"`` nor
     ``allow_tf32=False`` is passed."""
     try:
-        tree = ast.parse(source)
+        tree = pyast.parse(source)
     except SyntaxError:
         return False
     for node in ast.walk(tree):
