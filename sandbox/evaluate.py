@@ -126,7 +126,7 @@ class Sandbox:
         self.precompute = (warm > 0) if precompute is None else precompute
         self.prepare_ahead = (warm > 0) if prepare is None else prepare
         self._preparing: set[str] = set()
-        self._prepared_on: list[int] = []     # the slot of each reference being prepared
+        self._prepared_on: dict[str, int] = {}    # task key -> the slot its reference is being prepared on
         self._released_while_preparing: set[str] = set()
         self._history = TimingHistory()     # running medians of reference timings (sandbox.quiet)
 
@@ -186,8 +186,8 @@ class Sandbox:
         torch.compile included); among equals, one with the reference, then the first."""
         with self._slot_pick:
             key = spec.key if spec is not None else None
-            with self._refs_lock:
-                has_ref = [(key, i) in self._refs for i in range(len(self.slots))]
+            with self._refs_lock:     # started there, or being started there (Sandbox.prepare)
+                has_ref = [(key, i) in self._refs or self._prepared_on.get(key) == i for i in range(len(self.slots))]
             slot = min(range(len(self.slots)),
                        key=lambda i: (self._slot_load[i] - (REFERENCE_AFFINITY if has_ref[i] else 0), not has_ref[i]))
             self._slot_load[slot] += 1
@@ -222,9 +222,10 @@ class Sandbox:
         with self._slot_pick, self._refs_lock:
             # the slot with the fewest tasks' references (started or starting), then the least loaded:
             # at a run's start every slot's load is 0 and each task's candidates follow its reference
-            tasks = [sum(1 for k in self._refs if k[1] == i) + self._prepared_on.count(i) for i in range(len(self.slots))]
+            on = {k for k in self._refs} | {(k, i) for k, i in self._prepared_on.items()}
+            tasks = [sum(1 for k in on if k[1] == i) for i in range(len(self.slots))]
             slot = min(range(len(self.slots)), key=lambda i: (tasks[i], self._slot_load[i]))
-            self._prepared_on.append(slot)
+            self._prepared_on[spec.key] = slot
         threading.Thread(target=self._prepare, args=(spec, slot), daemon=True, name="prepare").start()
 
     def _prepare(self, spec: TaskSpec, slot: int) -> None:
@@ -252,7 +253,7 @@ class Sandbox:
             with self._refs_lock:
                 self._preparing.discard(spec.key)
                 self._released_while_preparing.discard(spec.key)
-                self._prepared_on.remove(slot)
+                self._prepared_on.pop(spec.key, None)
 
     def too_large(self, spec: TaskSpec) -> Optional[TaskTooLarge]:
         """Whether the task cannot fit even alone (its footprint is measured first if not known)."""

@@ -357,10 +357,12 @@ def test_references_of_new_tasks_spread_over_slots(monkeypatch):
     monkeypatch.setattr(ev.threading, "Thread", lambda target, args, **kw: types.SimpleNamespace(
         start=lambda: target(*args)))
     specs = [read_spec(TASK, {"batch_size": 2 + i}, name=f"adversarial/task_{i}") for i in range(6)]   # six tasks
-    sb._prepared_on.extend([0])                   # one reference starting on slot 0 already
+    sb._prepared_on["another task"] = 0           # one reference starting on slot 0 already
     for spec in specs:
         sb.prepare(spec)
     assert started == [1, 2, 0, 1, 2, 0], started
+    # a candidate of a task whose reference is still starting goes where it starts
+    assert sb._pick_slot(specs[1]) == 2 and sb._pick_slot(specs[1]) == 2
 
 
 def test_release_stops_a_finished_tasks_reference_worker(sandbox):
