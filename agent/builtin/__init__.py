@@ -193,8 +193,10 @@ def _propose_one(spec: TaskSpec, device: str, round: int, sample: int,
     gen = _Generator(traced, device, fb, getattr(numerics, "math", None))
     picked: list[str] = []
     chosen: Optional[Rendered] = None
-    tf32_convs = device == "cuda" and numerics is not None and "conv" in numerics.tf32_classes(device)
-    for knobs in variant_order(fb, precision, tf32_convs):
+    # (only where a convolution is rewritten to channels-last: elsewhere both layouts are one code)
+    nchw_first = (device == "cpu" or (numerics is not None and "conv" in numerics.tf32_classes(device))) \
+        and gen.other("nhwc") is not None
+    for knobs in variant_order(fb, precision, nchw_first):
         r = gen.render(knobs)
         h = body_hash(r.source)
         if h in fb.seen or h in picked or not r.has_kernel:

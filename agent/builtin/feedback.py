@@ -258,7 +258,7 @@ def read_history(history: list[AttemptView], device: str, precision: str = "fp32
 # normalised away and the twin is the first again, skipped as seen). The fourth is the first's
 # twin in NCHW: convolutions run in channels-last by default (layout.py), measured against it
 # (on tasks without a convolution the knob is normalised away the same way). Where convolutions
-# may run in TF32 (cuda, PyTorch's defaults) the NCHW twin comes first instead (variant_order).
+# may run in TF32 (cuda, PyTorch's defaults), and on the CPU, the NCHW twin comes first instead (variant_order).
 DEFAULT_ORDER = [
     Knobs("max", True, 256, "onepass", "tc3"),
     Knobs("max", False, 256, "twopass", "tc3"),
@@ -278,17 +278,20 @@ ALL_KNOBS = [Knobs(f, v, b, r, m, lay, a) for f in FUSION_MODES for v in (True, 
 _PRIORITY = {"matmul": 0, "layout": 0, "attention": 1, "block": 2, "vec": 3, "reduce": 4, "fusion": 5}
 
 
-def variant_order(fb: Feedback, precision: Optional[str] = None, tf32_convs: bool = False) -> list[Knobs]:
+def variant_order(fb: Feedback, precision: Optional[str] = None, nchw_first: bool = False) -> list[Knobs]:
     """Knob settings to try, best first: around the fastest correct attempt, else the default
     order. Under fp16/bf16 (``precision``, else the feedback's) every setting has
     ``matmul="ieee"``: there is no split-TF32 GEMM to try.
 
-    ``tf32_convs`` (cuda, convolutions allowed TF32): the convolutions' own layout (``nchw``)
-    comes first and channels-last second. A channels-last convolution is another cuDNN
-    algorithm with its own TF32 rounding; where the reference's NCHW one is not TF32 at all
-    (level2/71_Conv2d_Divide_LeakyReLU on an H100: 8 input channels) the channels-last
-    candidate's 1e-3 differences fail the 1e-4 tolerance, in KernelBench's harness too, and
-    the float64 rule (relative to the reference's own error) cannot excuse them."""
+    ``nchw_first``: the convolutions' own layout (``nchw``) comes first and channels-last
+    second. ``_propose_one`` asks for it on cuda where convolutions may run in TF32: a
+    channels-last convolution is another cuDNN algorithm with its own TF32 rounding, and where
+    the reference's NCHW one is not TF32 at all (level2/71_Conv2d_Divide_LeakyReLU on an H100:
+    8 input channels) the channels-last candidate's 1e-3 differences fail the 1e-4 tolerance,
+    in KernelBench's harness too, and the float64 rule (relative to the reference's own error)
+    cannot excuse them. And on the CPU, where oneDNN's NCHW convolution of the seed tasks' few
+    channels measured faster without the layout copies (conv2d_divide_leakyrelu: 1.16-1.19x
+    eager in NCHW, 1.01-1.11x channels-last, scripts/bench_cpu_seeds.py)."""
     precision = precision or fb.precision
     if fb.best is not None and _knobs_of(fb.best):
         base = _knobs_of(fb.best)
@@ -304,7 +307,7 @@ def variant_order(fb: Feedback, precision: Optional[str] = None, tf32_convs: boo
         order = sorted(ALL_KNOBS, key=key)
     else:
         first = DEFAULT_ORDER
-        if tf32_convs:
+        if nchw_first:
             first = [DEFAULT_ORDER[3], DEFAULT_ORDER[0]] + DEFAULT_ORDER[1:3] + DEFAULT_ORDER[4:]
         order = first + [k for k in ALL_KNOBS if k not in first]
     if precision != "fp32":
