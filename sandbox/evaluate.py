@@ -222,7 +222,7 @@ class Sandbox:
         with self._slot_pick, self._refs_lock:
             # the slot with the fewest tasks' references (started or starting), then the least loaded:
             # at a run's start every slot's load is 0 and each task's candidates follow its reference
-            on = {k for k in self._refs} | {(k, i) for k, i in self._prepared_on.items()}
+            on = set(self._refs) | set(self._prepared_on.items())
             tasks = [sum(1 for k in on if k[1] == i) for i in range(len(self.slots))]
             slot = min(range(len(self.slots)), key=lambda i: (tasks[i], self._slot_load[i]))
             self._prepared_on[spec.key] = slot

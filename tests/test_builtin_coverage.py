@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from builtin_candidate import reference_and_candidate
 
 from agent.builtin import propose
 from sandbox.tasks import TaskSpec, load_task, read_spec, with_device_sizes
@@ -130,15 +131,6 @@ def test_fx_constant_is_defined_in_the_candidate(tmp_path, monkeypatch):
         assert candidate_problems(spec, device) == []
 
 
-def _reference_and_candidate(spec: TaskSpec, source: str):
-    """(the task, its Model and the candidate's ModelNew, built from the same seed)."""
-    ns: dict = {"__name__": "kl_candidate"}
-    exec(compile(source, "c.py", "exec"), ns)
-    task = load_task(spec)
-    torch.manual_seed(5)
-    ref = task.Model(*task.get_init_inputs())
-    torch.manual_seed(5)
-    return task, ref, ns["ModelNew"](*task.get_init_inputs())
 
 
 def test_fx_constant_builds_and_runs_on_cpu(tmp_path):
@@ -146,7 +138,7 @@ def test_fx_constant_builds_and_runs_on_cpu(tmp_path):
     spec = _fx_constant_spec(tmp_path)
     cand = propose(spec, "cpu", 0, 0, [])
     assert cand.choices["groups"] and not cand.choices.get("fallback")
-    task, ref, new = _reference_and_candidate(spec, cand.source)
+    task, ref, new = reference_and_candidate(spec, cand.source)
     for seed in (1, 2):
         torch.manual_seed(seed)
         (x,) = task.get_inputs()
@@ -171,7 +163,7 @@ def test_generator_error_falls_back_with_its_reason(tmp_path, monkeypatch):
     assert any("no template" in n for n in cand.notes)
     from agent.backends.builtin_backend import _sentence
     assert "no template" in _sentence(cand, "cpu")
-    task, ref, new = _reference_and_candidate(spec, cand.source)
+    task, ref, new = reference_and_candidate(spec, cand.source)
     (x,) = task.get_inputs()
     with torch.no_grad():
         torch.testing.assert_close(new(x), ref(x))

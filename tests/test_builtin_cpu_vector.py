@@ -6,9 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from builtin_candidate import reference_and_candidate
 
 from agent.builtin import generate
-from sandbox.tasks import load_task, read_spec
+from sandbox.tasks import read_spec
 
 FIXTURE = Path(__file__).parent / "fixtures" / "builtin" / "cpu_vector_paths.py"
 
@@ -21,13 +22,7 @@ def test_cpu_vector_paths_match_pytorch():
     assert "kl_expf(-" in src and "kl_expf(" in src.split("// ---- kl_g0 begin")[1]
     assert "reduction(max:m)" in src                               # the vectorised logsumexp
     assert "const float x = out[i];" in src                        # the norm reads its cached prologue
-    ns: dict = {"__name__": "kl_candidate"}
-    exec(compile(src, "c.py", "exec"), ns)
-    task = load_task(spec)
-    torch.manual_seed(3)
-    ref = task.Model(*task.get_init_inputs())
-    torch.manual_seed(3)
-    new = ns["ModelNew"](*task.get_init_inputs())
+    task, ref, new = reference_and_candidate(spec, src, seed=3)
     x, y, z = task.get_inputs()
     with torch.no_grad():
         (ra, rb, rc), (na, nb, nc) = ref(x, y, z), new(x, y, z)
@@ -73,11 +68,7 @@ def test_one_pass_statistics_over_long_rows_keep_float_rounding_small(tmp_path):
     spec = read_spec(path, name="fixtures/long_rows")
     cand = generate(spec, "cpu")
     assert cand.source.count("float f1 = 0.f, f2 = 0.f;") >= 1 and "reduction(+:f1, f2)" in cand.source
-    ns: dict = {"__name__": "kl_candidate"}
-    exec(compile(cand.source, "c.py", "exec"), ns)
-    task = load_task(spec)
-    ref, new = task.Model(), ns["ModelNew"]()
-    new.load_state_dict(ref.state_dict())
+    task, ref, new = reference_and_candidate(spec, cand.source)   # the norms' default weights: ones, zeros
     torch.manual_seed(5)
     x, y = task.get_inputs()
     with torch.no_grad():
