@@ -31,24 +31,14 @@ from typing import Any, Callable, Optional
 
 from filelock import FileLock
 
-from sandbox.lite_headers import FACTORY_OPS, LEAN_BINDING, MINIMAL_TORCH_PRELUDE
+from sandbox.header_tries import (EXTENSION_INCLUDE_RE, OWN_NOTE, HeaderTry, binding_tries, header_tries,
+                                  next_try)
 from sandbox.pch import discard_pch, leading_includes, pch_key, prefix_header, seen_before
+from sandbox.pyglue import RAW_BINDING, RAW_NOTE, function_docs, glue_ldflags, module_definition
 
 LOG_CAP = 20_000
 _TORCH_USE_RE = re.compile(r"\b(torch::|at::|c10::|TORCH_CHECK|AT_DISPATCH|#\s*include\s*<(torch|ATen|c10)/)")
 _PYBIND_NAME_RE = re.compile(r"PYBIND11_MODULE\(\s*([A-Za-z_][A-Za-z0-9_]*)\s*,")
-_EXTENSION_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"]torch/(?:extension|torch|all)\.h[>"][ \t]*(//.*)?$',
-                                   re.MULTILINE)
-_TORCH_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"]torch/(?:extension|torch|all|types)\.h[>"][ \t]*(//.*)?$',
-                               re.MULTILINE)
-_PYTHON_USE_RE = re.compile(r"\bPYBIND11_|\bpy::|\bpybind11::|torch/python\.h|Python\.h")
-# nvcc's words for a torch name the minimal headers lack (the next, fuller headers may have it)
-_MISSING_TORCH_NAME_RE = re.compile(r'namespace "(?:torch|at|c10)[\w:]*" has no member|identifier "(?:torch|at|c10)::'
-                                    r'|name followed by "::" must be a class or namespace name'   # torch::nn::...
-                                    r'|no operator "[^"]+" matches these operands'      # tensor operators
-                                    # and GCC's words, for the C++ file
-                                    r"|is not a member of .(?:torch|at|c10)\b|.(?:torch|at|c10)::[\w:]+. has not been declared"
-                                    r"|no match for .operator")
 # what a compiler says of a precompiled header it found but could not read (a truncated or damaged
 # file: GCC stops there, where it skips one made for other flags); never the candidate's error
 # (GCC: "error: while reading precompiled header"; not any line naming a .gch, which a candidate's own
@@ -57,93 +47,6 @@ _PCH_UNREADABLE_RE = re.compile(r"while reading precompiled header|precompiled h
                                 r"|(?:cannot|could not) (?:read|open)[^\n]*\.gch\b")     # GCC: "cannot read x.h.gch"
 PCH_NOTE = "a precompiled header could not be read: discarded, built again without it"
 PREFIX_NOTE = "the C++ file's leading includes precompiled"
-MINIMAL_NOTE = "CUDA sources built with minimal ATen headers in place of torch's"
-LEAN_NOTE = "C++ bindings built with the lean binding header in place of <torch/extension.h>"
-TYPES_NOTE = "CUDA sources built with <torch/types.h> in place of <torch/extension.h>"
-OWN_NOTE = "the candidate's own headers"
-
-
-@dataclass(frozen=True)
-class HeaderTry:
-    """One way to build the CUDA sources: lighter headers first, the candidate's own last."""
-    note: str                       # what a success says; "" for the candidate's own headers
-    cuda: list[str]
-    no_implicit_headers: bool
-    cpp_prefix: tuple[str, ...] = ()  # what load_inline's implicit headers would have put first in C++
-    include_paths: tuple[str, ...] = ()  # put first on the include path (sandbox.lite_headers)
-    cpp: Optional[list[str]] = None      # the C++ sources where they differ from the candidate's
-
-    @property
-    def lean_binding(self) -> bool:
-        """The C++ file starts with the lean binding header, not torch/extension.h."""
-        return any(line == f"#include <{h}>" for h in LEAN_BINDING.values() for line in self.cpp_prefix)
-
-
-def _lean_try(note: str, cuda: list[str], cpp: list[str], lite_dirs: tuple[str, ...], device: str) -> HeaderTry:
-    """A try whose C++ file starts with the lean binding header, torch's own headers taken out."""
-    return HeaderTry(note, cuda, True, (f"#include <{LEAN_BINDING[device]}>",), tuple(lite_dirs),
-                     [_TORCH_INCLUDE_RE.sub("", s) for s in cpp])
-
-
-def header_tries(cuda: list[str], no_implicit_headers: bool, lite_dirs: tuple[str, ...] = (),
-                 cpp: Optional[list[str]] = None) -> list[HeaderTry]:
-    """How to build CUDA sources that use torch, fastest first.
-
-    KernelBench-style candidates put their torch wrappers in the ``.cu`` file, and nvcc parses
-    the torch headers three times (host preprocessing, cudafe++ and cicc, then the host
-    compiler): on a 2-core host a one-kernel candidate took 98 s with ``torch/extension.h``,
-    45 s with ``torch/types.h`` and about half that with the minimal ATen headers. So:
-
-    1. the minimal prelude (``MINIMAL_TORCH_PRELUDE``) in place of every torch header, its
-       factory headers lightened where ``lite_dirs`` are given (``sandbox.lite_headers``, and
-       the directory of its precompiled lean binding header): then the C++ file too starts
-       with the lean binding header in place of ``torch/extension.h`` (``cpp``: the C++
-       sources, where load_inline's or the candidate's own ``torch/extension.h`` leads them);
-    2. where that lacks a torch name, ``torch/types.h`` in place of ``torch/extension.h``;
-    3. the candidate's own headers: where the lighter ones do not build, this build decides the
-       verdict, so the swap never turns a failing candidate into a passing one or back.
-
-    Sources that bind to Python themselves are built as they are (the bindings that
-    ``load_inline`` generates live in the C++ file, which keeps ``torch/extension.h``).
-    """
-    own = HeaderTry("", cuda, no_implicit_headers)
-    if any(_PYTHON_USE_RE.search(s) for s in cuda):
-        return [own]
-    minimal = ["#include <cuda.h>", "#include <cuda_runtime.h>", MINIMAL_TORCH_PRELUDE] + [
-        _TORCH_INCLUDE_RE.sub("", s) for s in cuda]
-    # no implicit headers for the CUDA sources means none for the C++ side either: it keeps its own
-    if lite_dirs and cpp is not None:
-        first = _lean_try(MINIMAL_NOTE, minimal, cpp, lite_dirs, "cuda")
-    elif no_implicit_headers:
-        first = HeaderTry(MINIMAL_NOTE, minimal, True, (), tuple(lite_dirs))
-    else:
-        first = HeaderTry(MINIMAL_NOTE, minimal, True, ("#include <torch/extension.h>",), tuple(lite_dirs))
-    tries = [first]
-    if any(_EXTENSION_INCLUDE_RE.search(s) for s in cuda):
-        tries.append(HeaderTry(TYPES_NOTE, [_EXTENSION_INCLUDE_RE.sub("#include <torch/types.h>", s) for s in cuda],
-                               no_implicit_headers))
-    return tries + [own]
-
-
-def binding_tries(own: HeaderTry, cpp: Optional[list[str]], lite_dirs: tuple[str, ...], device: str) -> list[HeaderTry]:
-    """How to build sources whose CUDA side (if any) does not use torch: the C++ file with the
-    lean binding header first (``sandbox.lite_headers``) where load_inline would have put
-    ``torch/extension.h`` there (``cpp``: the candidate's C++ sources; None where it asked for no
-    implicit headers), then as ``own`` says."""
-    if cpp is None or not lite_dirs:
-        return [own]
-    return [_lean_try(LEAN_NOTE, own.cuda, cpp, lite_dirs, device), own]
-
-
-def next_try(tries: list[HeaderTry], failed: int, error: str) -> Optional[int]:
-    """The try after ``tries[failed]`` failed with ``error``: the fuller headers only where the
-    error names a missing torch name, else straight to the candidate's own headers."""
-    if failed + 1 >= len(tries):
-        return None
-    if tries[failed].note == MINIMAL_NOTE and tries[failed + 1].note == TYPES_NOTE \
-            and not _MISSING_TORCH_NAME_RE.search(error):
-        return len(tries) - 1
-    return failed + 1
 
 
 _GLOBAL_FN_RE = re.compile(r"__global__\s+(?:static\s+)?[\w:<>\s\*]*?\b([A-Za-z_]\w*)\s*\(")
@@ -379,18 +282,33 @@ class HookedBuilder:
             os.replace(tmp, target)
         return str(root)
 
-    def _lite_dirs(self, device: str, extra_cflags: list[str], include_paths: list[str],
-                   lean_binding: bool) -> tuple[str, ...]:
-        """The include directories of ``sandbox.lite_headers`` (its lean binding header precompiled
-        first, where a try will use it), or none where torch's headers are not as expected."""
-        from sandbox.lite_headers import lean_binding_text, lite_include_dir
+    def _lite_dirs(self) -> tuple[str, ...]:
+        """The include directory of ``sandbox.lite_headers``, or none where torch's headers are not as expected."""
+        from sandbox.lite_headers import lite_include_dir
 
         lite = lite_include_dir(self.cache_root.parent)
-        if not lite:
-            return ()
-        pch = lean_binding and self.use_pch and self._pch_include_dir(extra_cflags, [lite, *include_paths], LEAN_BINDING[device],
-                                                      lean_binding_text(device), device=device)
-        return (pch, lite) if pch else (lite,)
+        return (lite,) if lite else ()
+
+    def _binding_pch(self, header: str, device: str, extra_cflags: list[str], include_paths: list[str]) -> Optional[str]:
+        """The directory of the lean or raw binding header ``header``, precompiled (on first need)."""
+        from sandbox.lite_headers import lean_binding_text, minimal_prelude
+        from sandbox.pyglue import raw_binding_text
+
+        text = (raw_binding_text(device, minimal_prelude(device)) if header in RAW_BINDING.values()
+                else lean_binding_text(device))
+        return self._pch_include_dir(extra_cflags, include_paths, header, text, device=device) or None
+
+    def _glue(self, functions: Any, is_python_module: bool, with_pytorch_error_handling: bool) -> Optional[list[str]]:
+        """The link flags of the raw binding's glue library where it can bind ``functions`` as
+        load_inline would (a Python module, torch's error handling), else None."""
+        from sandbox.pyglue import glue_library
+
+        if os.environ.get("KERNELLOOP_RAW_BINDING", "1") == "0":       # pybind11 bindings only (to compare)
+            return None
+        if not (is_python_module and with_pytorch_error_handling and function_docs(functions)):
+            return None
+        glue = glue_library(self.cache_root.parent, self._original)
+        return glue_ldflags(glue) if glue else None
 
     def _prefix_pch(self, sources: list[str], extra_cflags: list[str], include_paths: list[str],
                     lite: list[str], device: str) -> tuple[list[str], Optional[str]]:
@@ -438,7 +356,7 @@ class HookedBuilder:
         uses_torch = any(_TORCH_USE_RE.search(s) for s in cuda)
         # where the lean binding header may go first: load_inline's implicit torch/extension.h,
         # or the candidate's own (the builtin proposer includes it and asks for no implicit headers)
-        lean_cpp = cpp if not no_implicit_headers or any(_EXTENSION_INCLUDE_RE.search(s) for s in cpp) else None
+        lean_cpp = cpp if not no_implicit_headers or any(EXTENSION_INCLUDE_RE.search(s) for s in cpp) else None
         if not no_implicit_headers and cuda and not uses_torch:
             no_implicit_headers = True
             cpp = ["#include <torch/extension.h>"] + cpp
@@ -465,12 +383,15 @@ class HookedBuilder:
             # the candidate's own headers decide the verdict wherever the lighter ones fail.
             device = "cuda" if cuda else "cpu"
             lite_dirs: tuple[str, ...] = ()
+            glue = None
             if uses_torch or lean_cpp is not None:
-                lite_dirs = self._lite_dirs(device, kwargs["extra_cflags"], include_paths, lean_cpp is not None)
+                lite_dirs = self._lite_dirs()
+                if lite_dirs and lean_cpp is not None:
+                    glue = self._glue(functions, is_python_module, with_pytorch_error_handling)
             if uses_torch:
-                tries = header_tries(cuda, no_implicit_headers, lite_dirs, lean_cpp)
+                tries = header_tries(cuda, no_implicit_headers, lite_dirs, lean_cpp, glue)
             else:
-                tries = binding_tries(HeaderTry("", cuda, no_implicit_headers), lean_cpp, lite_dirs, device)
+                tries = binding_tries(HeaderTry("", cuda, no_implicit_headers), lean_cpp, lite_dirs, device, glue)
             notes: list[str] = []
             i: Optional[int] = 0
             with_pch = self.use_pch
@@ -483,7 +404,13 @@ class HookedBuilder:
                     pch_dir = self._pch_include_dir(kwargs["extra_cflags"], include_paths)
                     paths = [*own_paths, *([pch_dir] if pch_dir else []), *include_paths]
                 cpp_now = [*attempt.cpp_prefix, *(cpp if attempt.cpp is None else attempt.cpp)]
-                if with_pch and attempt.lean_binding:
+                bound = functions
+                if attempt.raw:       # the bindings written here, not by torch's pybind11 module
+                    cpp_now, bound = [*cpp_now, module_definition(function_docs(functions) or {})], None
+                if with_pch and attempt.binding_header:
+                    binding_pch = self._binding_pch(attempt.binding_header, device, kwargs["extra_cflags"],
+                                                    [*own_paths, *include_paths])
+                    paths = [*([binding_pch] if binding_pch else []), *paths]
                     cpp_now, prefix_dir = self._prefix_pch(cpp_now, kwargs["extra_cflags"], include_paths,
                                                            [p for p in own_paths if not p.startswith(pch_root)], device)
                     if prefix_dir:
@@ -495,9 +422,9 @@ class HookedBuilder:
                     module = self._original(     # copies: load_inline adds its headers and bindings in place
                         name=ext_name, cpp_sources=cpp_now,
                         cuda_sources=list(attempt.cuda) or None,
-                        functions=functions, extra_cflags=kwargs["extra_cflags"] or None,
+                        functions=bound, extra_cflags=kwargs["extra_cflags"] or None,
                         extra_cuda_cflags=_with_nvcc_threads(kwargs["extra_cuda_cflags"]) if cuda else None,
-                        extra_ldflags=kwargs["extra_ldflags"] or None,
+                        extra_ldflags=[*kwargs["extra_ldflags"], *attempt.ldflags] or None,
                         extra_include_paths=paths or None,
                         build_directory=str(directory), verbose=False, with_cuda=with_cuda,
                         is_python_module=is_python_module, with_pytorch_error_handling=with_pytorch_error_handling,
@@ -529,6 +456,8 @@ class HookedBuilder:
                 else:
                     if attempt.note:
                         notes.append(attempt.note)
+                    if attempt.raw and attempt.note != RAW_NOTE:
+                        notes.append(RAW_NOTE)
                     i = None
             marker.touch()
         self.records.append(BuildRecord(ext_name, name, str(directory), time.perf_counter() - t0, cached, True,

@@ -13,7 +13,7 @@ the same file, read from the installed torch, with only the includes its functio
 functions are torch's own text, so a call binds to the same overload and the same operator as
 with the full header. Only the minimal try of a build puts the directory on the include path;
 a candidate that needs a name the lighter headers lack fails that try and is built again with
-fuller headers (see ``sandbox.build.header_tries``).
+fuller headers (see ``sandbox.header_tries``).
 
 The directory also holds ``kernelloop/lean_binding.h``, what the minimal try puts at the top of
 the C++ file that ``load_inline`` generates in place of ``torch/extension.h``: pybind11 with
@@ -29,6 +29,8 @@ import re
 import shutil
 from pathlib import Path
 from typing import Optional
+
+from sandbox.pyglue import RAW_BINDING, raw_binding_text
 
 FACTORY_OPS = ("empty", "empty_like", "empty_strided", "zeros", "zeros_like", "ones", "ones_like", "full",
                "full_like")
@@ -46,13 +48,17 @@ LEAN_BINDING = {"cuda": "kernelloop/lean_binding.h", "cpu": "kernelloop/lean_bin
 VERSION = 3
 
 
-def lean_binding_text(device: str) -> str:
-    """The lean binding header for builds with CUDA sources (``cuda``) or C++ sources only (``cpu``:
+def minimal_prelude(device: str) -> str:
+    """``MINIMAL_TORCH_PRELUDE`` for builds with CUDA sources (``cuda``) or C++ sources only (``cpu``:
     no CUDA stream header, which needs the CUDA toolkit's headers)."""
-    prelude = [line for line in MINIMAL_TORCH_PRELUDE.splitlines() if device == "cuda" or "c10/cuda/" not in line]
+    return "\n".join(line for line in MINIMAL_TORCH_PRELUDE.splitlines() if device == "cuda" or "c10/cuda/" not in line)
+
+
+def lean_binding_text(device: str) -> str:
+    """The lean binding header for builds with CUDA sources (``cuda``) or C++ sources only (``cpu``)."""
     guard = f"KERNELLOOP_LEAN_BINDING_{device.upper()}_H"
     return "\n".join([f"#ifndef {guard}", f"#define {guard}", "#include <torch/csrc/utils/pybind.h>",
-                      "#include <torch/csrc/Exceptions.h>", *prelude, "#endif", ""])
+                      "#include <torch/csrc/Exceptions.h>", minimal_prelude(device), "#endif", ""])
 
 
 def lighten(text: str, op: str) -> Optional[str]:
@@ -76,7 +82,8 @@ def lite_include_dir(cache_root: Path) -> Optional[str]:
     sources = {op: ops_dir / f"{op}.h" for op in FACTORY_OPS}
     if not all(p.is_file() for p in sources.values()):
         return None
-    key = hashlib.sha256(repr((VERSION, lean_binding_text("cuda"), torch.__version__, str(ops_dir),
+    key = hashlib.sha256(repr((VERSION, lean_binding_text("cuda"), raw_binding_text("cuda", minimal_prelude("cuda")),
+                               torch.__version__, str(ops_dir),
                                [p.stat().st_mtime_ns for p in sources.values()])).encode()).hexdigest()[:16]
     root = Path(cache_root) / "lite-headers" / key
     if (root / ".done").exists():
@@ -97,6 +104,8 @@ def lite_include_dir(cache_root: Path) -> Optional[str]:
     (tmp / "kernelloop").mkdir()
     for device, header in LEAN_BINDING.items():
         (tmp / header).write_text(lean_binding_text(device))
+    for device, header in RAW_BINDING.items():
+        (tmp / header).write_text(raw_binding_text(device, minimal_prelude(device)))
     (tmp / ".done").touch()
     try:
         os.replace(tmp, root)       # another process may have made it first: theirs is the same

@@ -152,7 +152,7 @@ class ModelNew(nn.Module):
 def test_kernelbench_style_source_builds_with_the_lightest_headers_that_work(sandbox, extra, expected):
     import uuid
 
-    from sandbox.build import MINIMAL_NOTE, OWN_NOTE, TYPES_NOTE
+    from sandbox.header_tries import MINIMAL_NOTE, OWN_NOTE, TYPES_NOTE
 
     words = {"minimal": MINIMAL_NOTE, "types": TYPES_NOTE, "own": OWN_NOTE}
     want = [e.format(**words) for e in expected]

@@ -8,7 +8,8 @@ import sysconfig
 import uuid
 from pathlib import Path
 
-from sandbox.build import LEAN_NOTE, OWN_NOTE, HeaderTry, binding_tries, next_try, header_tries
+from sandbox.header_tries import LEAN_NOTE, MINIMAL_NOTE, OWN_NOTE, HeaderTry, binding_tries, next_try, header_tries
+from sandbox.pyglue import RAW_BINDING, RAW_NOTE
 from sandbox.lite_headers import FACTORY_OPS, LEAN_BINDING, lighten, lite_include_dir
 from sandbox.result import Status
 from sandbox.tasks import read_spec
@@ -74,20 +75,34 @@ def test_binding_tries_put_the_lean_header_first_unless_the_candidate_chose_its_
     tries = [lean, own]
     assert next_try(tries, 0, "error: 'matmul' is not a member of 'torch'") == 1
     assert next_try(tries, 0, "error: 'j' was not declared in this scope") == 1
+    # with the glue library, the raw binding's twin of the lean try goes first (sandbox.pyglue)
+    raw, lean2, last2 = binding_tries(own, ['#include <torch/extension.h>\ntorch::Tensor f(torch::Tensor);'], ("/lite",),
+                                      "cpu", ["-L/glue", "-l:g.so"])
+    assert raw.raw and not lean2.raw and raw.note == RAW_NOTE and lean2 == lean and last2 is own
+    assert raw.cpp_prefix == (f"#include <{RAW_BINDING['cpu']}>",) and raw.cpp == lean.cpp
+    assert raw.ldflags == ("-L/glue", "-l:g.so") and raw.binding_header == RAW_BINDING["cpu"]
+    # its own error (a type its casters lack) goes to the pybind11 twin; the candidate's to its own headers
+    assert next_try([raw, lean2, own], 0, "error: incomplete type 'kl_glue::arg<std::map<int, int> >'") == 1
+    assert next_try([raw, lean2, own], 0, "error: 'j' was not declared in this scope") == 2
+    cuda_tries = header_tries(["#include <torch/extension.h>\n__global__ void k() {}"], False, ("/lite",), ["int g();"],
+                              ["-l:g.so"])
+    assert [t.raw for t in cuda_tries] == [True, False, False, False] and cuda_tries[0].note == MINIMAL_NOTE
+    assert next_try(cuda_tries, 0, "error: 'j' was not declared in this scope") == 3        # MINIMAL -> own
+    assert next_try(cuda_tries, 0, 'error: namespace "torch" has no member "matmul"') == 2  # MINIMAL -> TYPES
 
 
 def test_a_cpu_candidate_builds_with_the_lean_header_or_else_with_its_own(sandbox):
     spec = read_spec(TASK, name="adversarial/task_small")
     honest = (ADV / "cpu" / "honest.py").read_text().replace("(p[i] > 0.f", f"/* {uuid.uuid4().hex} */ (p[i] > 0.f")
     lean = sandbox.evaluate(spec, honest)
-    assert lean.status is Status.correct and lean.build.notes == [LEAN_NOTE], lean.build.notes
+    assert lean.status is Status.correct and lean.build.notes == [RAW_NOTE], lean.build.notes
     # a name the lean header lacks: built again with torch/extension.h, and still correct
     needs_more = honest.replace("  return y;\n}\ntorch::Tensor uninit_like",
                                 "  return torch::matmul(y, torch::eye(y.size(1), y.options()));\n}\n"
                                 "torch::Tensor uninit_like")
     assert needs_more != honest
     full = sandbox.evaluate(spec, needs_more)
-    assert full.build.notes == [f"not {LEAN_NOTE}: tried {OWN_NOTE}"], full.build.notes
+    assert full.build.notes == [f"not {RAW_NOTE}: tried {OWN_NOTE}"], full.build.notes
     assert full.status is Status.correct, full
 
 
@@ -100,4 +115,4 @@ def test_a_candidate_that_includes_torch_extension_itself_gets_the_lean_header_t
         'functions=["relu_scale", "uninit_like"])', 'functions=["relu_scale", "uninit_like"], no_implicit_headers=True)')
     assert own.count("no_implicit_headers=True") == 1 and "#include <torch/extension.h>" in own
     r = sandbox.evaluate(spec, own)
-    assert r.status is Status.correct and r.build.notes == [LEAN_NOTE], r.build.notes
+    assert r.status is Status.correct and r.build.notes == [RAW_NOTE], r.build.notes

@@ -14,7 +14,8 @@ import torch
 
 import sandbox.pch as pch
 from sandbox.build import PCH_NOTE, PREFIX_NOTE, HookedBuilder
-from sandbox.lite_headers import LEAN_BINDING, lean_binding_text, lite_include_dir
+from sandbox.lite_headers import lite_include_dir, minimal_prelude
+from sandbox.pyglue import RAW_BINDING, raw_binding_text
 
 TINY = "kernelloop/tiny.h"
 TEXT = "#pragma once\ninline int kl_tiny() { return 7; }\n"
@@ -99,10 +100,10 @@ def test_an_unreadable_pch_is_discarded_and_the_build_done_again_without_it(tmp_
     try:
         lite = lite_include_dir(b.cache_root.parent)
         assert lite is not None
-        header = LEAN_BINDING["cpu"]
-        _, _, root = b.pch_plan([], [lite], header, lean_binding_text("cpu"), device="cpu")
+        header, text = RAW_BINDING["cpu"], raw_binding_text("cpu", minimal_prelude("cpu"))   # what a build tries first
+        _, _, root = b.pch_plan([], [lite], header, text, device="cpu")
         (root / header).parent.mkdir(parents=True)
-        (root / header).write_text(lean_binding_text("cpu"))
+        (root / header).write_text(text)
         # the first bytes of a real precompiled header (GCC reads its stamp, then fails to read on)
         tiny = tmp_path / "t.h"
         tiny.write_text(TEXT)
@@ -111,14 +112,14 @@ def test_an_unreadable_pch_is_discarded_and_the_build_done_again_without_it(tmp_
         from torch.utils.cpp_extension import load_inline
 
         ext = load_inline(name="kl_pch_fallback", functions=["twice"], cpp_sources=[
-            "torch::Tensor twice(torch::Tensor x) { return x * 2; }"])
+            "torch::Tensor twice(torch::Tensor x) { return x.mul(2); }"])
         x = torch.arange(5.0)
         assert torch.equal(ext.twice(x), x * 2)
         record = b.records[-1]
         assert record.ok and not record.cached and PCH_NOTE in record.notes
         assert (root / "failed").exists() and not list(root.rglob("*.gch"))
         # later builds do not try it again
-        assert b._pch_include_dir([], [lite], header, lean_binding_text("cpu"), device="cpu") is None
+        assert b._pch_include_dir([], [lite], header, text, device="cpu") is None
     finally:
         from torch.utils import cpp_extension
 

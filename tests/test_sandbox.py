@@ -434,7 +434,7 @@ def test_cuda_sandbox_without_gpu_or_arch_refuses_and_hands_its_arch_to_workers(
 
 
 def test_header_tries_go_from_minimal_headers_to_the_candidates_own():
-    from sandbox.build import MINIMAL_NOTE, MINIMAL_TORCH_PRELUDE, TYPES_NOTE, header_tries, next_try
+    from sandbox.header_tries import MINIMAL_NOTE, MINIMAL_TORCH_PRELUDE, TYPES_NOTE, header_tries, next_try
 
     src = '#include <torch/extension.h>\n#include <ATen/cuda/CUDAContext.h>\n__global__ void k() {}\n'
     tries = header_tries([src], no_implicit_headers=False)
