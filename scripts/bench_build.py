@@ -228,6 +228,10 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=1,
                     help="builds at once (each in its own process; plain and sandbox alike): on a host with many "
                          "cores this shortens the benchmark, not the builds")
+    ap.add_argument("--bindings", default="raw",
+                    help="the C++ file's bindings, each timed after the other on the same sources: raw (the CPython "
+                         "API and kernelloop's glue, sandbox.pyglue: the default) and/or pybind (pybind11's, as "
+                         "KERNELLOOP_RAW_BINDING=0 builds them), e.g. raw,pybind")
     ap.add_argument("--arch", default=None,
                     help="CUDA arch for both modes (e.g. 9.0): build CUDA candidates on a host with nvcc but no GPU, "
                          "as plain load_inline would on that GPU")
@@ -245,21 +249,24 @@ def main() -> None:
         with ThreadPoolExecutor(max_workers=args.parallel) as pool:
             return list(pool.map(lambda _: build_once(mode, style, args.device, cache, args.arch), range(args.n)))
 
-    for style in styles:
-        plain = batch("plain", style)
+    bindings = [b for b in args.bindings.split(",") if b in ("raw", "pybind")] or ["raw"]
+    for style, binding in [(s, b) for s in styles for b in bindings]:
+        os.environ["KERNELLOOP_RAW_BINDING"] = "1" if binding == "raw" else "0"    # read by each build's process
+        plain = batch("plain", style) if binding == bindings[0] else plain
         # The first sandbox build also makes the precompiled headers (once per torch install and flags).
         first = build_once("sandbox", style, args.device, cache, args.arch)
         # the second makes the precompiled header of the C++ file's leading includes, where there are
-        # more than the lean header's (made from the second time a block is seen: sandbox.pch.seen_before)
+        # more than the binding header's (made from the second time a block is seen: sandbox.pch.seen_before)
         second = build_once("sandbox", style, args.device, cache, args.arch)
         ours = batch("sandbox", style)
         p, o = statistics.median(r["seconds"] for r in plain), statistics.median(r["seconds"] for r in ours)
-        row = {"style": style, "plain_median_s": round(p, 2), "sandbox_first_s": round(first["seconds"], 2),
+        row = {"style": style, "binding": binding, "plain_median_s": round(p, 2),
+               "sandbox_first_s": round(first["seconds"], 2),
                "sandbox_second_s": round(second["seconds"], 2),
                "sandbox_median_s": round(o, 2), "ratio": round(p / o, 2),
                "sandbox_steps_median_s": {k: round(statistics.median(r["steps"].get(k, 0.0) for r in ours), 2)
                                           for k in sorted({k for r in ours for k in r["steps"]})}}
-        print(f"[{args.device}/{style}] plain load_inline median {p:.1f} s {['%.1f' % r['seconds'] for r in plain]} "
+        print(f"[{args.device}/{style}, {binding} binding] plain load_inline median {p:.1f} s {['%.1f' % r['seconds'] for r in plain]} "
               f"({_steps(plain) or 'steps not logged'})\n"
               f"  sandbox first (makes the PCH) {first['seconds']:.1f} s ({_steps([first])}); second (makes the "
               f"leading-include PCH, if any) {second['seconds']:.1f} s ({_steps([second])})\n"
