@@ -89,13 +89,14 @@ class RayExecutor:
     def __init__(self, device: str, config: EvalConfig, *, store: Any = None, address: Optional[str] = None,
                  slots: Optional[int] = None, build_cpus: Optional[float] = None,
                  warm_workers: Optional[int] = None, precompute: Optional[bool] = None,
-                 node_env: Optional[dict[str, str]] = None, **_ignored: Any):
+                 node_env: Optional[dict[str, str]] = None, footprints: Any = None, **_ignored: Any):
         try:
             import ray
         except ImportError:
             raise ExecutorError("--executor ray needs Ray: pip install 'ray>=2.40' (scripts/setup.sh installs it)") from None
         self._ray = ray
         self.device, self.config, self.store = device, config, store
+        self._footprints = footprints      # a FootprintBook read where there is no store (a benchmark's)
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             address = address or os.environ.get("RAY_ADDRESS") or None
@@ -154,7 +155,8 @@ class RayExecutor:
     # ---------------------------------------------------------------- footprints (the store is the driver's)
     def _known_footprint(self, spec: TaskSpec) -> Optional[dict[str, Any]]:
         if self.store is None:
-            return None
+            fp = self._footprints.known(spec, self.device, self.config.numerics) if self._footprints else None
+            return fp.to_dict() if fp is not None else None
         from store.repo import latest_footprint
 
         with self.store.reader() as s:
@@ -163,6 +165,12 @@ class RayExecutor:
         return fp.to_dict() if fp is not None else None
 
     def _keep_footprints(self, spec: TaskSpec, measured: list[dict[str, Any]]) -> None:
+        if self.store is None and self._footprints is not None:
+            for item in measured:
+                if item["task_key"] == spec.key:
+                    self._footprints.remember(spec, self.device, self.config.numerics,
+                                              Footprint.from_dict(item["footprint"]))
+            return
         if self.store is None or not measured:
             return
         from store.repo import save_footprint

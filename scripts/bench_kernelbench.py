@@ -203,7 +203,8 @@ def open_sandbox(executor: str, device: str, cfg: EvalConfig, warm_workers: int,
     from executors import open_executor
 
     return open_executor(executor, device, cfg, address=ray_address, warm_workers=warm_workers,
-                         precompute=precompute, node_env={"KERNELLOOP_CACHE": os.environ["KERNELLOOP_CACHE"]})
+                         precompute=precompute, node_env={"KERNELLOOP_CACHE": os.environ["KERNELLOOP_CACHE"]},
+                         footprints=footprints)     # measured before the modes, as the local run reads them
 
 
 def run_mode(mode: str, work: list[tuple[TaskSpec, str]], device: str, cfg: EvalConfig, parallel: int,
