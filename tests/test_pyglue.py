@@ -74,6 +74,7 @@ def test_functions_are_bound_without_pybind11_and_convert_as_load_inline_does(bu
     assert torch.equal(y, torch.full((3,), 2.0))                    # in place, through both optional branches
     assert torch.equal(m.filled((2, 2), 1.5), torch.full((2, 2), 1.5)) and m.filled([3], 2.0).shape == (3,)
     assert m.named("k", 7.9) == "k7"
+    assert torch.equal(m.scale(x, torch.tensor(2.0), torch.tensor(3.0)), x * 2 + 3)   # 0-d tensors, as pybind11 reads them
     p = torch.nn.Parameter(torch.ones(2))
     assert torch.equal(m.scale(p, 1.0, 0), p.detach())              # a Tensor subclass is a Tensor
     with warnings.catch_warnings(record=True) as seen:
