@@ -98,7 +98,10 @@ class LlamaServer:
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [str(binary), "-m", str(model), "--alias", MODEL_ALIAS, "--host", "127.0.0.1", "--port", str(self.port),
-             "-c", str(ctx), "-np", str(parallel), "-t", str(threads), "-tb", str(threads), *serve_args(), *extra],
+             "-c", str(ctx), "-np", str(parallel), "-t", str(threads), "-tb", str(threads),
+             # threads wait for work without spinning: llama.cpp's default polling holds the cores that a
+             # machine shared with the tests' builds (CI's two, or a busy laptop) needs for the server itself
+             "--poll", "0", *serve_args(), *extra],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             self._wait_healthy()
