@@ -69,6 +69,16 @@ def _kernelbench_or_skip(request: pytest.FixtureRequest) -> None:
         pytest.skip(why)
 
 
+@pytest.fixture(autouse=True)
+def _no_learned_windows() -> None:
+    """Model windows learned in this process (``agent.backends.context.KNOWN``, by base URL and model)
+    start empty for each test: a fake server of a later test may get an earlier one's port, and the
+    window an earlier test taught (an overflow, a small context) would trim the later one's prompts."""
+    from agent.backends import context
+
+    context.KNOWN.clear()
+
+
 @pytest.fixture
 def real_kernelbench() -> Path:
     """The real KernelBench checkout (only in ``kernelbench`` tests, which the fixture above guards)."""
