@@ -32,8 +32,13 @@ def spec_data(spec: TaskSpec) -> dict[str, Any]:
 
 
 def node_id() -> str:
+    """The Ray node this runs on; "" where Ray is not running in this process (asking Ray's runtime
+    context there would start a local Ray instance that outlives the call: a test of the build task
+    left one beside the rest of the suite, dashboard and idle workers included)."""
     import ray
 
+    if not ray.is_initialized():
+        return ""
     return ray.get_runtime_context().get_node_id()
 
 

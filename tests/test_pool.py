@@ -473,3 +473,6 @@ def test_a_ray_build_task_builds_in_a_worker_of_its_own(tmp_path):
                                      CFG.model_dump_json(), None, 2))
     assert reply["ok"], reply
     assert len(log.read_text().splitlines()) == 1
+    import ray
+
+    assert not ray.is_initialized() and reply["node"] == ""     # no local Ray started to name the node
