@@ -142,6 +142,7 @@ class WorkerProcess:
         self.keeper = Connection(os.dup(keeper_sock.fileno()))
         keeper_sock.close()
         self._keeper_lock = threading.Lock()
+        self._kill_lock = threading.Lock()        # kill() from two threads closes each descriptor once
         self.worker_pid: Optional[int] = None     # the worker under the keeper (``proc`` is the keeper)
         self.containment: Optional[str] = None    # cgroup | subreaper | none, once the keeper said
         self.cgroup_path: Optional[str] = None    # the worker's cgroup, where it has one
@@ -314,13 +315,17 @@ class WorkerProcess:
         return text
 
     def kill(self) -> None:
-        """Kill the worker and every process it started (``strays`` says which besides itself)."""
-        if not self.keeper.closed:
-            self.end(idle=not self.busy)
-            self.keeper.close()
-        self.conn.close()
-        self._stdout.close()
-        self._stderr.close()
+        """Kill the worker and every process it started (``strays`` says which besides itself).
+        Safe to call from two threads at once (a warm pool's close and its warm-up thread): a
+        descriptor closed twice fails the second close, or closes whatever reused its number."""
+        with self._kill_lock:
+            if not self.keeper.closed:
+                self.end(idle=not self.busy)
+                self.keeper.close()
+            if not self.conn.closed:
+                self.conn.close()
+            self._stdout.close()
+            self._stderr.close()
 
     def close(self, grace: float = 5.0, why: str = "closed") -> None:
         self.stopped = self.stopped or why
