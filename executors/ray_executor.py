@@ -165,20 +165,20 @@ class RayExecutor:
         return fp.to_dict() if fp is not None else None
 
     def _keep_footprints(self, spec: TaskSpec, measured: list[dict[str, Any]]) -> None:
-        if self.store is None and self._footprints is not None:
-            for item in measured:
-                if item["task_key"] == spec.key:
-                    self._footprints.remember(spec, self.device, self.config.numerics,
-                                              Footprint.from_dict(item["footprint"]))
+        # a slot measures only the tasks it is asked about
+        mine = [Footprint.from_dict(item["footprint"]) for item in measured if item["task_key"] == spec.key]
+        if not mine:
             return
-        if self.store is None or not measured:
+        if self.store is None:
+            if self._footprints is not None:
+                for fp in mine:
+                    self._footprints.remember(spec, self.device, self.config.numerics, fp)
             return
         from store.repo import save_footprint
 
         with self.store.session() as s:
-            for item in measured:
-                if item["task_key"] == spec.key:    # a slot measures only the tasks it is asked about
-                    save_footprint(s, spec, Footprint.from_dict(item["footprint"]), self.torch_version)
+            for fp in mine:
+                save_footprint(s, spec, fp, self.torch_version)
 
     # ---------------------------------------------------------------- slots
     def _pick(self, spec: TaskSpec) -> RaySlot:

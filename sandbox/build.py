@@ -298,14 +298,15 @@ class HookedBuilder:
                 else lean_binding_text(device))
         return self._pch_include_dir(extra_cflags, include_paths, header, text, device=device) or None
 
-    def _glue(self, functions: Any, is_python_module: bool, with_pytorch_error_handling: bool) -> Optional[list[str]]:
-        """The link flags of the raw binding's glue library where it can bind ``functions`` as
-        load_inline would (a Python module, torch's error handling), else None."""
+    def _glue(self, docs: Optional[dict[str, str]], is_python_module: bool,
+              with_pytorch_error_handling: bool) -> Optional[list[str]]:
+        """The link flags of the raw binding's glue library where it can bind the functions ``docs``
+        names as load_inline would (a Python module, torch's error handling), else None."""
         from sandbox.pyglue import glue_library
 
         if os.environ.get("KERNELLOOP_RAW_BINDING", "1") == "0":       # pybind11 bindings only (to compare)
             return None
-        if not (is_python_module and with_pytorch_error_handling and function_docs(functions)):
+        if not (is_python_module and with_pytorch_error_handling and docs):
             return None
         glue = glue_library(self.cache_root.parent, self._original)
         return glue_ldflags(glue) if glue else None
@@ -384,10 +385,11 @@ class HookedBuilder:
             device = "cuda" if cuda else "cpu"
             lite_dirs: tuple[str, ...] = ()
             glue = None
+            docs = function_docs(functions)
             if uses_torch or lean_cpp is not None:
                 lite_dirs = self._lite_dirs()
                 if lite_dirs and lean_cpp is not None:
-                    glue = self._glue(functions, is_python_module, with_pytorch_error_handling)
+                    glue = self._glue(docs, is_python_module, with_pytorch_error_handling)
             if uses_torch:
                 tries = header_tries(cuda, no_implicit_headers, lite_dirs, lean_cpp, glue)
             else:
@@ -406,7 +408,7 @@ class HookedBuilder:
                 cpp_now = [*attempt.cpp_prefix, *(cpp if attempt.cpp is None else attempt.cpp)]
                 bound = functions
                 if attempt.raw:       # the bindings written here, not by torch's pybind11 module
-                    cpp_now, bound = [*cpp_now, module_definition(function_docs(functions) or {})], None
+                    cpp_now, bound = [*cpp_now, module_definition(docs or {})], None
                 if with_pch and attempt.binding_header:
                     binding_pch = self._binding_pch(attempt.binding_header, device, kwargs["extra_cflags"],
                                                     [*own_paths, *include_paths])

@@ -23,6 +23,7 @@ The candidate's own code and flags are unchanged: only the binding's code differ
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -42,9 +43,11 @@ _ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(str(Path(__file__).pare
                           undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
 
 
+@functools.lru_cache(maxsize=None)
 def raw_binding_text(device: str, prelude: str) -> str:
     """The raw binding header for builds with CUDA sources (``cuda``) or C++ sources only (``cpu``),
-    after ``prelude`` (``sandbox.lite_headers.minimal_prelude``)."""
+    after ``prelude`` (``sandbox.lite_headers.minimal_prelude``); rendered once per process (every
+    build reads it: the lite headers' key, the binding's precompiled header)."""
     return _ENV.get_template("raw_binding.h.j2").render(guard=f"KERNELLOOP_RAW_BINDING_{device.upper()}_H",
                                                          prelude=prelude)
 
@@ -75,7 +78,7 @@ def glue_library(cache_root: Path, load_inline: Any) -> Optional[tuple[str, str]
     import torch
     from torch.utils import cpp_extension as ce
 
-    source = _ENV.get_template("pyglue.cpp.j2").render(key="")
+    source = _ENV.get_template("pyglue.cpp.j2").render()
     key = hashlib.sha256(repr((VERSION, source, torch.__version__, getattr(torch.version, "git_version", ""),
                                ce._TORCH_PATH, ce.get_cxx_compiler())).encode()).hexdigest()[:16]
     name = f"kl_pyglue_{key}"
@@ -94,9 +97,8 @@ def glue_library(cache_root: Path, load_inline: Any) -> Optional[tuple[str, str]
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir()
         try:
-            load_inline(name=name, cpp_sources=[_ENV.get_template("pyglue.cpp.j2").render(key=key)],
-                           functions=None, build_directory=str(work), is_python_module=False,
-                           no_implicit_headers=True, verbose=False)
+            load_inline(name=name, cpp_sources=[source], functions=None, build_directory=str(work),
+                        is_python_module=False, no_implicit_headers=True, verbose=False)
         except Exception as exc:  # noqa: BLE001 - any failure leaves the pybind11 binding in use
             (root / f"{key}.failed").write_text(f"{type(exc).__name__}: {exc}"[-4000:])
             shutil.rmtree(work, ignore_errors=True)
