@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -81,6 +82,11 @@ class LoopbackCluster:
 
     def __init__(self, head_cpus: int = 0):
         self.dir = Path(tempfile.mkdtemp(prefix="klray-"))      # short: Ray's socket paths have a limit
+        # Token authentication, with a token of the cluster's own: Ray 2.60's `ray start --head` turns token
+        # mode on by itself whenever ~/.ray/auth_token exists (any local ray.init() writes one), while a
+        # worker's `ray start --address` does not, so without this the workers' start depended on that file.
+        self.token_path = self.dir / "auth_token"
+        self.token_path.write_text(secrets.token_hex(16))
         self.head_cpus = head_cpus
         self.netns_holder: Optional[subprocess.Popen] = None
         self.address = ""
@@ -92,9 +98,11 @@ class LoopbackCluster:
 
     def env(self, **extra: str) -> dict[str, str]:
         env = dict(os.environ)
-        env.pop("RAY_ADDRESS", None)
+        for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN"):
+            env.pop(name, None)
         env.update({"PYTHONPATH": f"{REPO}{os.pathsep}{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(REPO),
-                    "RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0", "PYTHONUNBUFFERED": "1"})
+                    "RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0", "PYTHONUNBUFFERED": "1",
+                    "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token_path)})
         env.update(extra)
         return env
 
