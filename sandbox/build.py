@@ -308,7 +308,11 @@ class HookedBuilder:
             return None
         if not (is_python_module and with_pytorch_error_handling and docs):
             return None
-        glue = glue_library(self.cache_root.parent, self._original)
+        from kernelloop.paths import cache_dir
+
+        # Per torch install, not per build cache: a builder with a cache of its own (a bench's cold
+        # cache, a test's) links the one glue its torch already has (its key names the install).
+        glue = glue_library(cache_dir(), self._original)
         return glue_ldflags(glue) if glue else None
 
     def _prefix_pch(self, sources: list[str], extra_cflags: list[str], include_paths: list[str],

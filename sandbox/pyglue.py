@@ -12,7 +12,8 @@ The raw binding binds the same functions through the CPython API instead:
   optionals, ``IntArrayRef``, ``Scalar``; results: tensors, numbers, lists, tuples) with the
   conversions a ``load_inline`` binding accepts. A type they lack does not compile (the error
   names ``kl_glue``) and the build tries the pybind11 binding next (``sandbox.header_tries.next_try``).
-* the glue library (``templates/pyglue.cpp.j2``), built once per torch install with torch's own
+* the glue library (``templates/pyglue.cpp.j2``), built once per torch install (in the user's cache,
+  ``kernelloop.paths.cache_dir()``, whatever build cache a builder uses) with torch's own
   ``load_inline``: tensor <-> PyObject, and each call run under the handling
   ``torch::wrap_pybind_function`` gives (C++ warnings as Python warnings, c10 errors as their
   Python exceptions), so a candidate's errors read the same.
