@@ -7,5 +7,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/llama_server.sh >/dev/null
-KERNELLOOP_FULL_B=1 KERNELLOOP_REQUIRE_REAL_SERVER=1 exec python3 -m pytest -q -s -p no:randomly \
+KERNELLOOP_FULL_REAL_SERVER=1 KERNELLOOP_REQUIRE_REAL_SERVER=1 exec python3 -m pytest -q -s -p no:randomly \
   --timeout 3600 tests/test_real_server.py -k test_b "$@"

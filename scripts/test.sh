@@ -2,10 +2,44 @@
 # The test command (README, .ci/run): set up from scratch, then run the whole suite.
 # GPU tests are marked `gpu` and skip cleanly where torch sees no CUDA device. The real-server
 # tests (`real_server`) need llama.cpp's llama-server: built here once per machine and cached
-# (scripts/llama_server.sh, about 5 minutes on 2 cores the first time), so they run, not skip.
+# (scripts/llama_server.sh, about 6 minutes on 2 cores the first time), so they run, not skip.
+#
+# With no arguments, the real-server tests run in a pytest of their own beside the rest of the
+# suite: their time is the model server's generation (one or two threads), not the suite's work,
+# and run one after the other the two parts took over 75 minutes on CI's 2 cores. Their output is
+# kept in a log whose tail is printed at the end; the command fails where either part fails.
+# KERNELLOOP_TESTS_SERIAL=1 runs everything in one pytest instead; arguments are passed to one
+# pytest as they are (`bash scripts/test.sh tests/test_store.py -x`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/llama_server.sh >/dev/null
 export KERNELLOOP_REQUIRE_REAL_SERVER=1
-exec python3 -m pytest -q --timeout 1200 "$@"
+if [ $# -gt 0 ] || [ "${KERNELLOOP_TESTS_SERIAL:-0}" = 1 ]; then
+  exec python3 -m pytest -q --timeout 1200 "$@"
+fi
+
+side_log=$(mktemp -t kernelloop-real-server.XXXXXX.log)
+side_tmp=$(mktemp -d -t kernelloop-real-server.XXXXXX)
+started=$(date +%s)
+# Its own temporary folder and no cache writes, so the two pytests share nothing of pytest's. A
+# background job of a script starts with SIGINT ignored: it gets SIGINT's default action back, so
+# that Ctrl-C (or the INT sent below) stops it through pytest's own teardown (its servers stopped).
+python3 -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])' \
+  python3 -m pytest -q --timeout 3600 -p no:cacheprovider --basetemp "$side_tmp" -m real_server tests \
+  >"$side_log" 2>&1 &
+side=$!
+stop_side() { kill -INT "$side" 2>/dev/null; wait "$side" 2>/dev/null; tail -n 5 "$side_log"; }
+trap 'stop_side; exit 130' INT
+trap 'stop_side; exit 143' TERM
+set +e
+python3 -m pytest -q --timeout 1200 -m "not real_server"
+main_rc=$?
+echo
+echo "== the real-server tests (tests/test_real_server.py), run beside the suite above; log: $side_log"
+wait "$side"
+side_rc=$?
+trap - INT TERM
+tail -n 25 "$side_log"
+echo "== suite: exit $main_rc; real-server tests: exit $side_rc; $(( $(date +%s) - started )) s in all"
+[ "$main_rc" = 0 ] && [ "$side_rc" = 0 ]
