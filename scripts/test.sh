@@ -25,7 +25,9 @@ started=$(date +%s)
 # Its own temporary folder and no cache writes, so the two pytests share nothing of pytest's. A
 # background job of a script starts with SIGINT ignored: it gets SIGINT's default action back, so
 # that Ctrl-C (or the INT sent below) stops it through pytest's own teardown (its servers stopped).
-python3 -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])' \
+# It runs at a lower priority (nice 10), so that the suite's timed runs are not slowed by the servers.
+nice -n "${KERNELLOOP_REAL_SERVER_NICE:-10}" \
+  python3 -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])' \
   python3 -m pytest -q --timeout 3600 -p no:cacheprovider --basetemp "$side_tmp" -m real_server tests \
   >"$side_log" 2>&1 &
 side=$!
