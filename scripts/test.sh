@@ -13,21 +13,24 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-bash scripts/llama_server.sh >/dev/null
 export KERNELLOOP_REQUIRE_REAL_SERVER=1
 if [ $# -gt 0 ] || [ "${KERNELLOOP_TESTS_SERIAL:-0}" = 1 ]; then
+  bash scripts/llama_server.sh >/dev/null
   exec python3 -m pytest -q --timeout 1200 "$@"
 fi
+bash scripts/llama_server.sh --model-only >/dev/null     # the GGUF (the script's own tests read it)
 
 side_log=$(mktemp -t kernelloop-real-server.XXXXXX.log)
 side_tmp=$(mktemp -d -t kernelloop-real-server.XXXXXX)
 started=$(date +%s)
-# Its own temporary folder and no cache writes, so the two pytests share nothing of pytest's. A
+# The server's build (about 9 minutes on 2 cores the first time) is the side's first step. Its own
+# temporary folder and no cache writes, so the two pytests share nothing of pytest's. A
 # background job of a script starts with SIGINT ignored: it gets SIGINT's default action back, so
 # that Ctrl-C (or the INT sent below) stops it through pytest's own teardown (its servers stopped).
 # It runs at a lower priority (nice 10), so that the suite's timed runs are not slowed by the servers.
 nice -n "${KERNELLOOP_REAL_SERVER_NICE:-10}" \
   python3 -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])' \
+  bash -c 'bash scripts/llama_server.sh >/dev/null && exec "$@"' side \
   python3 -m pytest -q --timeout 3600 -p no:cacheprovider --basetemp "$side_tmp" -m real_server tests \
   >"$side_log" 2>&1 &
 side=$!
