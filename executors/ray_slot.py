@@ -22,6 +22,7 @@ from sandbox.admission import TaskTooLarge
 from sandbox.backends import backend_for
 from sandbox.evaluate import Sandbox
 from sandbox.footprint import Footprint, FootprintBook
+from sandbox.pool import BuildPause
 from sandbox.result import BuildInfo, EvalConfig, EvalResult, Status
 from sandbox.tasks import TaskSpec
 
@@ -58,6 +59,7 @@ class NodeBuilder:
     def __init__(self, device: str, config: EvalConfig, arch: Optional[str], jobs: int):
         self.device, self.config, self.arch, self.build_jobs = device, config, arch, jobs
         self.backend = backend_for(config.backend, device)
+        self._build_pause = BuildPause()     # nothing is timed on a node that only builds: never held
 
 
 def build_on_node(spec: dict[str, Any], source: str, device: str, config_json: str, arch: Optional[str],

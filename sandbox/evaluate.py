@@ -41,7 +41,7 @@ from sandbox.checks import CandidateChecks
 from sandbox.footprint import FootprintBook, human_bytes
 from hardware.probe import cpu_model
 from sandbox.phases import Stages, phase
-from sandbox.pool import BUILD_WARM_MESSAGE, DeviceGate, SlotLock, WarmPool
+from sandbox.pool import BUILD_WARM_MESSAGE, BuildPause, DeviceGate, SlotLock, WarmPool
 from sandbox.quiet import TimingHistory
 from sandbox.process import WorkerDied, WorkerProcess, WorkerTimeout, kill_all_workers
 from sandbox.reference import Precomputed, ReferenceWorker
@@ -117,12 +117,18 @@ class Sandbox:
         self.memory = MemoryGate(device, len(self.slots), self.config.numerics, footprints,
                                  memory_budgets, self._slot_env)
         warm = DEFAULT_WARM_WORKERS if warm_workers is None else warm_workers
-        self._gates = [DeviceGate() for _ in self.slots]
+        # cpu: builds stopped while a timing is held (sandbox.pool.BuildPause); the gate keeps the
+        # harness's own background work (references starting, warm-ups) out of timings on both targets
+        self._build_pause = BuildPause()
+        self._gates = [DeviceGate(quiet=self._build_pause.paused if device == "cpu" else None) for _ in self.slots]
         self.handoff = handoff.mode(device)     # how candidates' outputs reach the reference (a bad setting fails here)
         self._pool = WarmPool(self._spawn_candidate, {"device": device, "profile": self.config.profile},
                               warm, background=self._device_work) if warm > 0 else None
         # build workers started ahead too (torch's import, 1.5-3 s of every build): one per build slot
-        self._build_pool = WarmPool(self._spawn_build, BUILD_WARM_MESSAGE, self.build_slots) if warm > 0 else None
+        # (on the CPU target their warm-ups, torch's import, wait while a timing is held, as candidates' do)
+        self._build_pool = (WarmPool(self._spawn_build, BUILD_WARM_MESSAGE, self.build_slots,
+                                     **({"background": self._device_work} if device == "cpu" else {}))
+                            if warm > 0 else None)
         self.precompute = (warm > 0) if precompute is None else precompute
         self.prepare_ahead = (warm > 0) if prepare is None else prepare
         self._preparing: set[str] = set()
@@ -135,8 +141,9 @@ class Sandbox:
         """Held around the harness's own device work on ``slot`` (a reference starting, a
         candidate loading, a warm worker's warm-up): it waits while a candidate or reference is
         timed there. On an H100 such work beside a timed window showed in NVML as another
-        process's SM use (1-3%) and flagged honest candidates ``contended``."""
-        return self._gates[slot].background() if self.device == "cuda" else contextlib.nullcontext()
+        process's SM use (1-3%) and flagged honest candidates ``contended``; on the CPU target it
+        shares the timed runs' cores."""
+        return self._gates[slot].background()
 
     def _slot_env(self, slot: int) -> dict[str, str]:
         if self.cpu_threads is not None:
@@ -313,6 +320,7 @@ class Sandbox:
         cfg = self.config
         t0 = time.monotonic()
         worker = self._build_pool.take(0) if self._build_pool is not None else self._spawn_build()
+        self._build_pause.add(worker)
         try:
             reply = worker.ask({"role": "build", "device": self.device, "out_dir": str(worker.out_dir),
                                 "task": spec.__dict__, "source": source, "init_seed": 0,
@@ -335,6 +343,7 @@ class Sandbox:
             result.stderr = worker.output("stderr")
             return False
         finally:
+            self._build_pause.discard(worker)
             worker.kill()
             contained(result, worker, "after its build")
             stdout, stderr = worker.output("stdout"), worker.output("stderr")

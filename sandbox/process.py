@@ -314,6 +314,13 @@ class WorkerProcess:
             text = f"[... {len(text) - OUTPUT_CAP} characters cut ...]\n" + text[-OUTPUT_CAP:]
         return text
 
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the worker's process group (itself and what it started: a build's compiler)."""
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
     def kill(self) -> None:
         """Kill the worker and every process it started (``strays`` says which besides itself).
         Safe to call from two threads at once (a warm pool's close and its warm-up thread): a
