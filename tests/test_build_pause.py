@@ -32,16 +32,9 @@ class Worker:
         os.killpg(self.proc.pid, sig)
 
     def group(self) -> list[int]:
-        out = []
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                except OSError:
-                    continue
-                if int(fields[2]) == self.proc.pid:     # pgrp
-                    out.append(int(entry.name))
-        return out
+        """The processes of its group (procps' pgrep)."""
+        out = subprocess.run(["pgrep", "-g", str(self.proc.pid)], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
 
     def states(self) -> set[str]:
         found = set()
