@@ -322,9 +322,10 @@ class Sandbox:
         worker = self._build_pool.take(0) if self._build_pool is not None else self._spawn_build()
         self._build_pause.add(worker)
         try:
-            reply = worker.ask({"role": "build", "device": self.device, "out_dir": str(worker.out_dir),
-                                "task": spec.__dict__, "source": source, "init_seed": 0,
-                                "backend": cfg.backend}, cfg.build_timeout_s)
+            reply = self._build_pause.ask(worker, {"role": "build", "device": self.device,
+                                                   "out_dir": str(worker.out_dir), "task": spec.__dict__,
+                                                   "source": source, "init_seed": 0, "backend": cfg.backend},
+                                          cfg.build_timeout_s)
         except WorkerTimeout:
             result.status = Status.timeout
             result.error_type = "BuildTimeout"

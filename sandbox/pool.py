@@ -22,6 +22,7 @@ import signal
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -155,31 +156,54 @@ class BuildPause:
     its compiler) while a timing on the CPU target is held, and continued after. On a 2-core host a
     compiler beside the timed runs made them meaningless: eager medians of one task moved between
     0.55 and 1.17 ms from one evaluation to the next, with IQRs up to 8 ms. A build that starts
-    while a timing is held is stopped as it starts."""
+    while a timing is held is stopped as it starts. Time spent stopped is the harness's, not the
+    candidate's: ``ask`` gives a build its whole timeout besides it."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._running: set[WorkerProcess] = set()
+        self._running: dict[WorkerProcess, float] = {}     # worker -> seconds stopped so far
         self._held = 0
+        self._since: dict[WorkerProcess, float] = {}       # stopped since (while held)
 
     def add(self, worker: WorkerProcess) -> None:
         with self._lock:
-            self._running.add(worker)
+            self._running[worker] = 0.0
             if self._held:
+                self._since[worker] = time.monotonic()
                 worker.signal_group(signal.SIGSTOP)
 
     def discard(self, worker: WorkerProcess) -> None:
         with self._lock:
-            self._running.discard(worker)
-            if self._held:
+            self._running.pop(worker, None)
+            if self._since.pop(worker, None) is not None:
                 worker.signal_group(signal.SIGCONT)    # ended (or to be killed): never left stopped
+
+    def stopped_s(self, worker: WorkerProcess) -> float:
+        with self._lock:
+            since = self._since.get(worker)
+            return self._running.get(worker, 0.0) + (time.monotonic() - since if since is not None else 0.0)
+
+    def ask(self, worker: WorkerProcess, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """``worker.ask`` with ``timeout`` counted without the time the worker was stopped."""
+        worker.send(payload)
+        started = time.monotonic()
+        while True:
+            left = timeout + self.stopped_s(worker) - (time.monotonic() - started)
+            try:
+                return worker.recv(min(max(left, 0.0), 5.0))
+            except WorkerTimeout:
+                if timeout + self.stopped_s(worker) - (time.monotonic() - started) <= 0:
+                    raise WorkerTimeout(f"the {worker.role} worker did not answer within {timeout:.0f} s",
+                                        worker.role) from None
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         with self._lock:
             self._held += 1
             if self._held == 1:
+                now = time.monotonic()
                 for w in self._running:
+                    self._since[w] = now
                     w.signal_group(signal.SIGSTOP)
         try:
             yield
@@ -187,8 +211,11 @@ class BuildPause:
             with self._lock:
                 self._held -= 1
                 if self._held == 0:
-                    for w in self._running:
+                    now = time.monotonic()
+                    for w, since in self._since.items():
+                        self._running[w] = self._running.get(w, 0.0) + now - since
                         w.signal_group(signal.SIGCONT)
+                    self._since.clear()
 
 
 class DeviceGate:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from sandbox.failures import WorkerTimeout
 from sandbox.pool import BuildPause, DeviceGate
 
 # a worker that starts a "compiler" child and spins; both in the worker's own process group
@@ -116,3 +117,44 @@ def test_background_work_still_waits_for_the_timing_and_the_pause_ends_with_it(w
     t.join(10)
     assert entered.is_set()
     _until("running again", lambda: "T" not in a.states())
+
+
+class SlowBuild:
+    """A build worker whose answer comes ``after`` seconds after its request (no process)."""
+
+    role = "build"
+
+    def __init__(self, after: float) -> None:
+        self.after, self.sent = after, None
+
+    def signal_group(self, sig: int) -> None:
+        pass
+
+    def send(self, payload) -> None:
+        self.sent = time.monotonic()
+
+    def recv(self, timeout: float):
+        left = self.sent + self.after - time.monotonic()
+        if left > timeout:
+            time.sleep(timeout)
+            raise WorkerTimeout("no answer yet", self.role)
+        time.sleep(max(left, 0.0))
+        return {"ok": True}
+
+
+def test_a_builds_timeout_does_not_count_the_time_it_was_stopped():
+    """Stopped for a timing, a build is not timed out for it: the harness's time, not the candidate's."""
+    pause = BuildPause()
+    with pytest.raises(WorkerTimeout):          # 1.2 s of work against a 0.6 s timeout: timed out
+        pause.ask(SlowBuild(1.2), {}, 0.6)
+    worker = SlowBuild(1.2)
+    pause.add(worker)
+
+    def hold() -> None:
+        with pause.paused():
+            time.sleep(0.9)
+    holder = threading.Thread(target=hold)
+    holder.start()                              # stopped 0.9 s of its 1.2: within 0.6 s besides that
+    assert pause.ask(worker, {}, 0.6) == {"ok": True}
+    holder.join()
+    assert pause.stopped_s(worker) >= 0.85
