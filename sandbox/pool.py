@@ -189,12 +189,12 @@ class BuildPause:
         started = time.monotonic()
         while True:
             left = timeout + self.stopped_s(worker) - (time.monotonic() - started)
+            if left <= 0:
+                raise WorkerTimeout(f"the {worker.role} worker did not answer within {timeout:.0f} s", worker.role)
             try:
-                return worker.recv(min(max(left, 0.0), 5.0))
+                return worker.recv(min(left, 5.0))
             except WorkerTimeout:
-                if timeout + self.stopped_s(worker) - (time.monotonic() - started) <= 0:
-                    raise WorkerTimeout(f"the {worker.role} worker did not answer within {timeout:.0f} s",
-                                        worker.role) from None
+                continue        # its deadline again, moved by any time it was stopped meanwhile
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

@@ -130,8 +130,7 @@ fi
 # The build the cache holds (a binary cached before this was recorded is the native one).
 have() { built && [ "$(cat "$CACHE/build" 2>/dev/null || echo native)" = "$1" ]; }
 flag() { [ "$1" = native ] && echo ON || echo OFF; }
-amx=0; grep -qw amx_tile /proc/cpuinfo 2>/dev/null && amx=1
-if [ $amx = 1 ]; then default_order="portable native"; else default_order="native portable"; fi
+if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then default_order="portable native"; else default_order="native portable"; fi
 ORDER=${KERNELLOOP_LLAMA_BUILDS:-$default_order}
 
 if ! decided; then

@@ -2,7 +2,7 @@
 # The test command (README, .ci/run): set up from scratch, then run the whole suite.
 # GPU tests are marked `gpu` and skip cleanly where torch sees no CUDA device. The real-server
 # tests (`real_server`) need llama.cpp's llama-server: built here once per machine and cached
-# (scripts/llama_server.sh, about 6 minutes on 2 cores the first time), so they run, not skip.
+# (scripts/llama_server.sh, about 9 minutes on 2 cores the first time), so they run, not skip.
 #
 # With no arguments, the real-server tests run in a pytest of their own beside the rest of the
 # suite: their time is the model server's generation (one or two threads), not the suite's work,

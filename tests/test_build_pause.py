@@ -150,11 +150,15 @@ def test_a_builds_timeout_does_not_count_the_time_it_was_stopped():
     worker = SlowBuild(1.2)
     pause.add(worker)
 
+    held = threading.Event()
+
     def hold() -> None:
         with pause.paused():
+            held.set()
             time.sleep(0.9)
     holder = threading.Thread(target=hold)
-    holder.start()                              # stopped 0.9 s of its 1.2: within 0.6 s besides that
+    holder.start()
+    assert held.wait(10)                        # stopped 0.9 s of its 1.2: within 0.6 s besides that
     assert pause.ask(worker, {}, 0.6) == {"ok": True}
     holder.join()
     assert pause.stopped_s(worker) >= 0.85
