@@ -148,6 +148,38 @@ def test_fx_constant_builds_and_runs_on_cpu(tmp_path):
         torch.testing.assert_close(got, expect, atol=1e-5, rtol=1e-5)
 
 
+DEVICE_SCALARS = FX_CONSTANT.replace(
+    "x = torch.min(x, torch.tensor(self.constant_value))",
+    "x = torch.min(x, torch.tensor(self.constant_value, device=x.device))\n"
+    "        x = torch.maximum(torch.tensor(-0.5, device=x.device), x)\n"
+    "        x = x - torch.tensor(0.125, device=x.device, dtype=torch.float32)\n"
+    "        x = x * torch.tensor(3, device=x.device)")
+
+
+def test_scalar_tensors_made_in_forward_fold_into_the_fused_kernel(tmp_path):
+    """``torch.min(x, torch.tensor(c, device=x.device))`` (level2/93) traces to a call that depends on
+    ``x`` through ``x.device``: folded to ``clamp_max(x, c)`` the chain stays one kernel. An integer
+    tensor (``torch.tensor(3)``) is not folded (it stays on PyTorch and the kernel ends there); the
+    candidate builds and computes the reference on the CPU, including where the input is NaN."""
+    path = tmp_path / "conv_device_scalars.py"
+    path.write_text(DEVICE_SCALARS)
+    spec = read_spec(path, name="fixtures/conv_device_scalars")
+    groups = {d: [g["ops"] for g in propose(spec, d, 0, 0, []).choices["groups"]] for d in ("cuda", "cpu")}
+    # the convolution's bias (split off on cuda) and the three folded operators: one kernel
+    assert ["add", "clamp_max", "clamp_min", "sub"] in groups["cuda"], groups
+    assert ["clamp_max", "clamp_min", "sub"] in groups["cpu"], groups
+    cand = propose(spec, "cpu", 0, 0, [])
+    assert "torch.tensor(3, device=" in cand.source and "torch.tensor(0.125" not in cand.source
+    task, ref, new = reference_and_candidate(spec, cand.source)
+    torch.manual_seed(1)
+    (x,) = task.get_inputs()
+    x[0, 0, 0, 0] = float("nan")
+    with torch.no_grad():
+        expect, got = ref(x), new(x)
+    assert expect.isnan().any()
+    torch.testing.assert_close(got, expect, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
 def test_generator_error_falls_back_with_its_reason(tmp_path, monkeypatch):
     import agent.builtin as builtin
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from agent.builtin import Knobs, generate
@@ -159,3 +160,92 @@ def test_under_tf32_convolutions_and_on_the_cpu_the_first_sample_keeps_nchw(tmp_
     assert propose(spec, "cuda", 0, 0, [], numerics=strict).choices["knobs"]["layout"] == "nhwc"
     assert [propose(spec, "cpu", 0, s, [], numerics=default).choices["knobs"]["layout"] for s in (0, 1)] \
         == ["nchw", "nhwc"]
+
+
+CHANNEL_REDUCTIONS = '''
+import torch
+import torch.nn as nn
+
+class Model(nn.Module):
+    def __init__(self, cin, couts):
+        super().__init__()
+        self.convs = nn.ModuleList([nn.Conv2d(cin, c, 3) for c in couts])
+
+    def forward(self, x):
+        outs = []
+        for conv in self.convs:
+            y = conv(x)
+            a = torch.min(y, dim=1, keepdim=True)[0]
+            c = torch.sum(y, dim=1, keepdim=True)
+            d = torch.logsumexp(y, dim=1, keepdim=True)
+            w = conv.bias.view(1, -1, 1, 1)
+            b = torch.softmax(y + w, dim=1) * w
+            e = torch.log_softmax(y - w, dim=1) + w
+            outs += [torch.tanh(a) + c * 0.5 + d, b * 2.0, e - 1.0]
+        return tuple(outs)
+
+cin, couts = 3, [16, 36, 37, 64, 1000]
+
+def get_inputs():
+    return [torch.randn(3, cin, 9, 9)]
+
+def get_init_inputs():
+    return [cin, couts]
+'''
+
+
+@pytest.fixture(scope="module")
+def channel_reductions(tmp_path_factory):
+    path = tmp_path_factory.mktemp("layout") / "chan_reduce.py"
+    path.write_text(CHANNEL_REDUCTIONS)
+    return path, read_spec(path, name="fixtures/chan_reduce")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("knobs", [Knobs(layout="nhwc"), Knobs(layout="nhwc", vec=False, reduce="twopass", block=128)],
+                         ids=["default", "scalar_twopass_128"])
+def test_channel_reductions_in_channels_last_match_on_cuda(channel_reductions, knobs):
+    """Reductions over the channels of a channels-last convolution output run the row kernel with
+    lpr lanes a pixel (4 at 64 channels in float4s, 4 at 36, 16 at 37 without vectors, 32 at 1000;
+    16 channels: the col kernel); 147 pixels leave the last warp's lane groups partly past the
+    end. min, sum, logsumexp, softmax and log_softmax, with and without vector loads and with
+    two-pass softmax, against the reference. Softmax and log_softmax keep the row in registers
+    (the regs kernel) up to 4 * lpr vectors: every size here but 1000 channels; their per-channel
+    operands (the bias, before and after) are read at the row position, with no division."""
+    from agent.builtin.selfcheck import check_source
+
+    path, spec = channel_reductions
+    cand = generate(spec, "cuda", knobs)
+    assert cand.source.count("permute(0, 2, 3, 1)") == 5 and len(cand.choices["groups"]) == 25
+    assert "_warp<int><<<" in cand.source and "_regs<int><<<" in cand.source and "[(i - base)]" in cand.source
+    report = check_source(str(path), "cuda", cand.source)
+    assert report["ok"], report
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_channels_last_input_copy_is_pytorchs_on_cuda(channel_reductions):
+    """The extension's ``kl_to_cl`` against ``x.contiguous(memory_format=channels_last)``, bit for
+    bit: the narrow kernel (under 32 channels), the 64x64 float4 tiles (4-byte elements, channels
+    and positions multiples of 4; partial tiles at 36 channels and 144 positions), the 32x32 tiles
+    (otherwise: 81 positions, 2-byte elements), 5-D inputs, and a tensor already channels-last
+    (returned as it is)."""
+    _, spec = channel_reductions
+    ns: dict = {"__name__": "kl_candidate_under_test"}
+    exec(compile(generate(spec, "cuda", Knobs(layout="nhwc")).source, "candidate.py", "exec"), ns)
+    ext = ns["_ext"]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cases = [((2, 3, 9, 9), torch.float32), ((3, 16, 17, 5), torch.float32), ((2, 31, 16, 16), torch.bfloat16),
+             ((2, 36, 12, 12), torch.float32), ((3, 64, 16, 16), torch.float32), ((1, 128, 8, 40), torch.float32),
+             ((2, 64, 9, 9), torch.float32), ((2, 64, 12, 12), torch.float16), ((2, 40, 3, 4, 6), torch.float32),
+             ((1, 8, 5, 4, 3), torch.float16)]
+    for shape, dtype in cases:
+        x = torch.randn(shape, device="cuda", generator=g).to(dtype)
+        fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+        got = ext.kl_to_cl(x)
+        assert got.is_contiguous(memory_format=fmt), shape
+        assert torch.equal(got, x) and torch.equal(got.permute(0, *range(2, len(shape)), 1).flatten(),
+                                                   x.contiguous(memory_format=fmt).permute(0, *range(2, len(shape)), 1).flatten()), (shape, dtype)
+        already = x.contiguous(memory_format=fmt)
+        assert ext.kl_to_cl(already).data_ptr() == already.data_ptr()

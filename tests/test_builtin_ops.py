@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from agent.builtin import Knobs, generate
 from sandbox.tasks import load_task, read_spec
@@ -105,3 +106,51 @@ def test_every_template_matches_pytorch_on_cpu(task, knobs):
     with torch.no_grad():
         problems += _compare(ref(*inputs), new(*inputs), "strided")
     assert not problems, "\n".join(problems)
+
+
+MISH_TASK = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, x):
+        return F.mish(x) + 0.0
+
+def get_inputs():
+    x = torch.linspace(-110.0, 110.0, 20001)
+    special = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 20.0, 20.0001, 19.9999, 88.0, 89.0,
+                            float("inf"), float("-inf"), float("nan")])
+    return [torch.cat([x, special, torch.randn(4096) * 3])]
+
+def get_init_inputs():
+    return []
+'''
+
+
+def test_mish_is_as_accurate_as_the_composition_over_the_whole_range(tmp_path):
+    """``kl_mish`` computes x * p / (p + 2), p = e^x (e^x + 2), instead of x * tanh(log1p(e^x)): its
+    error against float64 mish is within that of PyTorch's own float32 composition (a few ulp),
+    from -110 to 110, at the softplus threshold (20), and for inf, -inf and NaN as PyTorch gives."""
+    path = tmp_path / "mish_range.py"
+    path.write_text(MISH_TASK)
+    spec = read_spec(path, name="fixtures/mish_range")
+    cand = generate(spec, "cpu")
+    assert ["mish", "add"] in [g["ops"] for g in cand.choices["groups"]]
+    task = load_task(spec)
+    (x,) = task.get_inputs()
+    ns = _load(cand.source)
+    with torch.no_grad():
+        got = ns["ModelNew"]()(x)
+        torch_f32 = F.mish(x)
+    exact = F.mish(x.double())
+    finite = exact.isfinite()
+    assert torch.equal(got[~finite].isnan(), exact[~finite].isnan())
+    assert torch.equal(got[~finite].nan_to_num(), exact[~finite].float().nan_to_num())
+    scale = exact[finite].abs().clamp_min(1e-30)
+    ours = ((got[finite].double() - exact[finite]).abs() / scale).max().item()
+    theirs = ((torch_f32[finite].double() - exact[finite]).abs() / scale).max().item()
+    assert ours <= max(2 * theirs, 4 * 2.0 ** -24), (ours, theirs)

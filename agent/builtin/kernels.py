@@ -195,10 +195,13 @@ class KernelGroup:
     def var(self, n: Node) -> str:
         return f"t_{n.name}"
 
-    def _load_expr(self, acc: Access, index: str, lane: Optional[int], chan: Optional[str] = None) -> str:
+    def _load_expr(self, acc: Access, index: str, lane: Optional[int], chan: Optional[str] = None,
+                   row: Optional[str] = None) -> str:
         k = acc.input
         if acc.kind == "scalar":
             return f"s{k}"
+        if row is not None and self.along_row(acc):
+            return self.load(k, row)
         if acc.kind == "direct":
             if lane is not None:
                 return self._to_float(k, f"v{k}.{LANES[lane]}")
@@ -207,6 +210,14 @@ class KernelGroup:
             index = chan
         terms = " + ".join(f"kl_off({index}, {acc.name}{j})" for j in range(len(acc.runs)))
         return self.load(k, terms)
+
+    def along_row(self, acc: Access) -> bool:
+        """Whether a broadcast operand of a reduction over the last dimension varies along that
+        dimension only (the per-channel bias of a channels-last row): its element is then the
+        position within the row, which the row kernels have (``row``), with no division."""
+        rank = len(self.p_shape)
+        return (acc.kind == "runs" and acc.space == "p" and self.kind == "reduce"
+                and list(self.core_info.params["dims"]) == [rank - 1] and acc.runs == [(rank - 1, rank - 1)])
 
     def per_channel(self, acc: Access) -> bool:
         """Whether a broadcast operand varies with the batch and channel dims only (its runs end
@@ -256,7 +267,8 @@ class KernelGroup:
         return c_float(o)
 
     def _body(self, nodes: list[Node], space: str, index: str, lane: Optional[int], prefix: str,
-              extra_loads: Optional[list[Value]] = None, chan: Optional[str] = None) -> tuple[list[str], dict[int, str]]:
+              extra_loads: Optional[list[Value]] = None, chan: Optional[str] = None,
+              row: Optional[str] = None) -> tuple[list[str], dict[int, str]]:
         lines: list[str] = []
         loads: dict[int, str] = {}
         wanted: list[int] = []
@@ -269,7 +281,7 @@ class KernelGroup:
         for k in dict.fromkeys(wanted):
             acc = self.accesses[(k, space)]
             name = f"{prefix}{k}"
-            lines.append(f"const float {name} = {self._load_expr(acc, index, lane, chan)};")
+            lines.append(f"const float {name} = {self._load_expr(acc, index, lane, chan, row)};")
             loads[k] = name
         for n in nodes:
             info = self.plan.infos[n]
@@ -278,18 +290,19 @@ class KernelGroup:
         return lines, loads
 
     def prologue(self, index: str = "i", lane: Optional[int] = None, assign: bool = False,
-                 chan: Optional[str] = None) -> str:
+                 chan: Optional[str] = None, row: Optional[str] = None) -> str:
         """Statements computing every prologue value and ``x`` (the core's input, or the output);
         ``assign``: assign an ``x`` declared outside instead of declaring it; ``chan``: the index
-        of the first element of ``index``'s channel, for the per-channel operands (``per_channel``)."""
+        of the first element of ``index``'s channel, for the per-channel operands (``per_channel``);
+        ``row``: the position of ``index`` within its row, for the operands ``along_row``."""
         decl = "x = " if assign else "const float x = "
         if self.core is None:
-            lines, _ = self._body(self.prologue_nodes, "p", index, lane, "a", chan=chan)
+            lines, _ = self._body(self.prologue_nodes, "p", index, lane, "a", chan=chan, row=row)
             lines.append(f"{decl}{self.var(self.out_node)};")
             return "\n".join(lines)
         data = self.core_info.operands[0]
         extra = [] if data in self.members else [data]
-        lines, loads = self._body(self.prologue_nodes, "p", index, lane, "a", extra, chan=chan)
+        lines, loads = self._body(self.prologue_nodes, "p", index, lane, "a", extra, chan=chan, row=row)
         x = self.var(data) if data in self.members else loads[self._input_of[data]]
         lines.append(f"{decl}{x};")
         return "\n".join(lines)
@@ -301,10 +314,11 @@ class KernelGroup:
         return not any(o in pro for n in self.epilogue_nodes for o in self.plan.infos[n].operands
                        if isinstance(o, Node))
 
-    def epilogue(self, core_value: str, index: str, lane: Optional[int] = None) -> str:
-        """Statements after the core: ``t_<core> = core_value`` then the epilogue; result in ``z``."""
+    def epilogue(self, core_value: str, index: str, lane: Optional[int] = None, row: Optional[str] = None) -> str:
+        """Statements after the core: ``t_<core> = core_value`` then the epilogue; result in ``z``
+        (``row`` as for the prologue)."""
         lines = [f"const float {self.var(self.core)} = {core_value};"]
-        body, _ = self._body(self.epilogue_nodes, self.epi_space, index, lane, "b")
+        body, _ = self._body(self.epilogue_nodes, self.epi_space, index, lane, "b", row=row)
         lines += body
         lines.append(f"const float z = {self.var(self.out_node)};")
         return "\n".join(lines)

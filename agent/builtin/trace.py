@@ -95,6 +95,7 @@ def _trace_with(spec: TaskSpec, device: str, how: str, numerics: Any = None) -> 
     gm = _symbolic_trace(model)
     ShapeProp(gm).propagate(*inputs)
     _rewrite_tuple_reductions(gm)       # first: a convolution followed by torch.min(x, 1)[0] splits its bias too
+    _fold_scalar_tensors(gm)            # torch.min(x, torch.tensor(0.0, device=x.device)) fuses with its neighbours
     # on the CPU oneDNN adds the bias inside the convolution (no extra pass): it stays there
     if device != "cpu" and _split_conv_bias(gm):
         ShapeProp(gm).propagate(*inputs)
@@ -211,6 +212,58 @@ def _rewrite_tuple_reductions(gm: GraphModule) -> None:
             gm.graph.erase_node(u)
         gm.graph.erase_node(node)
     gm.graph.lint()
+    gm.recompile()
+
+
+# elementwise users of a 0-d tensor made in forward, and what each becomes with the number instead
+_FOLD_MINMAX = {torch.min: torch.clamp_max, torch.minimum: torch.clamp_max,
+                torch.max: torch.clamp_min, torch.maximum: torch.clamp_min}
+_FOLD_ARITH = {operator.add, operator.sub, operator.mul, operator.truediv}
+_FOLD_TORCH = {torch.add, torch.sub, torch.mul, torch.div}      # the number as the second operand only
+
+
+def _fold_scalar_tensors(gm: GraphModule) -> None:
+    """``torch.tensor(c, device=x.device)`` whose users are elementwise operators on a floating tensor
+    -> the number ``c`` in those operators (``torch.min(x, t)`` -> ``torch.clamp_max(x, c)``).
+
+    The tracer records such a tensor as a call that depends on ``x`` (through ``x.device``), so the
+    plan had to end a fused group before it and start another after (level2/93: two passes over
+    the output where one does). The values are the same: a 0-d tensor does not promote a
+    floating tensor's type, a Python number does not either, and ``clamp_max``/``clamp_min``
+    propagate NaN as ``minimum``/``maximum`` do. A float literal only (``torch.tensor(2)`` is an
+    integer tensor), with no dtype or a floating one."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if not (node.op == "call_function" and node.target is torch.tensor and len(node.args) == 1
+                and set(node.kwargs) <= {"device", "dtype"}):
+            continue
+        value, dtype = node.args[0], node.kwargs.get("dtype")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point) and not (dtype is None and isinstance(value, float)):
+            continue
+        rewrites = []
+        for user in node.users:
+            others = [a for a in user.args if a is not node]
+            meta = others[0].meta.get("tensor_meta") if len(others) == 1 and isinstance(others[0], Node) else None
+            if (user.op != "call_function" or user.kwargs or len(user.args) != 2 or meta is None
+                    or not meta.dtype.is_floating_point):
+                break
+            if user.target in _FOLD_MINMAX:
+                rewrites.append((user, _FOLD_MINMAX[user.target], (others[0], float(value))))
+            elif user.target in _FOLD_ARITH or (user.target in _FOLD_TORCH and user.args[1] is node):
+                rewrites.append((user, user.target, tuple(float(value) if a is node else a for a in user.args)))
+            else:
+                break
+        else:
+            for user, fn, args in rewrites:
+                user.target, user.args = fn, args
+            device = node.kwargs.get("device")
+            graph.erase_node(node)
+            if isinstance(device, Node) and not device.users and device.op == "call_function" \
+                    and device.target is getattr:
+                graph.erase_node(device)
+    graph.lint()
     gm.recompile()
 
 
