@@ -3,6 +3,7 @@
     python3 scripts/bench_conv.py --kb ../shared/KernelBench 57_Conv2d_ReLU_HardSwish 25_Conv2d_Min_Tanh_Tanh
     python3 scripts/bench_conv.py --kb .kb --sources old=DIR ...   # also candidates written elsewhere
                                                                     # (DIR/<task>.py, e.g. by another checkout)
+    python3 scripts/bench_conv.py --layouts nhwc --sources old=DIR ...   # this checkout's nhwc only
 
 For each KernelBench level-2 task (published sizes, cuda) it builds the reference and, from this
 checkout's builtin generator (``--model builtin``), the candidate in each layout (``nchw``: the
@@ -42,13 +43,13 @@ def _task_path(kb: Path, name: str) -> Path:
     return p
 
 
-def _sources(path: Path, extra: dict[str, Path]) -> dict[str, str]:
+def _sources(path: Path, extra: dict[str, Path], layouts: tuple[str, ...] = LAYOUTS) -> dict[str, str]:
     from agent.builtin import generate
     from agent.builtin.codegen import Knobs
     from sandbox.tasks import read_spec
 
     spec = read_spec(path, name=f"level2/{path.stem}")
-    out = {lay: generate(spec, "cuda", Knobs(layout=lay)).source for lay in LAYOUTS}
+    out = {lay: generate(spec, "cuda", Knobs(layout=lay)).source for lay in layouts}
     for label, d in extra.items():
         f = d / f"{path.stem}.py"
         if f.exists():
@@ -64,7 +65,7 @@ def _load(source: str, name: str) -> type:
 
 def _prepare(args: tuple) -> dict[str, Any]:
     """Worker: build every candidate and compile the reference once (fills the on-disk caches)."""
-    path, extra = args
+    path, extra, layouts = args
     import torch
 
     from sandbox.harness import make_inputs, make_model
@@ -74,7 +75,7 @@ def _prepare(args: tuple) -> dict[str, Any]:
     out: dict[str, Any] = {"task": path.stem, "errors": {}}
     t0 = time.perf_counter()
     try:
-        srcs = _sources(path, extra)
+        srcs = _sources(path, extra, layouts)
     except Exception as exc:  # noqa: BLE001 - reported per task
         out["errors"]["generate"] = f"{type(exc).__name__}: {exc}"
         return out
@@ -135,7 +136,8 @@ def _profile(label: str, fn, xs, calls: int = 5) -> None:
     print(f"  profile {label}: " + "; ".join(f"{ms:.3f} ms x{n} {k}" for ms, n, k in rows[:6]), flush=True)
 
 
-def bench(path: Path, extra: dict[str, Path], warmup: int, reps: int, prof: bool = False) -> dict[str, Any]:
+def bench(path: Path, extra: dict[str, Path], warmup: int, reps: int, prof: bool = False,
+          layouts: tuple[str, ...] = LAYOUTS) -> dict[str, Any]:
     import torch
 
     from sandbox.harness import make_inputs, make_model
@@ -146,7 +148,7 @@ def bench(path: Path, extra: dict[str, Path], warmup: int, reps: int, prof: bool
     spec = with_device_sizes(read_spec(path, name=f"level2/{path.stem}"), "cuda")
     task = load_task(spec)
     row: dict[str, Any] = {"task": path.stem, "ms": {}, "err": {}, "ok": {}}
-    srcs = _sources(path, extra)
+    srcs = _sources(path, extra, layouts)
     with num.enforced(), torch.no_grad():
         ref = make_model(task.Model, task, 1, "cuda", num)
         xs = make_inputs(task, 2, "cuda", num)
@@ -176,6 +178,7 @@ def main() -> int:
     ap.add_argument("tasks", nargs="+", help="level-2 task names (file stems)")
     ap.add_argument("--kb", default="../shared/KernelBench", help="KernelBench checkout (level2/ below it)")
     ap.add_argument("--sources", action="append", default=[], help="LABEL=DIR of extra candidates DIR/<task>.py")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="this checkout's layouts to build (comma-separated)")
     ap.add_argument("--jobs", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--reps", type=int, default=50)
@@ -185,11 +188,14 @@ def main() -> int:
     kb = Path(a.kb)
     extra = {s.split("=", 1)[0]: Path(s.split("=", 1)[1]) for s in a.sources}
     paths = [_task_path(kb, t) for t in a.tasks]
+    layouts = tuple(x for x in a.layouts.split(",") if x)
+    if any(x not in LAYOUTS for x in layouts):
+        raise SystemExit(f"--layouts: each of {', '.join(LAYOUTS)}, got {a.layouts!r}")
     import multiprocessing
 
     t0 = time.perf_counter()
     with ProcessPoolExecutor(max_workers=a.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for r in pool.map(_prepare, [(p, extra) for p in paths]):
+        for r in pool.map(_prepare, [(p, extra, layouts) for p in paths]):
             print(f"prepared {r['task']} in {r.get('prepare_s')} s {r['errors'] or ''}", flush=True)
     print(f"prepare: {time.perf_counter() - t0:.0f} s", flush=True)
     import torch
@@ -198,7 +204,7 @@ def main() -> int:
           f"(cuDNN TF32 {torch.backends.cudnn.allow_tf32}); ms = median of {a.reps} CUDA-event timings")
     rows = []
     for p in paths:
-        row = bench(p, extra, a.warmup, a.reps, p.stem in a.profile)
+        row = bench(p, extra, a.warmup, a.reps, p.stem in a.profile, layouts)
         rows.append(row)
         ms = row["ms"]
         parts = [f"eager {ms['eager']:.3f}", f"compile {ms['compile']:.3f}"]

@@ -1,7 +1,8 @@
 """KernelBench's own harness against kernelloop on the same builtin candidates (GPU only).
 
 For each task (default: the four shortest level-2 tasks at published sizes), the builtin
-proposer's first candidate (round 0, sample 0, ``fp32/default``) is
+proposer's candidate of round 0, sample ``--sample`` (default 0: the first; under TF32
+convolutions sample 1 is the channels-last one), ``fp32/default``, is
 
 * evaluated by kernelloop (``Sandbox.evaluate``: its speedup vs eager, medians), and
 * evaluated by KernelBench's ``eval_kernel_against_ref`` from ``$KERNELLOOP_KERNELBENCH/src``
@@ -13,7 +14,7 @@ first, side by side on the CPU (each candidate's ``load_inline`` into one extens
 KernelBench's harness then finds built; the sandbox's evaluations build in parallel in their own
 cache), so the GPU timings run one at a time on a quiet device.
 
-    KERNELLOOP_KERNELBENCH=.kb python scripts/kb_harness.py [--tasks level2/24_... ...] [--json out.json]
+    KERNELLOOP_KERNELBENCH=.kb python scripts/kb_harness.py [--tasks level2/24_... ...] [--sample 1] [--json out.json]
 """
 from __future__ import annotations
 
@@ -80,6 +81,7 @@ def prebuild(sources: dict[str, str], ext_dir: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", nargs="*", default=TASKS)
+    ap.add_argument("--sample", type=int, default=0, help="the builtin's sample of round 0 to check")
     ap.add_argument("--perf-trials", type=int, default=100, help="KernelBench's num_perf_trials")
     ap.add_argument("--json", default=None)
     ap.add_argument("--ext-dir", type=Path, default=Path("/tmp/kb-harness-ext"),
@@ -99,7 +101,7 @@ def main() -> None:
 
     numerics = Numerics()
     specs = [read_spec(p, name=n) for n, p in zip(args.tasks, kernelbench_paths(args.tasks))]
-    sources = {s.name: propose(s, "cuda", 0, 0, [], numerics=numerics).source for s in specs}
+    sources = {s.name: propose(s, "cuda", 0, args.sample, [], numerics=numerics).source for s in specs}
     ext_dir = args.ext_dir
     ext_dir.mkdir(parents=True, exist_ok=True)
     cfg = EvalConfig(time_compile=False, profile=False)
