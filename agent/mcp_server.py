@@ -23,6 +23,7 @@ from kernelloop.cli_common import DbOption, fail, open_store
 STAGES = {
     "build_wait": (0, "build: compiling the candidate"),
     "reference": (1, "checks: starting the reference"),
+    "load_wait": (1, "checks: waiting to load the candidate (a timing holds the device)"),
     "load": (1, "checks: loading the candidate"),
     "trials": (2, "checks: trials against the reference on secret inputs"),
     "timing": (3, "timing: the candidate and the reference"),

@@ -486,8 +486,15 @@ class Sandbox:
         try:
             # loading builds the model on the device (and Triton's warm-up forward compiles and
             # runs kernels): kept off the device while another candidate on this slot is timed
-            with phase(result, "load"), self._device_work(slot):
-                loaded = self._load_candidate(spec, source, result, cand)
+            # (``load_wait``: the wait for that, behind timings held or asked for on the slot)
+            loading = Stages(result)
+            try:
+                loading.enter("load_wait")
+                with self._device_work(slot):
+                    loading.enter("load")
+                    loaded = self._load_candidate(spec, source, result, cand)
+            finally:
+                loading.enter(None)
             if loaded:
                 with phase(result, "device_wait"):
                     self._slot_locks[slot].acquire()
