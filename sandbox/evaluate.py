@@ -123,7 +123,7 @@ class Sandbox:
         self._gates = [DeviceGate(quiet=self._build_pause.paused if device == "cpu" else None) for _ in self.slots]
         self.handoff = handoff.mode(device)     # how candidates' outputs reach the reference (a bad setting fails here)
         self._pool = WarmPool(self._spawn_candidate, {"device": device, "profile": self.config.profile},
-                              warm, background=self._device_work) if warm > 0 else None
+                              warm, background=self._device_work, turns=device == "cuda") if warm > 0 else None
         # build workers started ahead too (torch's import, 1.5-3 s of every build): one per build slot
         # (on the CPU target their warm-ups, torch's import, wait while a timing is held, as candidates' do)
         self._build_pool = (WarmPool(self._spawn_build, BUILD_WARM_MESSAGE, self.build_slots,

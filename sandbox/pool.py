@@ -55,9 +55,13 @@ class WarmPool:
     is told before its candidate is known."""
 
     def __init__(self, spawn: Callable[[int], WorkerProcess], warm_message: dict[str, Any], size: int,
-                 timeout: float = WARM_TIMEOUT_S, background: Callable[[int], Any] = lambda slot: contextlib.nullcontext()):
+                 timeout: float = WARM_TIMEOUT_S, background: Callable[[int], Any] = lambda slot: contextlib.nullcontext(),
+                 turns: bool = False):
         self._spawn, self._message, self.size, self.timeout = spawn, dict(warm_message), size, timeout
         self._background = background       # the slot's DeviceGate.background: warm-ups launch device work
+        # held around the warm-up's kernels only (the worker asks: WorkerProcess.ask's device_turns),
+        # else around the whole warm-up (the CPU target: its imports share the timed runs' cores)
+        self._turns = turns
         self._lock = threading.Lock()
         self._idle: dict[int, list[_Warm]] = {}
         self._closed = False
@@ -88,8 +92,12 @@ class WarmPool:
                 w.proc.kill()
                 w.proc.cleanup()
                 raise WorkerDied("the pool is closed", None)
-            with self._background(slot):
-                reply = w.proc.ask({**self._message, "role": "warm"}, self.timeout)
+            message = {**self._message, "role": "warm"}
+            if self._turns:
+                reply = w.proc.ask(message, self.timeout, device_turns=lambda: self._background(slot))
+            else:
+                with self._background(slot):
+                    reply = w.proc.ask(message, self.timeout)
             if not reply.get("ok"):
                 w.error = str(reply.get("error_message") or "warm-up failed")
             w.seconds = reply.get("seconds")

@@ -13,6 +13,7 @@ evaluation flags both).
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import signal
@@ -25,7 +26,7 @@ import time
 import weakref
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 from sandbox.failures import WorkerDied, WorkerTimeout, exit_cause, oom_kills  # noqa: F401 - raised here, imported from here
 
@@ -293,9 +294,27 @@ class WorkerProcess:
                 code = self.proc.returncode
                 raise WorkerDied(f"{exit_cause(self, code)} (before answering)", code, self.role)
 
-    def ask(self, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
-        self.send(payload)
-        return self.recv(timeout)
+    def ask(self, payload: dict[str, Any], timeout: float,
+            device_turns: Optional[Callable[[], ContextManager[Any]]] = None) -> dict[str, Any]:
+        """The reply to ``payload``. ``device_turns`` (a gate's context, ``DeviceGate.background``):
+        the worker may ask for the device within this request (``sandbox.worker_util.DeviceTurns``);
+        each turn is held until the worker says it is done or replies (``timeout`` applies to
+        each message)."""
+        self.send({**payload, "device_turns": True} if device_turns is not None else payload)
+        with contextlib.ExitStack() as turn:
+            while True:
+                reply = self.recv(timeout)
+                wants = reply.get("interim")
+                if wants is None:
+                    return reply
+                if device_turns is None:
+                    raise WorkerDied(f"the {self.role} worker asked for a device turn it was not offered",
+                                     self.proc.poll(), self.role)
+                if wants == "device":
+                    turn.enter_context(device_turns())
+                    self.send({"go": True})
+                elif wants == "device_done":
+                    turn.close()
 
     def _wait_exit(self, timeout: float) -> Optional[int]:
         try:

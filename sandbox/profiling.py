@@ -25,18 +25,20 @@ def _is_own(name: str, own_kernels: Sequence[str]) -> bool:
                or f"::{k}(" in name or f"{k}<" in name for k in own_kernels)
 
 
-def warm_up(device: str) -> None:
-    """Open and close one profiler session on a tiny op. A process's first CUDA profiler session
-    initialises CUPTI; on an H200 host every candidate's profile took 3.5-4 s, most of it that,
-    and the parent holds the device while a candidate is profiled. Workers call this while they
-    load, before the device is theirs. On ``cpu`` the first session costs seconds too (measured
-    2.9 s of a 4 s hold on a 2-core machine). Best effort: the real profile reports any failure."""
+def warm_up(device: str, kernels: bool = True) -> None:
+    """Open and close one profiler session on a tiny op (``kernels`` False: on none). A process's
+    first CUDA profiler session initialises CUPTI; on an H200 host every candidate's profile took
+    3.5-4 s, most of it that, and the parent holds the device while a candidate is profiled.
+    Workers call this while they load, before the device is theirs. On ``cpu`` the first session
+    costs seconds too (measured 2.9 s of a 4 s hold on a 2-core machine). Best effort: the real
+    profile reports any failure."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     try:
         with profile(activities=activities):
-            torch.zeros(1, device=device).add_(1)
-            if device == "cuda":
-                torch.cuda.synchronize()
+            if kernels:
+                torch.zeros(1, device=device).add_(1)
+                if device == "cuda":
+                    torch.cuda.synchronize()
     except Exception:  # noqa: BLE001
         pass
 

@@ -43,7 +43,7 @@ from sandbox import handoff, runcheck, timing  # noqa: F401 - runcheck binds its
 from sandbox.harness import flatten_outputs, is_plain_tensor, make_inputs, make_model
 from sandbox.numerics import Numerics
 from sandbox.tasks import TaskSpec, exec_source, load_task
-from sandbox.worker_util import _PREWARMED, _equal_nan, _exc_payload, _memory_held, _save_to, warm_up
+from sandbox.worker_util import _PREWARMED, DeviceTurns, _equal_nan, _exc_payload, _memory_held, _save_to, warm_up
 
 # Reference outputs precomputed for trials to come (each a full set of outputs on the device).
 MAX_PRECOMPUTED = 3
@@ -511,7 +511,7 @@ def serve(conn: Connection) -> None:
     init = _recv(conn)
     if init.get("role") == "warm":
         serves = "build" if init.get("serves") == "build" else "candidate"   # a build worker: the GPU hidden
-        _send(conn, warm_up(init))
+        _send(conn, warm_up(init, DeviceTurns(conn, bool(init.get("device_turns")))))
         init = _recv(conn)             # the one candidate this worker will ever serve
         if init.get("role") != serves:
             _send(conn, {"ok": False, "error_message": f"a warm {serves} worker serves one {serves} only"})

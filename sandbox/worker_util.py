@@ -3,6 +3,7 @@ the functions they call are bound here at import, so a candidate that patches ``
 ``torch.equal`` later does not change what the harness calls."""
 from __future__ import annotations
 
+import json
 import os
 import traceback
 from pathlib import Path
@@ -78,25 +79,64 @@ def _equal_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
     return True
 
 
-def warm_up(init: dict[str, Any]) -> dict[str, Any]:
+class DeviceTurns:
+    """The parent's device gate (``sandbox.pool.DeviceGate``), asked for in the middle of one
+    request (``WorkerProcess.ask``'s ``device_turns``): ``want`` sends ``{"interim": "device"}``
+    and waits for ``{"go": true}`` (the parent then holds the gate for this worker until ``done``
+    or the request's reply). Without turns (``enabled`` False) both are no-ops: the parent holds
+    the gate around the whole request, or none."""
+
+    def __init__(self, conn: Any, enabled: bool):
+        self.conn, self.enabled, self.held = conn, enabled, False
+
+    def want(self, why: str) -> None:
+        if not self.enabled or self.held:
+            return
+        self.conn.send_bytes(json.dumps({"interim": "device", "why": why}).encode())
+        answer = json.loads(self.conn.recv_bytes().decode())
+        if not answer.get("go"):
+            raise RuntimeError(f"the device was not given for {why}: {answer}")
+        self.held = True
+
+    def done(self) -> None:
+        if self.enabled and self.held:
+            self.conn.send_bytes(json.dumps({"interim": "device_done"}).encode())
+            self.held = False
+
+
+def warm_up(init: dict[str, Any], turns: DeviceTurns) -> dict[str, Any]:
     """What every candidate worker pays before its candidate matters: the build hook's imports,
     the device's context, the profiler's first session. Best effort: a failure here shows again,
-    and is reported, when the candidate loads."""
+    and is reported, when the candidate loads.
+
+    Only its CUDA context's creation and the kernels it launches need the device to itself
+    (``turns``; on an H200 NVML counted a context's creation as SM use, 1%): the rest (the
+    imports, CUPTI's start-up in a first profiler session: 4-5 s) held the device gate, and
+    timings and loads queued behind warm-ups (a median 6-13 s each)."""
     import time
 
     t0 = time.monotonic()
     device = str(init.get("device", "cpu"))
     import sandbox.build  # noqa: F401 - torch.utils.cpp_extension and the hook
     try:
-        torch.zeros(1, device=device).add_(1)
-        clock.device_sync(device)
+        if device == "cuda":
+            turns.want("the worker's CUDA context")
+            torch.empty(1, device=device)       # an allocation, no kernel: the context is made
+            turns.done()
         if init.get("profile"):
             from sandbox.profiling import warm_up as profiler_warm_up
 
+            profiler_warm_up(device, kernels=False)     # the profiler's start-up, no kernel run
+        turns.want("the worker's first kernels")
+        torch.zeros(1, device=device).add_(1)
+        clock.device_sync(device)
+        if init.get("profile"):
             profiler_warm_up(device)
             _PREWARMED[device] = True
     except Exception as exc:  # noqa: BLE001
         return {"ok": True, "warm_error": f"{type(exc).__name__}: {exc}"[:500], "pid": os.getpid()}
+    finally:
+        turns.done()
     return {"ok": True, "pid": os.getpid(), "seconds": round(time.monotonic() - t0, 3)}
 
 

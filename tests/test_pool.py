@@ -4,6 +4,7 @@ after; a warm worker that died is replaced and not blamed; precomputed outputs a
 on-demand trial computes."""
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -373,6 +374,41 @@ def test_a_warm_up_waits_while_its_slot_is_timed():
             pool.prime(0)
             assert not asked.wait(0.5)
         assert asked.wait(5)
+    finally:
+        pool.close()
+
+
+def test_a_warm_up_with_device_turns_waits_only_for_its_kernels():
+    """With device turns (the GPU's candidate workers) a warm-up's imports and the profiler's
+    start-up run while its slot is timed (on an H200 they held the gate 3.5-4 s, and timings and
+    loads queued behind warm-ups); it asks for the device once, for its first kernels, waits
+    there while the timing runs, and lets it go when it ends. A real worker, on the CPU."""
+    gate = DeviceGate()
+    asked, held = threading.Event(), []
+
+    @contextlib.contextmanager
+    def turn(slot):
+        asked.set()
+        with gate.background():
+            began = time.monotonic()
+            yield
+            held.append(time.monotonic() - began)
+
+    pool = WarmPool(lambda slot: WorkerProcess("candidate"), {"device": "cpu", "profile": True}, 1,
+                    background=turn, turns=True)
+    try:
+        with gate.timing():
+            pool.prime(0)
+            assert asked.wait(120), "the warm-up never reached its kernels while the slot was timed"
+            warming = pool._idle[0][0]
+            assert not warming.done.wait(1.0)          # its kernels wait for the timing
+        assert warming.done.wait(120) and warming.ok() and warming.error is None
+        # one turn, held for the kernels alone: not the imports and the profiler's start-up
+        assert len(held) == 1 and held[0] < warming.seconds / 2, (held, warming.seconds)
+        proc = pool.take(0)                             # the ready worker serves its candidate
+        assert proc.proc.poll() is None
+        proc.kill()
+        proc.cleanup()
     finally:
         pool.close()
 
