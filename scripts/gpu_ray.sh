@@ -34,6 +34,11 @@ export KERNELLOOP_KERNELBENCH=${KERNELLOOP_KERNELBENCH:-$PWD/.kb}
 RAY="python3 $SITE_RAY/bin/ray"
 PORT=${RAY_PORT:-6390}
 export RAY_ADDRESS=127.0.0.1:$PORT
+# Token authentication with a token of this run's own, as tests/raycluster.py does: Ray 2.60's `ray start
+# --head` turns token mode on by itself whenever ~/.ray/auth_token exists (a driver's ray.init() writes one),
+# while a worker's `ray start --address` does not (the tests' worker nodes failed with InvalidAuthToken on CI).
+RAY_TOKEN_DIR=$(mktemp -d); head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$RAY_TOKEN_DIR/auth_token"
+export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$RAY_TOKEN_DIR/auth_token; unset RAY_AUTH_TOKEN
 WORKER_MARK=kl_gpu_worker
 CPUS=$(nproc)
 box() { local t=$1; shift; timeout --signal=INT --kill-after=20 "$t" "$@"; echo "[exit $? after: $*]"; }
