@@ -216,6 +216,17 @@ def _reference_peak(fp: Any) -> str:
         f" ({human_bytes(lean)} without float64)" if lean is not None and lean != fp.reference_peak_bytes else "")
 
 
+def _fits_how(gate: Any, spec: Any, fp: Any) -> str:
+    """``yes``, and what its runs leave out or move to fit this device (``MemoryGate.plan``)."""
+    planned, fp64 = gate.plan(spec, fp)
+    how = []
+    if getattr(gate.numerics, "fp64_check", False) and not fp64:
+        how.append("without the float64 check")
+    if planned.inputs_copy_on_host:
+        how.append("the inputs' copy for the mutation check in host memory")
+    return "yes" + (f", {' and '.join(how)}" if how else "")
+
+
 def footprint_table(rows: list[tuple[str, Any, Optional[str]]], title: str) -> Any:
     """One row per task: its footprint's figures and whether it fits (``too_large`` and the bytes)."""
     from rich.table import Table
@@ -423,7 +434,7 @@ def check_command(paths: Optional[list[str]] = PathsArgument, device: Optional[s
         if not stored:
             gate.book.remember(sized, dev, numerics, fp)       # stored through the book's store
         big = gate.too_large(sized, fp)
-        footprints.append((spec.name, fp, big.reason if big else None))
+        footprints.append((spec.name, fp, big.reason if big else _fits_how(gate, sized, fp)))
         return [CheckIssue(spec.name, "too_large", big.reason)] if big is not None else []
 
     def measure_ahead(todo: list[Any], at_once: int) -> None:

@@ -27,10 +27,13 @@ class CandidateChecks:
     """Runs the cascade's trials, timing and evidence stages for one sandbox's config and device."""
 
     def __init__(self, config: EvalConfig, device: str, gpu: Optional[str] = None,
-                 history: Optional[TimingHistory] = None):
+                 history: Optional[TimingHistory] = None, inputs_copy_on_host: bool = False):
         """``gpu``: the slot's GPU (a CUDA_VISIBLE_DEVICES entry, watched through NVML);
-        ``history``: the sandbox's running medians of reference timings (``sandbox.quiet``)."""
+        ``history``: the sandbox's running medians of reference timings (``sandbox.quiet``);
+        ``inputs_copy_on_host``: the candidate keeps its trials' input copies (the mutation
+        check's) in host memory (``MemoryGate.plan``)."""
         self.config, self.device, self.gpu, self.history = config, device, gpu, history
+        self.inputs_copy_on_host = inputs_copy_on_host
 
     def run(self, result: EvalResult, ref: ReferenceWorker, cand: WorkerProcess, stages: Stages,
             first: Optional[Precomputed] = None, gate: Any = None, slot: Any = None) -> None:
@@ -59,6 +62,8 @@ class CandidateChecks:
                 refill = secrets.randbits(31)
                 ask = {**ask, "refill_seed": refill}
                 ref_ask = {**ref_ask, "seed": refill}
+            if self.inputs_copy_on_host:
+                ask = {**ask, "inputs_copy": "host"}
             if candidate_first:
                 c = cand.ask(ask, cfg.run_timeout_s)
                 r = ref.ask(ref_ask)

@@ -453,15 +453,19 @@ class Sandbox:
                         f"judged by the tolerance alone")
             else:
                 note = ""
+            host_copy = self.memory.inputs_copy_on_host(spec, slot)
+            if host_copy:
+                note += ("\n[kernelloop] the inputs' copy for the mutation check is kept in host memory: "
+                         "the task fits this device only so")
             try:
-                self._run_on(slot, spec, source, result)
+                self._run_on(slot, spec, source, result, host_copy)
                 result.stderr += note
             finally:
                 self.memory.leave(admitted)
         finally:
             self._release_slot(slot)
 
-    def _run_on(self, slot: int, spec: TaskSpec, source: str, result: EvalResult) -> None:
+    def _run_on(self, slot: int, spec: TaskSpec, source: str, result: EvalResult, inputs_copy_on_host: bool = False) -> None:
         cfg = result.config or self.config      # this evaluation's (without the float64 check where it does not fit)
         ref = self.reference(spec, slot)
         with phase(result, "reference"), ref.lock:
@@ -500,7 +504,7 @@ class Sandbox:
                     self._slot_locks[slot].acquire()
                 stages = Stages(result)
                 try:
-                    CandidateChecks(cfg, self.device, self.slots[slot], self._history).run(
+                    CandidateChecks(cfg, self.device, self.slots[slot], self._history, inputs_copy_on_host).run(
                         result, ref, cand, stages, first, self._gates[slot], self._slot_locks[slot])
                 finally:
                     stages.enter(None)

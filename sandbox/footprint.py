@@ -49,6 +49,9 @@ class Footprint:
     measured_by: str = ""               # how the peaks were read
     oom: Optional[str] = None           # the measurement ran out of memory: figures are lower bounds
     note: Optional[str] = None          # e.g. why the float64 run did not happen
+    # a plan, not a measurement (MemoryGate.plan): the candidate's copy of its inputs for the
+    # mutation check kept in host memory instead of on the device
+    inputs_copy_on_host: bool = False
 
     # ---- derived: what a candidate worker and the outputs in transit take ----------------
     @property
@@ -56,8 +59,14 @@ class Footprint:
         """A candidate worker at its peak, estimated from the reference's figures: its model,
         the inputs and their clone (the mutation check), the forward, plus two outputs kept
         for the timing's spot checks. The NaN poison before a run is not counted: it fills only
-        what is free (``sandbox.worker``)."""
-        return self.params_bytes + 2 * self.inputs_bytes + self.forward_peak_bytes + 2 * self.outputs_bytes
+        what is free (``sandbox.worker``). With ``inputs_copy_on_host`` the clone is in host memory."""
+        copies = 1 if self.inputs_copy_on_host else 2
+        return self.params_bytes + copies * self.inputs_bytes + self.forward_peak_bytes + 2 * self.outputs_bytes
+
+    def with_inputs_copy_on_host(self) -> "Footprint":
+        """The figures of runs whose candidate keeps its inputs' copy for the mutation check in host
+        memory: the same check, one input set less on the device, one more in host memory."""
+        return dataclasses.replace(self, inputs_copy_on_host=True)
 
     def without_fp64(self) -> "Footprint":
         """The figures of runs without the float64 check: no float64 copy of the model in the
@@ -85,8 +94,11 @@ class Footprint:
     @property
     def host_transit_bytes(self) -> int:
         """Host memory for outputs in transit: the candidate's copy to the CPU and the reference's
-        read of the file (on ``cpu`` these are the tensors themselves, counted in the peaks)."""
-        return 2 * self.outputs_bytes if self.device == "cuda" else 0
+        read of the file (on ``cpu`` these are the tensors themselves, counted in the peaks), and
+        the inputs' copy where it is kept there."""
+        if self.device != "cuda":
+            return 0
+        return 2 * self.outputs_bytes + (self.inputs_bytes if self.inputs_copy_on_host else 0)
 
     @property
     def shm_bytes(self) -> int:

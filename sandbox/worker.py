@@ -34,7 +34,7 @@ import threading
 import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -59,6 +59,14 @@ def _send(conn: Connection, payload: dict[str, Any]) -> None:
 
 def _recv(conn: Connection) -> dict[str, Any]:
     return json.loads(conn.recv_bytes().decode())
+
+
+def _copies(tensors: list[torch.Tensor], device: Optional[str] = None) -> list[torch.Tensor]:
+    """Copies of ``tensors`` on their own device, or on ``device`` (compared chunk by chunk on the
+    tensors' device: ``_equal_nan``)."""
+    if device is None:
+        return [x.clone() for x in tensors]
+    return [x.to(device, copy=True) for x in tensors]
 
 
 class Worker:
@@ -235,7 +243,9 @@ class Worker:
         self.step = "poisoning free memory"
         self._poison([x.numel() * x.element_size() for x in tensors] + [out_bytes, out_bytes])
         self.step = "copying the inputs"
-        originals = [x.clone() for x in tensors]
+        # the mutation check's copy; in host memory where the task fits the device only so (MemoryGate.plan)
+        copy_to = "cpu" if req.get("inputs_copy") == "host" else None
+        originals = _copies(tensors, copy_to)
         ptrs = {x.data_ptr() for x in tensors if x.numel()}
         inputs64 = None
         if self.role == "reference" and req.get("fp64"):
@@ -263,7 +273,7 @@ class Worker:
                 for old, new in zip(tensors, fresh):
                     old.copy_(new)
                 del fresh
-                originals = [x.clone() for x in tensors]
+                originals = _copies(tensors, copy_to)
                 if self.builder is not None:
                     self.builder.counter.reset()
             with torch.no_grad():

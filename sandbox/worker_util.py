@@ -66,15 +66,18 @@ EQUAL_CHUNK = 1 << 26
 
 
 def _equal_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same shape and values, NaN equal to NaN; temporaries of at most ``EQUAL_CHUNK`` elements."""
-    if not (a.dtype.is_floating_point or a.dtype.is_complex):
-        return bool(_equal(a, b))
+    """Same shape and values, NaN equal to NaN; temporaries of at most ``EQUAL_CHUNK`` elements
+    (``b`` may be in host memory: each chunk of it is brought to ``a``'s device)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
+    exact = not (a.dtype.is_floating_point or a.dtype.is_complex)
     fa, fb = a.reshape(-1), b.reshape(-1)
     for start in range(0, fa.numel(), EQUAL_CHUNK):
-        ca, cb = fa[start:start + EQUAL_CHUNK], fb[start:start + EQUAL_CHUNK]
-        if not (_equal(_nan_to_num(ca, nan=0.0), _nan_to_num(cb, nan=0.0)) and _equal(_isnan(ca), _isnan(cb))):
+        ca, cb = fa[start:start + EQUAL_CHUNK], fb[start:start + EQUAL_CHUNK].to(a.device)
+        if exact:
+            if not _equal(ca, cb):
+                return False
+        elif not (_equal(_nan_to_num(ca, nan=0.0), _nan_to_num(cb, nan=0.0)) and _equal(_isnan(ca), _isnan(cb))):
             return False
     return True
 

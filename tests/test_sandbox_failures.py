@@ -286,6 +286,55 @@ def test_the_input_mutation_check_compares_in_chunks_and_ignores_patched_torch(m
     assert not util._equal_nan(a, moved)                              # NaN moved, zero in its place
     assert not util._equal_nan(a, a.clone().reshape(4, 10))
     assert util._equal_nan(torch.arange(9), torch.arange(9)) and not util._equal_nan(torch.arange(9), torch.zeros(9, dtype=torch.int64))
+    last = torch.arange(9)
+    last[8] = 0
+    assert not util._equal_nan(torch.arange(9), last)                 # integers compared chunk by chunk too
     monkeypatch.setattr(torch, "nan_to_num", lambda x, **k: torch.zeros_like(x))   # a candidate's patch
     monkeypatch.setattr(torch, "equal", lambda x, y: True)
     assert not util._equal_nan(a, changed)
+
+
+MUTATION_TASK = '''
+import torch
+
+class Model(torch.nn.Module):
+    def forward(self, x, idx):
+        return x * 2.0 + idx.float().mean()
+
+def get_inputs():
+    return [torch.randn(64, 32), torch.arange(10)]
+
+def get_init_inputs():
+    return []
+'''
+
+
+@pytest.mark.parametrize("copy", ["device", "host"])
+def test_the_input_mutation_check_sees_a_candidate_s_writes_with_its_copy_where_the_plan_keeps_it(copy):
+    """A task that fits the GPU only so keeps the candidate's inputs' copy in host memory
+    (``MemoryGate.plan``, the trial's ``inputs_copy``): the same check, compared chunk by chunk on the
+    inputs' device. A real candidate worker (on the CPU both copies are in host memory)."""
+    from sandbox.numerics import Numerics
+    from sandbox.tasks import TaskSpec
+
+    spec = TaskSpec(name="t/mutation", path="mutation.py", source=MUTATION_TASK)
+    writers = {"honest": "return x * 2.0 + idx.float().mean()",
+               "float input": "x.add_(1.0)\n        return x * 2.0 + idx.float().mean()",
+               "integer input": "idx[-1] = 0\n        return x * 2.0 + idx.float().mean()"}
+    mutated = {}
+    for name, body in writers.items():
+        source = f"import torch\n\nclass ModelNew(torch.nn.Module):\n    def forward(self, x, idx):\n        {body}\n"
+        proc = WorkerProcess("candidate")
+        try:
+            loaded = proc.ask({"role": "candidate", "device": "cpu", "out_dir": str(proc.out_dir), "task": spec.__dict__,
+                               "source": source, "init_seed": 0, "profile": False,
+                               "numerics": Numerics().model_dump(mode="json")}, 120)
+            assert loaded.get("ok"), loaded
+            ask = {"op": "trial", "seed": 7, "index": 0, "output_bytes": 0}
+            reply = proc.ask({**ask, "inputs_copy": "host"} if copy == "host" else ask, 120)
+            assert reply.get("ok"), reply
+            mutated[name] = reply["inputs_mutated"]
+        finally:
+            proc.kill()
+            proc.cleanup()
+    assert mutated == {"honest": [], "float input": [0], "integer input": [1]}
