@@ -34,7 +34,7 @@ import threading
 import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -43,7 +43,7 @@ from sandbox import handoff, runcheck, timing  # noqa: F401 - runcheck binds its
 from sandbox.harness import flatten_outputs, is_plain_tensor, make_inputs, make_model
 from sandbox.numerics import Numerics
 from sandbox.tasks import TaskSpec, exec_source, load_task
-from sandbox.worker_util import _PREWARMED, DeviceTurns, _equal_nan, _exc_payload, _memory_held, _save_to, warm_up
+from sandbox.worker_util import _PREWARMED, DeviceTurns, _copies, _equal_nan, _exc_payload, _memory_held, _save_to, warm_up
 
 # Reference outputs precomputed for trials to come (each a full set of outputs on the device).
 MAX_PRECOMPUTED = 3
@@ -59,14 +59,6 @@ def _send(conn: Connection, payload: dict[str, Any]) -> None:
 
 def _recv(conn: Connection) -> dict[str, Any]:
     return json.loads(conn.recv_bytes().decode())
-
-
-def _copies(tensors: list[torch.Tensor], device: Optional[str] = None) -> list[torch.Tensor]:
-    """Copies of ``tensors`` on their own device, or on ``device`` (compared chunk by chunk on the
-    tensors' device: ``_equal_nan``)."""
-    if device is None:
-        return [x.clone() for x in tensors]
-    return [x.to(device, copy=True) for x in tensors]
 
 
 class Worker:

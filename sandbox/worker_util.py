@@ -7,7 +7,7 @@ import json
 import os
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -63,6 +63,14 @@ _isnan = torch.isnan
 # _equal_nan compares in flat chunks of this many elements: whole-tensor nan_to_num copies of
 # both sides took twice the inputs' bytes (16 GiB for an 8 GiB KernelBench level-1 input).
 EQUAL_CHUNK = 1 << 26
+
+
+def _copies(tensors: list[torch.Tensor], device: Optional[str] = None) -> list[torch.Tensor]:
+    """Copies of ``tensors`` on their own device, or on ``device`` (compared chunk by chunk on the
+    tensors' device: ``_equal_nan``)."""
+    if device is None:
+        return [x.clone() for x in tensors]
+    return [x.to(device, copy=True) for x in tensors]
 
 
 def _equal_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
