@@ -465,7 +465,8 @@ class Sandbox:
         finally:
             self._release_slot(slot)
 
-    def _run_on(self, slot: int, spec: TaskSpec, source: str, result: EvalResult, inputs_copy_on_host: bool = False) -> None:
+    def _run_on(self, slot: int, spec: TaskSpec, source: str, result: EvalResult,
+                inputs_copy_on_host: bool = False) -> None:
         cfg = result.config or self.config      # this evaluation's (without the float64 check where it does not fit)
         ref = self.reference(spec, slot)
         with phase(result, "reference"), ref.lock:
