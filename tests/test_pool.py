@@ -413,6 +413,20 @@ def test_a_warm_up_with_device_turns_waits_only_for_its_kernels():
         pool.close()
 
 
+def test_a_worker_asking_for_a_device_turn_it_was_not_offered_is_the_harness_failure_it_is():
+    """Turns are offered by the parent (``WorkerProcess.ask``'s ``device_turns``); a request that
+    asks for one without the offer fails loudly, instead of waiting forever for a ``go``."""
+    from sandbox.failures import WorkerDied
+
+    proc = WorkerProcess("candidate")
+    try:
+        with pytest.raises(WorkerDied, match="asked for a device turn it was not offered"):
+            proc.ask({"role": "warm", "device": "cpu", "profile": False, "device_turns": True}, 60)
+    finally:
+        proc.kill()
+        proc.cleanup()
+
+
 def test_a_tasks_reference_starts_while_its_first_candidate_builds_and_a_released_one_is_not_kept(monkeypatch):
     """``Sandbox.prepare``: the reference's start (its model and warm-up compile, 15-19 s on an
     H100 for KernelBench's level-2 tasks) overlaps the first candidate's build instead of
