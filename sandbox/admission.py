@@ -357,10 +357,6 @@ class MemoryGate:
             return 0
         return self.context + self.plan(spec, fp, slot)[0].candidate_peak_bytes
 
-    def inputs_copy_on_host(self, spec: Any, slot: int = 0) -> bool:
-        """Whether the task's candidates keep their inputs' copy in host memory (``plan``)."""
-        return self.plan(spec, self.footprint(spec, slot), slot)[0].inputs_copy_on_host
-
     def fp64_runs(self, spec: Any, slot: int = 0) -> bool:
         """Whether the task's float64 check runs (its footprint is measured first if not known)."""
         return self.plan(spec, self.footprint(spec, slot), slot)[1]

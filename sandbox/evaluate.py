@@ -443,22 +443,22 @@ class Sandbox:
         try:
             with phase(result, "memory_wait"):      # raises TaskTooLarge: no verdict for this task
                 admitted = self.memory.admit(spec, slot, self._close_reference, self._check_aborted)
-            if self.config.numerics.fp64_check and not self.memory.fp64_runs(spec, slot):
+            # what its runs leave out or move to fit this device (MemoryGate.plan)
+            fp = self.memory.footprint(spec, slot)
+            planned, fp64 = self.memory.plan(spec, fp, slot)
+            note = ""
+            if self.config.numerics.fp64_check and not fp64:
                 # the float64 copy and run do not fit beside the run: the tolerance alone judges
-                fp = self.memory.footprint(spec, slot)
                 result.config = self.config.model_copy(update={"numerics": self.config.numerics.model_copy(
                     update={"fp64_check": False})})
                 note = (f"\n[kernelloop] float64 check skipped: the task's float64 copy and run "
                         f"({human_bytes(fp.fp64_bytes)}) do not fit beside it on this device; "
                         f"judged by the tolerance alone")
-            else:
-                note = ""
-            host_copy = self.memory.inputs_copy_on_host(spec, slot)
-            if host_copy:
+            if planned.inputs_copy_on_host:
                 note += ("\n[kernelloop] the inputs' copy for the mutation check is kept in host memory: "
                          "the task fits this device only so")
             try:
-                self._run_on(slot, spec, source, result, host_copy)
+                self._run_on(slot, spec, source, result, planned.inputs_copy_on_host)
                 result.stderr += note
             finally:
                 self.memory.leave(admitted)

@@ -26,7 +26,6 @@ Harness modules and the functions timing relies on are bound before candidate co
 from __future__ import annotations
 
 import errno
-import json
 import os
 import secrets
 import sys
@@ -43,7 +42,8 @@ from sandbox import handoff, runcheck, timing  # noqa: F401 - runcheck binds its
 from sandbox.harness import flatten_outputs, is_plain_tensor, make_inputs, make_model
 from sandbox.numerics import Numerics
 from sandbox.tasks import TaskSpec, exec_source, load_task
-from sandbox.worker_util import _PREWARMED, DeviceTurns, _copies, _equal_nan, _exc_payload, _memory_held, _save_to, warm_up
+from sandbox.worker_util import (_PREWARMED, DeviceTurns, _copies, _equal_nan, _exc_payload, _memory_held, _recv,
+                                 _save_to, _send, warm_up)
 
 # Reference outputs precomputed for trials to come (each a full set of outputs on the device).
 MAX_PRECOMPUTED = 3
@@ -51,14 +51,6 @@ PRECOMPUTE_BUDGET = int(os.environ.get("KERNELLOOP_PRECOMPUTE_BYTES", 4 << 30))
 
 _time_runs = timing.time_runs
 _tampered = clock.tampered_functions
-
-
-def _send(conn: Connection, payload: dict[str, Any]) -> None:
-    conn.send_bytes(json.dumps(payload, default=str).encode())
-
-
-def _recv(conn: Connection) -> dict[str, Any]:
-    return json.loads(conn.recv_bytes().decode())
 
 
 class Worker:

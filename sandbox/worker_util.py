@@ -90,6 +90,15 @@ def _equal_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
     return True
 
 
+def _send(conn: Any, payload: dict[str, Any]) -> None:
+    """One message to the parent on the worker's socket (JSON, never pickle)."""
+    conn.send_bytes(json.dumps(payload, default=str).encode())
+
+
+def _recv(conn: Any) -> dict[str, Any]:
+    return json.loads(conn.recv_bytes().decode())
+
+
 class DeviceTurns:
     """The parent's device gate (``sandbox.pool.DeviceGate``), asked for in the middle of one
     request (``WorkerProcess.ask``'s ``device_turns``): ``want`` sends ``{"interim": "device"}``
@@ -103,15 +112,15 @@ class DeviceTurns:
     def want(self, why: str) -> None:
         if not self.enabled or self.held:
             return
-        self.conn.send_bytes(json.dumps({"interim": "device", "why": why}).encode())
-        answer = json.loads(self.conn.recv_bytes().decode())
+        _send(self.conn, {"interim": "device", "why": why})
+        answer = _recv(self.conn)
         if not answer.get("go"):
             raise RuntimeError(f"the device was not given for {why}: {answer}")
         self.held = True
 
     def done(self) -> None:
         if self.enabled and self.held:
-            self.conn.send_bytes(json.dumps({"interim": "device_done"}).encode())
+            _send(self.conn, {"interim": "device_done"})
             self.held = False
 
 
