@@ -178,6 +178,15 @@ class FreshBuildCache:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def _driver_sees(device: str) -> bool:
+    """Whether this process can measure footprints on ``device`` itself (a Ray driver may have no GPU)."""
+    if device != "cuda":
+        return True
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def measure_footprints(specs: list[TaskSpec], device: str, cfg: EvalConfig,
                        db: Optional[str] = None) -> tuple[FootprintBook, float, list[str]]:
     """Each task's footprint measured once (as a first run on the device would, and stores),
@@ -356,7 +365,8 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=12, help="candidates in flight in the pipelined mode")
     ap.add_argument("--footprints", choices=("first", "in-run"), default="first",
                     help="measure each task's memory footprint once before the modes (timed apart), or in each "
-                         "mode's wall time; --executor ray always measures in-run, on its slots")
+                         "mode's wall time; --executor ray reads those measured first (on its slots in-run where "
+                         "the driver sees no GPU)")
     ap.add_argument("--warm-workers", type=int, default=2, help="warm candidate workers per slot (pipelined)")
     ap.add_argument("--modes", default="pipelined,one-at-a-time",
                     help="comma-separated: pipelined, one-at-a-time (in this order; the first runs on a colder host)")
@@ -384,7 +394,11 @@ def main() -> None:
 
         print(cpu_timing_note(), flush=True)
     book, measured_s = None, None
-    if args.footprints == "first" and args.executor == "local":
+    if args.footprints == "first" and args.executor == "ray" and not _driver_sees(args.device):
+        print(f"footprints: measured in-run on the cluster's slots (this driver sees no {args.device} device)", flush=True)
+    elif args.footprints == "first":
+        # Ray's slots read the book the driver passes (executors.ray_executor._known_footprint), so both
+        # executors start with the same footprints and neither mode's rate carries their measurement.
         book, measured_s, big = measure_footprints(specs, args.device, cfg, args.db)
         print(f"footprints: {len(specs)} tasks {'read or ' if args.db else ''}measured in {measured_s:.1f} s, before the modes and apart from their "
               f"wall time (once per task, device and numerics: stored, a later run skips it)"
