@@ -102,13 +102,31 @@ def ahead_of_clock(spans: Sequence[tuple[float, float]], work: Sequence[Any]) ->
     return found
 
 
+# The input sets a profile holds at once: one per run while they are small (each run reads inputs
+# of its own), one for every run past this many bytes together, as the timing holds at most one
+# set alive (``hardware.clock.time_samples``). A task with gigabytes of inputs is then profiled in
+# the memory its evaluation was admitted with (``sandbox.admission`` counts one set): three 8 GiB
+# sets at once put the reference of KernelBench's 38_L1Norm_ 16 GiB past it on an 80 GB H100.
+PROFILE_SETS_BYTES = 1 << 30
+
+
+def input_sets(make_args: Callable[[int], Sequence[Any]], runs: int) -> list[tuple[Any, ...]]:
+    """The argument set of each of ``runs`` profiled runs (distinct sets only while they fit
+    ``PROFILE_SETS_BYTES`` together)."""
+    first = tuple(make_args(10_000))
+    size = sum(x.numel() * x.element_size() for x in first if isinstance(x, torch.Tensor))
+    distinct = runs if size * runs <= PROFILE_SETS_BYTES else 1
+    sets = [first] + [tuple(make_args(10_000 + i)) for i in range(1, distinct)]
+    return [sets[i % distinct] for i in range(runs)]
+
+
 def profile_forward(model: Callable, make_args: Callable[[int], Sequence[Any]], device: str,
                     runs: int = 3, own_kernels: Sequence[str] = ()) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The forward's profile rows, and (cuda) whether any of its work ran ahead of the clock:
     each profiled run is preceded by the clock's own preamble (``hardware.clock.preamble``)."""
     from hardware import clock
 
-    arg_sets = [tuple(make_args(10_000 + i)) for i in range(runs)]
+    arg_sets = input_sets(make_args, runs)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     ahead: dict[str, Any] = {}
     with torch.no_grad():

@@ -140,3 +140,26 @@ def test_profile_finds_a_joined_but_unforked_side_stream_and_passes_a_forked_one
     rows, ahead = profile_forward(Unforked(fork=True), make_args, "cuda", runs=3)
     assert ahead["runs_checked"] == 3 and ahead["work"] == [], ahead
     assert rows and not any("spin_kernel" in r["name"] for r in rows), rows
+
+
+def test_a_profile_holds_one_input_set_for_every_run_once_the_sets_are_large(monkeypatch):
+    """Three sets while they are small (each run its own inputs); past PROFILE_SETS_BYTES together,
+    one set for all three runs, as the timing keeps one set alive (three 8 GiB sets put a big
+    level-1 task's reference past an 80 GB H100)."""
+    from sandbox import profiling
+
+    made: list[int] = []
+
+    def make_args(seed: int):
+        made.append(seed)
+        return [torch.full((256,), float(seed)), 3]         # 1 KiB of tensor and a scalar
+
+    small = profiling.input_sets(make_args, 3)
+    assert made == [10_000, 10_001, 10_002] and [s[0][0].item() for s in small] == [10_000, 10_001, 10_002]
+    made.clear()
+    monkeypatch.setattr(profiling, "PROFILE_SETS_BYTES", 2 * 1024)     # three 1 KiB sets no longer fit
+    large = profiling.input_sets(make_args, 3)
+    assert made == [10_000] and all(s is large[0] for s in large)
+    calls: list[float] = []
+    rows, _ = profiling.profile_forward(lambda x, k: calls.append(x[0].item()) or x * k, make_args, "cpu")
+    assert calls == [10_000.0] * 4 and rows                  # the warm run and three profiled, one set
