@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import secrets
+import sys
 import threading
 import time
 from typing import Any, Optional
@@ -387,6 +388,11 @@ class Sandbox:
             if not result.infra or self._aborted.is_set() or len(retried) >= failures.MAX_INFRA_RETRIES:
                 break
             retried.append(f"{result.error_type}: {result.error_message}")
+            # said as it happens: a harness failure that repeats (a task too large for a step the
+            # footprint does not count) otherwise shows nothing until its third try is stored
+            print(f"[kernelloop] {spec.name}: a harness failure, not the candidate's ({retried[-1][:400]}); "
+                  f"evaluating it again with fresh workers (try {len(retried) + 1} of {failures.MAX_INFRA_RETRIES + 1})",
+                  file=sys.stderr, flush=True)
         result.infra_retries = retried
         result.seconds = round(time.monotonic() - t0, 3)
         return result

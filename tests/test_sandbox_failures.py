@@ -104,9 +104,11 @@ def test_saving_outputs_that_do_not_fit_is_a_harness_failure_with_its_cause(tmp_
 
 
 @pytest.mark.slow
-def test_a_dying_reference_is_retried_then_infra_error_never_the_candidates_fault(tmp_path):
+def test_a_dying_reference_is_retried_then_infra_error_never_the_candidates_fault(tmp_path, capsys):
     """The reference worker leaves with status 0 mid-trial (the issue's LayerNorm/Sum runs): the
-    candidate is not blamed; the evaluation is retried with a fresh reference, then infra_error."""
+    candidate is not blamed; the evaluation is retried with a fresh reference, then infra_error.
+    Each retry is said on stderr as it starts, with its cause (on an H100 a task's evaluations failed
+    and were retried for minutes with nothing printed)."""
     spec = _spec(tmp_path, body='if "kl-reference-" in os.getcwd(): os._exit(0)')
     with Sandbox("cpu", CFG, build_slots=1) as sandbox:
         result = sandbox.evaluate(spec, CANDIDATE)
@@ -115,6 +117,10 @@ def test_a_dying_reference_is_retried_then_infra_error_never_the_candidates_faul
     assert "the reference worker exited with code 0" in result.error_message
     assert len(result.infra_retries) == MAX_INFRA_RETRIES
     assert all("reference" in r for r in result.infra_retries)
+    said = [line for line in capsys.readouterr().err.splitlines() if "a harness failure, not the candidate's" in line]
+    assert len(said) == MAX_INFRA_RETRIES, said
+    assert all(spec.name in line and "exited with code 0" in line for line in said), said
+    assert [f"(try {k + 2} of {MAX_INFRA_RETRIES + 1})" in line for k, line in enumerate(said)] == [True] * len(said), said
 
 
 @pytest.mark.slow
