@@ -15,6 +15,9 @@
 #                                     # every GPU with every core, in this call, footprints measured once (by the first);
 #                                     # prints the ratio (goal >= 3.4 on 4 GPUs, 1.8 on 2). TASKS, CANDIDATES (default 16),
 #                                     # MAX_S (default 150: no candidate starts after it), PARALLEL (per GPU, default 12)
+#   bash scripts/gpu_scale.sh warm    # one GPU (GPU 0, cores 0-15): the mix bench once per WARM setting of warm candidate
+#                                     # workers (default "2 4 2": the first repeated last shows the host's drift), footprints
+#                                     # measured once; MAX_S (default 100), CANDIDATES (default 16), PARALLEL (default 12)
 #   bash scripts/gpu_scale.sh tests   # the GPU tests of the sandbox (adversarial, admission, pool, failures)
 #   bash scripts/gpu_scale.sh kb-memory    # GPU tests of sandbox failures; per-worker GPU memory on four 6 GiB tasks
 #   bash scripts/gpu_scale.sh kb-check     # tasks check over KernelBench levels 1-3 (CHECK_S box, default 540;
@@ -73,6 +76,26 @@ for gpu, g in sorted(every.get("per_gpu", {}).items()):
     print(f"  GPU {gpu}: {g['candidates']} candidates, held {g['busy_fraction']:.0%}, waited (median s) {g['waited_median_s']}")
 EOF2
     ;;
+  warm)
+    # what keeps one GPU under 20 candidates/min (session n): candidates wait ~18 s for a warm worker
+    # while their build takes ~6 s; a pool of W workers warming ~9 s each starts at most W x 60 / 9 a minute
+    i=0
+    for w in ${WARM:-2 4 2}; do
+      i=$((i + 1))
+      CUDA_VISIBLE_DEVICES=0 box ${BENCH_S:-170} taskset -c 0-15 python3 scripts/bench_kernelbench.py --device cuda \
+        --tasks ${TASKS:-10} --candidates ${CANDIDATES:-16} --modes pipelined --max-seconds ${MAX_S:-100} \
+        --parallel ${PARALLEL:-12} --warm-workers "$w" --db /tmp/warm-footprints.db --json "$OUT/warm_${i}_$w.json" 2>&1 \
+        | grep -v USDT > "$OUT/warm_${i}_$w.txt"
+    done
+    python3 - "$OUT" <<'EOF2' | tee "$OUT/warm.txt"
+import json, pathlib, sys
+for p in sorted(pathlib.Path(sys.argv[1]).glob("warm_*_*.json"), key=lambda p: int(p.stem.split("_")[1])):
+    m = json.load(open(p))["modes"][0]
+    med = m["phases_median_s"]
+    print(f"{p.stem}: {m['per_min']} candidates/min, {m['clean']}/{m['candidates']} clean, device held "
+          f"{m['device_busy_fraction']:.0%}, median worker wait {med.get('worker')} s, build {med.get('build')} s, pool {m.get('pool')}")
+EOF2
+    ;;
   tests)
     box ${TESTS_S:-560} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 500 tests/test_sandbox_adversarial.py \
       tests/test_admission.py tests/test_pool.py tests/test_sandbox_failures.py 2>&1 | tail -15 | tee "$OUT/tests.txt"
@@ -103,7 +126,7 @@ EOF2
     fi
     tail -c 6000 "$OUT"/kb_*.txt; cp /tmp/kb.db "$OUT/fp32.db"
     ;;
-  *) echo "unknown stage $1 (bench, builds, scaling, big, tests, kb-memory, kb-check, kb-optimize)"; exit 2 ;;
+  *) echo "unknown stage $1 (bench, builds, scaling, warm, big, tests, kb-memory, kb-check, kb-optimize)"; exit 2 ;;
 esac
 # the stages that wrote a store return it (bench writes none: the script's status stays the stages')
 if [ -f "$KERNELLOOP_DB" ]; then cp "$KERNELLOOP_DB" "$OUT/"; fi
