@@ -113,8 +113,10 @@ PROFILE_SETS_BYTES = 1 << 30
 def input_sets(make_args: Callable[[int], Sequence[Any]], runs: int) -> list[tuple[Any, ...]]:
     """The argument set of each of ``runs`` profiled runs (distinct sets only while they fit
     ``PROFILE_SETS_BYTES`` together)."""
+    from sandbox.footprint import _tensor_bytes      # the measure the footprint's inputs_bytes is
+
     first = tuple(make_args(10_000))
-    size = sum(x.numel() * x.element_size() for x in first if isinstance(x, torch.Tensor))
+    size = _tensor_bytes(first)
     distinct = runs if size * runs <= PROFILE_SETS_BYTES else 1
     sets = [first] + [tuple(make_args(10_000 + i)) for i in range(1, distinct)]
     return [sets[i % distinct] for i in range(runs)]
