@@ -113,6 +113,9 @@ class RayExecutor:
         count = slots or self._slot_count(device)
         self.build_cpus = build_cpus or float(os.environ.get("KERNELLOOP_RAY_BUILD_CPUS", "4" if device == "cuda" else "1"))
         self.build_jobs = max(2, min(8, int(2 * self.build_cpus)))
+        # each Ray worker that builds keeps a build worker warm for its next build (ray_slot.NodeBuilder),
+        # as a Sandbox does, unless warm workers are turned off
+        self.keep_builds_warm = warm_workers is None or warm_workers > 0
         actor_cls = ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=SLOT_CONCURRENCY,
                                concurrency_groups={"control": 2})(EvaluationSlot).options(
             num_gpus=1 if device == "cuda" else 0, num_cpus=0 if device == "cuda" else 1,
@@ -234,7 +237,8 @@ class RayExecutor:
         t0 = time.monotonic()
         ref = self._build_task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(slot.node, soft=True),
                                        runtime_env=self._runtime_env).remote(
-            spec_data(spec), source, self.device, self.config.model_dump_json(), self.arch, self.build_jobs)
+            spec_data(spec), source, self.device, self.config.model_dump_json(), self.arch, self.build_jobs,
+            self.keep_builds_warm)
         outcome = json.loads(self._ray.get(ref))
         wall = time.monotonic() - t0
         built = (outcome.get("build") or {}).get("seconds") or 0.0

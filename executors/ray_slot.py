@@ -22,7 +22,7 @@ from sandbox.admission import TaskTooLarge
 from sandbox.backends import backend_for
 from sandbox.evaluate import Sandbox
 from sandbox.footprint import Footprint, FootprintBook
-from sandbox.pool import BuildPause
+from sandbox.pool import BUILD_WARM_MESSAGE, BuildPause, WarmPool
 from sandbox.result import BuildInfo, EvalConfig, EvalResult, Status
 from sandbox.tasks import TaskSpec
 
@@ -45,30 +45,57 @@ def node_id() -> str:
 
 # --------------------------------------------------------------------------- builds
 
+# A Ray worker process runs one build task after another (Ray reuses its workers), so it keeps one
+# build worker warm for the next task it gets, as a Sandbox's build pool does: torch's import
+# (1.5-3 s on a GPU host) is paid ahead instead of inside each build. Keyed by what the build worker
+# is started with; its processes die with the Ray worker (the keeper's parent-death signal).
+_NODE_BUILD_POOLS: dict[tuple[str, ...], WarmPool] = {}
+_NODE_BUILD_POOLS_LOCK = threading.Lock()
+
+
+def close_node_build_pools() -> None:
+    """Stop this process's warm build workers (a test's cleanup; a Ray worker's exit does it too)."""
+    with _NODE_BUILD_POOLS_LOCK:
+        pools = list(_NODE_BUILD_POOLS.values())
+        _NODE_BUILD_POOLS.clear()
+    for pool in pools:
+        pool.close()
+
+
 class NodeBuilder:
     """The part of a Sandbox that its build step reads (``Sandbox._build`` and ``_build_env``),
     on a node that only builds: no device is opened and no slot is held. The build is the
     sandbox's own, unchanged: a worker with the GPU hidden, the content-hashed cache, the
-    compiler's first error."""
+    compiler's first error. With ``keep_warm`` its worker comes from this process's warm build
+    pool (one worker started ahead for the next build); without, each build starts its own."""
 
     _build_env = Sandbox._build_env
     _build = Sandbox._build
     _spawn_build = Sandbox._spawn_build
-    _build_pool = None          # each build task starts its worker (a Ray task is one build)
 
-    def __init__(self, device: str, config: EvalConfig, arch: Optional[str], jobs: int):
+    def __init__(self, device: str, config: EvalConfig, arch: Optional[str], jobs: int, keep_warm: bool = False):
         self.device, self.config, self.arch, self.build_jobs = device, config, arch, jobs
         self.backend = backend_for(config.backend, device)
         self._build_pause = BuildPause()     # nothing is timed on a node that only builds: never held
+        self._build_pool: Optional[WarmPool] = self._node_pool() if keep_warm else None
+
+    def _node_pool(self) -> WarmPool:
+        key = (self.device, *sorted(f"{k}={v}" for k, v in self._build_env().items()))
+        with _NODE_BUILD_POOLS_LOCK:
+            pool = _NODE_BUILD_POOLS.get(key)
+            if pool is None:
+                pool = _NODE_BUILD_POOLS[key] = WarmPool(self._spawn_build, BUILD_WARM_MESSAGE, 1)
+        return pool
 
 
 def build_on_node(spec: dict[str, Any], source: str, device: str, config_json: str, arch: Optional[str],
-                  jobs: int) -> str:
-    """Build a candidate into this node's cache; its outcome as JSON (``BuildOutcome`` fields)."""
+                  jobs: int, keep_warm: bool = False) -> str:
+    """Build a candidate into this node's cache; its outcome as JSON (``BuildOutcome`` fields).
+    ``keep_warm``: take this process's warm build worker and start the next one (the Ray build task)."""
     task = TaskSpec(**spec)
     config = EvalConfig.model_validate_json(config_json)
     scratch = EvalResult(status=Status.runtime_error, task=task.name, device=device, config=config)
-    ok = NodeBuilder(device, config, arch, jobs)._build(task, source, scratch)
+    ok = NodeBuilder(device, config, arch, jobs, keep_warm)._build(task, source, scratch)
     return json.dumps({"ok": ok, "node": node_id(), "status": None if ok else scratch.status.value,
                        "error_type": scratch.error_type, "error_message": scratch.error_message,
                        "stderr": scratch.stderr,

@@ -526,3 +526,32 @@ def test_a_ray_build_task_builds_in_a_worker_of_its_own(tmp_path):
     import ray
 
     assert not ray.is_initialized() and reply["node"] == ""     # no local Ray started to name the node
+
+
+def test_a_ray_build_task_keeps_a_build_worker_warm_for_the_next(tmp_path):
+    """With ``keep_warm`` (what the Ray executor asks), a process that runs build tasks one after
+    another takes the worker its last build started ahead: still a fresh process per build, the GPU
+    hidden, and a broken candidate gets the same verdict as with a cold worker."""
+    from executors import ray_slot
+
+    log = tmp_path / "pids.jsonl"
+    source = _PID_WRITER.format(path=str(log))
+    build = lambda text: json.loads(ray_slot.build_on_node(_spec().__dict__, text, "cpu",  # noqa: E731
+                                                           CFG.model_dump_json(), None, 2, keep_warm=True))
+    try:
+        first = build(source)
+        [pool] = ray_slot._NODE_BUILD_POOLS.values()
+        _wait_ready(pool)
+        second = build(source + "\n# another candidate\n")
+        broken = build("raise RuntimeError('candidate import fails')\n")
+        stats = dict(pool.stats)
+    finally:
+        ray_slot.close_node_build_pools()
+    cold = json.loads(ray_slot.build_on_node(_spec().__dict__, "raise RuntimeError('candidate import fails')\n",
+                                             "cpu", CFG.model_dump_json(), None, 2))
+    assert first["ok"] and second["ok"], (first, second)
+    seen = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(seen) == 2 and seen[0]["pid"] != seen[1]["pid"] and all(s["gpus"] == "" for s in seen)
+    assert stats["taken_cold"] == 1 and stats["taken_ready"] >= 1, stats
+    assert (broken["ok"], broken["status"], broken["error_type"]) == (cold["ok"], cold["status"], cold["error_type"])
+    assert broken["status"] != "infra_error" and not ray_slot._NODE_BUILD_POOLS
