@@ -257,6 +257,9 @@ class RayExecutor:
                 lost.append(f"SlotLost: {exc}")
                 return self._lost_result(spec, source, lost, t0)
             try:
+                # the slot starts the task's reference while the build runs (Sandbox.prepare, as the
+                # local executor does): in session o's bench its candidates waited 16.6 s (median) for it after their build
+                slot.actor.prepare.options(concurrency_group="control").remote(data, self._known_footprint(spec))
                 build = self._build(slot, spec, source)
                 self.events("evaluate", task=spec.name, slot=slot.index, node=slot.node,
                             candidate=sha256_text(source)[:12])

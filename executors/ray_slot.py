@@ -204,6 +204,15 @@ class EvaluationSlot:
     def ping(self) -> str:
         return self.node
 
+    def prepare(self, spec: dict[str, Any], footprint: Optional[dict[str, Any]]) -> None:
+        """Start the task's reference on this slot while the candidate builds elsewhere (never
+        blocks: ``Sandbox.prepare``), as the local executor does before its own build; a footprint
+        it measures goes back with the next evaluation's reply."""
+        task = TaskSpec(**spec)
+        sb = self.sandbox
+        self.relay.give(task, sb.device, sb.config.numerics.label, footprint)
+        sb.prepare(task)
+
     def evaluate(self, spec: dict[str, Any], source: str, build: Optional[str],
                  footprint: Optional[dict[str, Any]]) -> str:
         task = TaskSpec(**spec)

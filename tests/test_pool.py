@@ -18,7 +18,7 @@ from sandbox.harness import flatten_outputs, make_inputs, make_model
 from sandbox.pool import DeviceGate, SlotLock, WarmPool
 from sandbox.process import WorkerProcess
 from sandbox.reference import Precomputed, ReferenceWorker
-from sandbox.result import EvalConfig, Status
+from sandbox.result import EvalConfig, EvalResult, Status
 from sandbox.tasks import load_task, read_spec
 
 HERE = Path(__file__).parent / "adversarial"
@@ -555,3 +555,29 @@ def test_a_ray_build_task_keeps_a_build_worker_warm_for_the_next(tmp_path):
     assert stats["taken_cold"] == 1 and stats["taken_ready"] >= 1, stats
     assert (broken["ok"], broken["status"], broken["error_type"]) == (cold["ok"], cold["status"], cold["error_type"])
     assert broken["status"] != "infra_error" and not ray_slot._NODE_BUILD_POOLS
+
+
+def test_a_ray_slot_starts_the_reference_while_the_candidate_builds_elsewhere():
+    """``EvaluationSlot.prepare`` (what the Ray executor calls as it sends the build to a build
+    task): the slot's reference starts in the background and measures the task's footprint; the
+    evaluation that follows finds the reference running and hands the footprint back with its reply."""
+    from executors.ray_slot import EvaluationSlot, spec_data
+
+    spec = _spec()
+    slot = EvaluationSlot("cpu", CFG.model_dump_json(), 1, None)
+    try:
+        slot.prepare(spec_data(spec), None)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            ref = slot.sandbox._refs.get((spec.key, 0))
+            if ref is not None and not ref.needs_start() and spec.key not in slot.sandbox._preparing:
+                break
+            time.sleep(0.1)
+        assert ref is not None and not ref.needs_start()
+        reply = json.loads(slot.evaluate(spec_data(spec), (HERE / "cpu" / "honest.py").read_text(), None, None))
+        result = EvalResult.model_validate(reply["result"])
+        assert result.status == Status.correct, result.error_message
+        assert result.phases["reference"] < 1.0          # found running: nothing left to start
+        assert [f["task_key"] for f in reply["footprints"]] == [spec.key]
+    finally:
+        slot.close()
