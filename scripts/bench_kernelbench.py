@@ -231,6 +231,7 @@ def run_mode(mode: str, work: list[tuple[TaskSpec, str]], device: str, cfg: Eval
     pipelined = mode == "pipelined"
     skipped = [0]
     results: list[EvalResult] = []
+    finished_at: list[float] = []       # seconds from the start at which each verdict came
     errors: list[str] = []
     left = {}
     for spec, _ in work:
@@ -260,7 +261,8 @@ def run_mode(mode: str, work: list[tuple[TaskSpec, str]], device: str, cfg: Eval
             def keep(r: Optional[EvalResult]) -> None:
                 if r is not None:
                     results.append(r)
-                    _line(mode, r, time.monotonic() - t0)
+                    finished_at.append(time.monotonic() - t0)
+                    _line(mode, r, finished_at[-1])
 
             t0 = time.monotonic()
             interrupted = False
@@ -290,6 +292,11 @@ def run_mode(mode: str, work: list[tuple[TaskSpec, str]], device: str, cfg: Eval
     summary["build_pool"] = build_stats
     summary["not_started"] = skipped[0]
     summary["interrupted"] = interrupted
+    # the rate once the first verdict came: without the start (references and their compiles, cold
+    # caches, pools filling), which a short bench weighs more than a long run does
+    if len(finished_at) >= 2 and finished_at[-1] > finished_at[0]:
+        summary["first_done_s"] = round(finished_at[0], 1)
+        summary["per_min_after_first"] = round((len(finished_at) - 1) / (finished_at[-1] - finished_at[0]) * 60, 2)
     return summary
 
 
@@ -345,6 +352,9 @@ def report(s: dict[str, Any]) -> None:
     if s.get("footprints_s") is not None:
         print(f"  with the footprint step's {s['footprints_s']} s counted (a first run on this device, where none is stored): "
               f"{s['per_min_with_footprints']} candidates/min")
+    if s.get("per_min_after_first") is not None:
+        print(f"  after the first verdict (+{s['first_done_s']} s; the start's references, compiles and cold caches "
+              f"left out): {s['per_min_after_first']} candidates/min")
     print("  median phase seconds: " + ", ".join(f"{k} {v}" for k, v in s["phases_median_s"].items()))
     for gpu, g in s.get("per_gpu", {}).items():
         print(f"  GPU {gpu}: {g['candidates']} candidates, held {g['busy_fraction'] * 100:.0f}% of wall time; "

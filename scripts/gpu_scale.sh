@@ -92,7 +92,7 @@ import json, pathlib, sys
 for p in sorted(pathlib.Path(sys.argv[1]).glob("warm_*_*.json"), key=lambda p: int(p.stem.split("_")[1])):
     m = json.load(open(p))["modes"][0]
     med = m["phases_median_s"]
-    print(f"{p.stem}: {m['per_min']} candidates/min, {m['clean']}/{m['candidates']} clean, device held "
+    print(f"{p.stem}: {m['per_min']} candidates/min ({m.get('per_min_after_first')} after the first verdict), {m['clean']}/{m['candidates']} clean, device held "
           f"{m['device_busy_fraction']:.0%}, median worker wait {med.get('worker')} s, build {med.get('build')} s, pool {m.get('pool')}")
 EOF2
     ;;
