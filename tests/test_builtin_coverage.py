@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn as nn
 from builtin_candidate import reference_and_candidate
 
 from agent.builtin import propose
@@ -240,3 +241,28 @@ def test_kernelbench_sweep_every_candidate_is_whole(level, device, monkeypatch):
             bad[spec.name] = problems
     assert not bad, f"{len(bad)} of {len(files)} {level} tasks on {device}:\n" + \
         "\n".join(f"{k}: {'; '.join(v)}" for k, v in bad.items())
+
+
+@pytest.mark.parametrize("make", [lambda: nn.LSTM(10, 20, 2, batch_first=True, bidirectional=True),
+                                  lambda: nn.LSTM(10, 20, 3, proj_size=5),
+                                  lambda: nn.GRU(10, 20, 2, bidirectional=True),
+                                  lambda: nn.RNN(10, 20, 1, nonlinearity="relu", batch_first=True)],
+                         ids=["lstm-bidirectional-batch-first", "lstm-projected", "gru-bidirectional", "rnn-relu"])
+@pytest.mark.parametrize("shape", [(4, 7, 10), (7, 10)], ids=["batched", "unbatched"])
+def test_the_trace_gives_recurrent_layers_the_shapes_running_them_gives(make, shape):
+    """The trace's shape propagation does not run nn.LSTM/GRU/RNN (on the meta device PyTorch
+    decomposes every step: 44 s for level3/38_LSTMBidirectional); the shapes it gives instead are
+    those of a real run, hidden states included; an input of the wrong width still raises."""
+    from agent.builtin.trace import _recurrent_outputs
+
+    module, x = make(), torch.randn(*shape)
+    with torch.no_grad():
+        real, fast = module(x), _recurrent_outputs(module, x.to("meta"))
+
+    def shapes(out):
+        state = out[1] if isinstance(out[1], tuple) else (out[1],)
+        return [tuple(t.shape) for t in (out[0], *state)]
+
+    assert shapes(fast) == shapes(real)
+    assert fast[0].device.type == "meta"
+    assert _recurrent_outputs(module, torch.randn(*shape[:-1], 11)) is None      # left to the layer itself

@@ -12,6 +12,7 @@ import ast
 import builtins
 import math
 import operator
+import threading
 from typing import Any, Callable, Optional
 
 import torch
@@ -58,8 +59,32 @@ def _defined_names(stmt: ast.stmt) -> set[str]:
     return set()
 
 
+# task_prelude and layers_class depend on the task's source and overrides only, but are asked for
+# every variant the proposer renders (up to ~150 per proposal where no variant has a kernel of its
+# own): their parses and unparses were two thirds of a proposal's time. Strings: shared safely.
+_SOURCE_CACHE: dict[tuple[str, str, str], str] = {}
+_SOURCE_CACHE_LOCK = threading.Lock()
+
+
+def _cached(kind: str, spec: TaskSpec, make: Callable[[TaskSpec], str]) -> str:
+    key = (kind, spec.source, repr(sorted(spec.overrides.items())))
+    with _SOURCE_CACHE_LOCK:
+        text = _SOURCE_CACHE.get(key)
+    if text is None:
+        text = make(spec)
+        with _SOURCE_CACHE_LOCK:
+            if len(_SOURCE_CACHE) >= 256:
+                _SOURCE_CACHE.clear()
+            _SOURCE_CACHE[key] = text
+    return text
+
+
 def task_prelude(spec: TaskSpec) -> str:
     """Imports and the module-level definitions the reference's class needs (sizes overridden)."""
+    return _cached("prelude", spec, _task_prelude)
+
+
+def _task_prelude(spec: TaskSpec) -> str:
     tree = pyast.parse(spec.source)
     model = _model_class(tree)
     needed = _names_in(model)
@@ -104,6 +129,10 @@ def _strip_docstring(body: list[ast.stmt]) -> list[ast.stmt]:
 
 def layers_class(spec: TaskSpec) -> str:
     """The reference class without forward, renamed ``_Layers`` (its __init__ unchanged)."""
+    return _cached("layers", spec, _layers_class)
+
+
+def _layers_class(spec: TaskSpec) -> str:
     tree = pyast.parse(spec.source)
     model = _model_class(tree)
     cls = _RenameModel().visit(pyast.parse(ast.unparse(model)).body[0])

@@ -93,12 +93,12 @@ def _trace_with(spec: TaskSpec, device: str, how: str, numerics: Any = None) -> 
         model = cast_model(numerics, task.Model(*init))
         inputs = cast_values(numerics, task.get_inputs())
     gm = _symbolic_trace(model)
-    ShapeProp(gm).propagate(*inputs)
+    _ShapeProp(gm).propagate(*inputs)
     _rewrite_tuple_reductions(gm)       # first: a convolution followed by torch.min(x, 1)[0] splits its bias too
     _fold_scalar_tensors(gm)            # torch.min(x, torch.tensor(0.0, device=x.device)) fuses with its neighbours
     # on the CPU oneDNN adds the bias inside the convolution (no extra pass): it stays there
     if device != "cpu" and _split_conv_bias(gm):
-        ShapeProp(gm).propagate(*inputs)
+        _ShapeProp(gm).propagate(*inputs)
     modules = dict(gm.named_modules())
     known = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
     constants: dict[str, torch.Tensor] = {}
@@ -119,6 +119,41 @@ def _trace_with(spec: TaskSpec, device: str, how: str, numerics: Any = None) -> 
                 constants[node.target] = value.detach().cpu().clone()
     return Traced(spec=spec, device=device, gm=gm, modules=modules, constants=constants, how=how,
                   precision=precision_of(numerics))
+
+
+class _ShapeProp(ShapeProp):
+    """``ShapeProp`` that gives a recurrent layer's outputs (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``)
+    their shapes without running it: on the meta device PyTorch decomposes each time step and
+    layer into reference ops, and a bidirectional LSTM of KernelBench's level 3 took 44 s to
+    propagate. The shapes are those ``torch.nn.RNNBase`` documents; anything it does not cover (a
+    packed sequence, an input of the wrong width) runs the layer as before, errors included."""
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        module = self.fetch_attr(target)
+        if isinstance(module, nn.RNNBase) and not kwargs:
+            outputs = _recurrent_outputs(module, *args)
+            if outputs is not None:
+                return outputs
+        return super().call_module(target, args, kwargs)
+
+
+def _recurrent_outputs(module: nn.RNNBase, x: Any = None, hx: Any = None) -> Any:
+    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or x.shape[-1] != module.input_size:
+        return None
+    if module.mode not in ("LSTM", "GRU", "RNN_TANH", "RNN_RELU"):
+        return None
+    dirs = 2 if module.bidirectional else 1
+    layers, hidden = module.num_layers * dirs, module.hidden_size
+    out_size = getattr(module, "proj_size", 0) or hidden
+    if x.dim() == 3:
+        steps, batch = (x.shape[1], x.shape[0]) if module.batch_first else (x.shape[0], x.shape[1])
+        output = (batch, steps, dirs * out_size) if module.batch_first else (steps, batch, dirs * out_size)
+        h_n, c_n = (layers, batch, out_size), (layers, batch, hidden)
+    else:
+        output, h_n, c_n = (x.shape[0], dirs * out_size), (layers, out_size), (layers, hidden)
+    if module.mode == "LSTM":
+        return x.new_empty(output), (x.new_empty(h_n), x.new_empty(c_n))
+    return x.new_empty(output), x.new_empty(h_n)
 
 
 def _symbolic_trace(model: nn.Module) -> GraphModule:
