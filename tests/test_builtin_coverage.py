@@ -252,7 +252,8 @@ def test_kernelbench_sweep_every_candidate_is_whole(level, device, monkeypatch):
 def test_the_trace_gives_recurrent_layers_the_shapes_running_them_gives(make, shape):
     """The trace's shape propagation does not run nn.LSTM/GRU/RNN (on the meta device PyTorch
     decomposes every step: 44 s for level3/38_LSTMBidirectional); the shapes it gives instead are
-    those of a real run, hidden states included; an input of the wrong width still raises."""
+    those of a real run, hidden states given or not; what the layer would refuse (an input of the
+    wrong width, an initial state of None or of the wrong shape) is left to the layer, which raises."""
     from agent.builtin.trace import _recurrent_outputs
 
     module, x = make(), torch.randn(*shape)
@@ -265,4 +266,13 @@ def test_the_trace_gives_recurrent_layers_the_shapes_running_them_gives(make, sh
 
     assert shapes(fast) == shapes(real)
     assert fast[0].device.type == "meta"
-    assert _recurrent_outputs(module, torch.randn(*shape[:-1], 11)) is None      # left to the layer itself
+    state = real[1]
+    with torch.no_grad():
+        again = module(x, state)                      # the final state given back as the initial one
+    assert shapes(_recurrent_outputs(module, x, state)) == shapes(again)
+    wrong = tuple(t[..., :-1] for t in state) if isinstance(state, tuple) else state[..., :-1]
+    nones = (None, None) if isinstance(state, tuple) else (None,)
+    for bad_x, bad_state in ((torch.randn(*shape[:-1], 11), None), (x, wrong), (x, nones)):
+        assert _recurrent_outputs(module, bad_x, bad_state) is None            # left to the layer itself
+        with pytest.raises(Exception):
+            module(bad_x, bad_state)

@@ -126,7 +126,8 @@ class _ShapeProp(ShapeProp):
     their shapes without running it: on the meta device PyTorch decomposes each time step and
     layer into reference ops, and a bidirectional LSTM of KernelBench's level 3 took 44 s to
     propagate. The shapes are those ``torch.nn.RNNBase`` documents; anything it does not cover (a
-    packed sequence, an input of the wrong width) runs the layer as before, errors included."""
+    packed sequence, an input of the wrong width, an initial state that is not tensors of the
+    states' shapes) runs the layer as before, errors included."""
 
     def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
         module = self.fetch_attr(target)
@@ -151,6 +152,14 @@ def _recurrent_outputs(module: nn.RNNBase, x: Any = None, hx: Any = None) -> Any
         h_n, c_n = (layers, batch, out_size), (layers, batch, hidden)
     else:
         output, h_n, c_n = (x.shape[0], dirs * out_size), (layers, out_size), (layers, hidden)
+    # the initial state as the layer takes it (none, or tensors of the states' shapes); anything else
+    # (a None inside the tuple, a traced default) is left to the layer, which raises as before
+    states = (h_n, c_n) if module.mode == "LSTM" else (h_n,)
+    if hx is not None:
+        given = hx if module.mode == "LSTM" else (hx,)
+        if not (isinstance(given, tuple) and len(given) == len(states)
+                and all(isinstance(t, torch.Tensor) and tuple(t.shape) == s for t, s in zip(given, states))):
+            return None
     if module.mode == "LSTM":
         return x.new_empty(output), (x.new_empty(h_n), x.new_empty(c_n))
     return x.new_empty(output), x.new_empty(h_n)
