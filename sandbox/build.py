@@ -33,7 +33,7 @@ from filelock import FileLock
 
 from sandbox.header_tries import (EXTENSION_INCLUDE_RE, OWN_NOTE, HeaderTry, binding_tries, header_tries,
                                   next_try)
-from sandbox.pch import discard_pch, leading_includes, pch_key, prefix_header, seen_before
+from sandbox.pch import discard_pch, leading_includes, pch_key, prefix_header, seen_before, torch_cxx_std
 from sandbox.pyglue import RAW_BINDING, RAW_NOTE, function_docs, glue_ldflags, module_definition
 
 LOG_CAP = 20_000
@@ -220,7 +220,7 @@ class HookedBuilder:
         compiler = ce.get_cxx_compiler()
         system = ce.include_paths(device) + [sysconfig.get_path("include", scheme="posix_prefix")]
         flags = (["-DTORCH_API_INCLUDE_EXTENSION_H"] + [f"-I{p}" for p in extra_include_paths]
-                 + [x for inc in system for x in ("-isystem", inc)] + ["-fPIC", "-std=c++20"] + list(extra_cflags))
+                 + [x for inc in system for x in ("-isystem", inc)] + ["-fPIC", torch_cxx_std()] + list(extra_cflags))
         return compiler, flags, self.pch_root / pch_key(compiler, flags, header, text)
 
     def _pch_include_dir(self, extra_cflags: list[str], extra_include_paths: list[str],

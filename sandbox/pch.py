@@ -60,6 +60,38 @@ def torch_headers_identity() -> list[Any]:
     return [torch.__version__, getattr(torch.version, "git_version", ""), str(include), stamps]
 
 
+_STD_RE = re.compile(r"cflags = common_cflags \+ \[[^\]]*'(-std=c\+\+\w+)'")
+_ANY_STD_RE = re.compile(r"'(-std=c\+\+\w+)'")
+
+
+def cxx_std_of(source: str) -> Optional[str]:
+    """The ``-std=`` flag in the source of torch's ``_write_ninja_file_to_build_library``: the one it
+    gives a C++ file (``cflags = common_cflags + ['-fPIC', '-std=c++NN'] + ...``), else its first."""
+    found = _STD_RE.search(source) or _ANY_STD_RE.search(source)
+    return found.group(1) if found else None
+
+
+_TORCH_STD: list[str] = []
+
+
+def torch_cxx_std() -> str:
+    """The C++ standard the installed torch compiles an extension's C++ file with: ``-std=c++17`` up
+    to some 2.x releases, ``-std=c++20`` after. A header precompiled under another standard is
+    skipped by GCC (``not used because `__cpp_impl_three_way_comparison' not defined``), silently
+    but for the time: a GPU host's torch used c++17 while every header was made with c++20."""
+    if not _TORCH_STD:
+        import inspect
+
+        from torch.utils import cpp_extension as ce
+
+        try:
+            std = cxx_std_of(inspect.getsource(ce._write_ninja_file_to_build_library))
+        except (AttributeError, OSError, TypeError):
+            std = None
+        _TORCH_STD.append(std or "-std=c++17")
+    return _TORCH_STD[0]
+
+
 def pch_key(compiler: str, flags: list[str], header: str, text: Optional[str]) -> str:
     """The name of a precompiled header's directory: everything that makes one usable for a compile
     (the compiler, the flags, torch's headers, the header and its text)."""

@@ -60,6 +60,55 @@ def test_a_pch_is_made_once_per_key_and_reused(tmp_path, monkeypatch):
     assert "not used" not in out.stderr and ".gch" in out.stderr, out.stderr
 
 
+def _torch_cflags(tmp_path: Path) -> list[str]:
+    """The flags torch's own ``load_inline`` gives a C++ file, from the ninja file it writes."""
+    import inspect
+    import shlex
+
+    from torch.utils import cpp_extension as ce
+
+    src = tmp_path / "t.cpp"
+    src.write_text("int f() { return 0; }\n")
+    given = dict(path=str(tmp_path / "build.ninja"), name="kl_probe", sources=[str(src)], extra_cflags=[],
+                 extra_cuda_cflags=[], extra_sycl_cflags=[], extra_ldflags=[], extra_include_paths=[],
+                 with_cuda=False, with_sycl=False, is_standalone=False)
+    params = inspect.signature(ce._write_ninja_file_to_build_library).parameters
+    ce._write_ninja_file_to_build_library(**{k: v for k, v in given.items() if k in params})
+    line = next(x for x in (tmp_path / "build.ninja").read_text().splitlines() if x.startswith("cflags = "))
+    return shlex.split(line[len("cflags = "):])
+
+
+STD_TEXT = ("#pragma once\n#ifdef __cpp_impl_three_way_comparison\ninline int kl_std() { return 20; }\n"
+            "#else\ninline int kl_std() { return 17; }\n#endif\n")
+
+
+def test_headers_are_precompiled_under_the_c_standard_torch_compiles_with(tmp_path, monkeypatch):
+    """GCC skips a header precompiled under another ``-std`` than the compile's, saying so only with
+    ``-Winvalid-pch``: a GPU host's torch compiled with c++17 while every header was made with c++20,
+    and each build parsed torch's headers again. The plan takes the standard torch's own ninja file
+    gives; a compile with torch's flags then uses the header, and one made under the other does not."""
+    assert pch.cxx_std_of("cflags = common_cflags + ['-fPIC', '-std=c++17'] + extra_cflags\n"
+                          "cuda_flags = cuda_flags + ['-std=c++20']") == "-std=c++17"
+    torch_flags = _torch_cflags(tmp_path)
+    std = [f for f in torch_flags if f.startswith("-std=")]
+    assert std == [pch.torch_cxx_std()], torch_flags
+    src = tmp_path / "use.cpp"
+    src.write_text(f"#include <{TINY}>\nint f() {{ return kl_std(); }}\n")
+    outcome = {}
+    for made_with in (std[0], "-std=c++17" if std[0] != "-std=c++17" else "-std=c++20"):
+        monkeypatch.setattr(pch, "_TORCH_STD", [made_with])
+        b = HookedBuilder(cache_root=tmp_path / made_with / "builds")
+        compiler, flags, _ = b.pch_plan([], [], TINY, STD_TEXT)
+        assert made_with in flags
+        root = b._pch_include_dir([], [], TINY, STD_TEXT)
+        assert root is not None
+        out = subprocess.run([compiler, f"-I{root}", *torch_flags, "-Winvalid-pch", "-H", "-c", str(src),
+                              "-o", str(tmp_path / "use.o")], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        outcome[made_with] = "not used" not in out.stderr and ".gch" in out.stderr
+    assert outcome == {std[0]: True, next(k for k in outcome if k != std[0]): False}, outcome
+
+
 def test_the_key_follows_the_compiler_and_torchs_headers(tmp_path, monkeypatch):
     b = HookedBuilder(cache_root=tmp_path / "builds")
     _, _, root = b.pch_plan(["-O3"], [], TINY, TEXT)
