@@ -251,10 +251,11 @@ def test_distinct_candidates_within_a_round():
     cands = [propose(spec, "cuda", 0, s, []) for s in range(4)]
     assert len({body_hash(c.source) for c in cands}) == 4
     assert len({tuple(sorted(c.choices["knobs"].items())) for c in cands}) == 4
-    # no GEMM and no attention here: the matmul and attention knobs are normalised to their defaults;
+    # no GEMM, attention or recurrent layer here: those knobs are normalised to their defaults;
     # a conv feeding a norm stays NCHW (layout.py), so the layout knob is normalised too
     assert cands[0].choices["knobs"] == {"fusion": "max", "vec": True, "block": 256, "reduce": "onepass",
-                                         "matmul": "tc3", "layout": "nhwc", "attention": "fused"}
+                                         "matmul": "tc3", "layout": "nhwc", "attention": "fused",
+                                         "recurrent": "fused"}
 
 
 def test_variants_without_any_kernel_are_not_proposed_while_others_remain():

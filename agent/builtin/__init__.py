@@ -21,7 +21,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from agent.builtin import attention
+from agent.builtin import attention, recurrent
 from agent.builtin.codegen import HEADER_PREFIX, Knobs, Rendered, body_hash, render_candidate
 from agent.builtin.dtypes import precision_of
 from agent.builtin.feedback import Feedback, _knobs_of, parse_header, read_history, variant_order
@@ -106,10 +106,19 @@ class _Generator:
         inside = frozenset(n.name for sp in fused for n in sp.nodes)
         plan, kgroups, excluded = self.plan(knobs.fusion, excluded_extra | inside)
         excluded = excluded - inside
-        extra = attention.codes(fused, len(plan.groups), self.infos, self.device, knobs)
+        # nn.LSTM/GRU/RNN calls (recurrent.py): library nodes of the plan, one kernel each under recurrent="fused"
+        layers = recurrent.find(list(self.traced.gm.graph.nodes), self.traced.modules,
+                                set(self.fb.excluded) | set(excluded_extra))
+        cells = layers if knobs.recurrent == "fused" else []
+
+        def extras(k: Knobs) -> list:
+            return attention.codes(fused, len(plan.groups), self.infos, self.device, k) + \
+                recurrent.codes(cells, len(plan.groups) + len(fused), self.device, k)
+
+        extra = extras(knobs)
         # knobs that change nothing in this plan are normalised, so equal code has equal headers
         probe = render_candidate(self.traced, plan, kgroups, self.device, knobs, {}, self.init, extra)
-        used = probe.knobs_used | ({"attention"} if spans else set())
+        used = probe.knobs_used | ({"attention"} if spans else set()) | ({"recurrent"} if layers else set())
         # a layout is "used" where the graph has a convolution it rewrites (then both are distinct code)
         has_layouts = self.layout != "nchw" or self.other("nhwc") is not None
         eff = Knobs(fusion=knobs.fusion,
@@ -118,9 +127,10 @@ class _Generator:
                     reduce=knobs.reduce if "reduce" in used else DEFAULT_KNOBS.reduce,
                     matmul=knobs.matmul if "matmul" in used else default_matmul(self.precision),
                     layout=self.layout if has_layouts else DEFAULT_KNOBS.layout,
-                    attention=knobs.attention if "attention" in used else DEFAULT_KNOBS.attention)
+                    attention=knobs.attention if "attention" in used else DEFAULT_KNOBS.attention,
+                    recurrent=knobs.recurrent if "recurrent" in used else DEFAULT_KNOBS.recurrent)
         # (where the knob is used it is kept as asked, so the probe ran the same GEMMs)
-        extra = attention.codes(fused, len(plan.groups), self.infos, self.device, eff)
+        extra = extras(eff)
         header = self.header(plan, kgroups + [c.kg for c in extra], eff, excluded, [g.node.name for g in probe.tc])
         return render_candidate(self.traced, plan, kgroups, self.device, eff, header, self.init, extra)
 
@@ -129,7 +139,8 @@ class _Generator:
         infos = plan.infos
         groups = [{"name": kg.name, "kind": kg.kind, "ops": kg.ops, "nodes": [n.name for n in kg.nodes],
                    "kinds": [infos[n].kind for n in kg.nodes]} for kg in kgroups]
-        inside = {n for kg in kgroups if kg.kind == "attention" for n in kg.nodes}     # attention.py's spans
+        # attention.py's spans and recurrent.py's layers
+        inside = {n for kg in kgroups if kg.kind in ("attention", "recurrent") for n in kg.nodes}
         return {
             "v": HEADER_VERSION, "generator": "builtin", "device": self.device, "task": self.traced.spec.name,
             "precision": self.precision, **({"math": self.math} if self.math else {}),
@@ -208,7 +219,7 @@ def _propose_one(spec: TaskSpec, device: str, round: int, sample: int,
     if chosen is None:
         # every knob setting was tried: leave everything to PyTorch if that is new, else repeat the best
         everything = frozenset(n.name for n, i in gen.infos.items() if i.fusible)
-        r = gen.render(Knobs(matmul="ieee"), everything)
+        r = gen.render(Knobs(matmul="ieee", recurrent="library"), everything)
         if body_hash(r.source) not in fb.seen and body_hash(r.source) not in picked:
             chosen = r
         else:

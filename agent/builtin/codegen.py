@@ -35,6 +35,7 @@ class Knobs:
     matmul: str = "tc3"        # tc3 (large GEMMs as split-TF32 tensor-core GEMMs, cuda; see gemm.py) | ieee
     layout: str = "nhwc"       # nhwc (convolutions in channels-last, epilogues on the permuted view; see layout.py) | nchw
     attention: str = "fused"   # fused (q@k^T..softmax|relu..@v in one kernel, see attention.py) | library
+    recurrent: str = "fused"   # fused (nn.LSTM/GRU/RNN with their own time loop, see recurrent.py) | library
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -295,7 +296,7 @@ def render_candidate(traced: Traced, plan: Plan, kgroups: list[KernelGroup], dev
                      knobs: Knobs, header: dict[str, Any], init: Optional[list[str]] = None,
                      extra: Sequence[Any] = ()) -> Rendered:
     """``init``: lines of the candidate's own ``__init__`` (layout.py); ``extra``: further kernels with
-    GroupCode's interface (attention.AttnCode), after the plan's."""
+    GroupCode's interface (attention.AttnCode, recurrent.RnnCode), after the plan's."""
     codes = [GroupCode(kg, device, knobs) for kg in kgroups] + list(extra)
     inside = {n for c in extra for n in c.kg.nodes}
     qualifying = [g for g in tc3_gemms(plan.infos, traced.modules, device, traced.precision) if g.node not in inside]

@@ -33,6 +33,7 @@ from agent.builtin.codegen import BLOCK_SIZES, HEADER_PREFIX, Knobs, body_hash
 from agent.builtin.gemm import MATMUL_MODES
 from agent.builtin.layout import LAYOUTS
 from agent.builtin.plan import FUSION_MODES, narrow
+from agent.builtin.recurrent import RECURRENT_MODES
 from agent.builtin.search import SearchState, neighbour_key, read_search
 from typing import TYPE_CHECKING
 
@@ -119,6 +120,8 @@ def _knobs_of(header: dict[str, Any]) -> dict[str, Any]:
         knobs["matmul"] = "ieee"
     if knobs and "layout" not in knobs:
         knobs["layout"] = "nchw"     # written before the layout knob: convolutions ran in NCHW
+    if knobs and "recurrent" not in knobs:
+        knobs["recurrent"] = "library"   # written before the recurrent knob: nn.LSTM/GRU/RNN ran as the library's
     return knobs
 
 
@@ -265,17 +268,19 @@ DEFAULT_ORDER = [
     Knobs("max", True, 256, "onepass", "ieee"),
     Knobs("max", True, 256, "onepass", "tc3", "nchw"),
     Knobs("max", True, 256, "onepass", "tc3", attention="library"),     # attention's matmuls on the library
+    Knobs("max", True, 256, "onepass", "tc3", recurrent="library"),     # nn.LSTM/GRU/RNN as the library's layers
     Knobs("max", True, 512, "twopass", "tc3"),
     Knobs("no_prologue", True, 256, "onepass", "tc3"),
     Knobs("elementwise", True, 256, "onepass", "tc3"),
     Knobs("max", True, 128, "onepass", "tc3"),
     Knobs("split", True, 256, "twopass", "tc3"),
 ]
-ALL_KNOBS = [Knobs(f, v, b, r, m, lay, a) for f in FUSION_MODES for v in (True, False) for b in BLOCK_SIZES
-             for r in ("onepass", "twopass") for m in MATMUL_MODES for lay in LAYOUTS for a in ATTENTION_MODES]
+ALL_KNOBS = [Knobs(f, v, b, r, m, lay, a, rec) for f in FUSION_MODES for v in (True, False) for b in BLOCK_SIZES
+             for r in ("onepass", "twopass") for m in MATMUL_MODES for lay in LAYOUTS for a in ATTENTION_MODES
+             for rec in RECURRENT_MODES]
 # Around the best, one-knob changes are tried in this order: the GEMM's mode and the convolutions'
 # layout first (the GEMM or the convolution dominates the time of every task that has one).
-_PRIORITY = {"matmul": 0, "layout": 0, "attention": 1, "block": 2, "vec": 3, "reduce": 4, "fusion": 5}
+_PRIORITY = {"matmul": 0, "layout": 0, "attention": 1, "recurrent": 1, "block": 2, "vec": 3, "reduce": 4, "fusion": 5}
 
 
 def variant_order(fb: Feedback, precision: Optional[str] = None, nchw_first: bool = False) -> list[Knobs]:

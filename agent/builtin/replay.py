@@ -182,7 +182,9 @@ class _Emulated:
             raise AttributeError(name)
         return lambda *args: self._run(kg, list(args))
 
-    def _run(self, kg: Any, args: list[Any]) -> torch.Tensor:
+    def _run(self, kg: Any, args: list[Any]) -> Any:
+        if kg.kind == "recurrent":          # recurrent.RnnKernel: called with (x, state, weights)
+            return kg.replay(args, self.model, self.modes.get(kg.name, "torch"))
         n_in = len(kg.inputs)
         tensors, flags = args[:n_in], tuple(args[n_in:])
         if self.modes.get(kg.name, "torch") == "plan":
