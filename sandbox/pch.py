@@ -128,8 +128,11 @@ def leading_includes(text: str) -> tuple[list[str], list[str]]:
 def prefix_header(block: list[str]) -> tuple[str, str]:
     """The name and text of a header holding a C++ file's leading include block: precompiled, the
     file starts with it in the block's place, its other lines where they were (the block's lines
-    left blank: ``__LINE__`` in what follows, TORCH_CHECK's messages, stays the same)."""
-    text = "\n".join(block) + "\n"
+    left blank: ``__LINE__`` in what follows, TORCH_CHECK's messages, stays the same). The header
+    holds the block's include lines only: blank lines and comments, which the file loses with the
+    block either way, do not make another header (a salt or note atop each candidate's source made
+    every block new, so none was ever seen twice)."""
+    text = "\n".join(line.split("//")[0].strip() for line in block if "#" in line.split("//")[0]) + "\n"
     return f"kernelloop/prefix_{hashlib.sha256(text.encode()).hexdigest()[:16]}.h", text
 
 

@@ -136,7 +136,10 @@ def test_a_leading_include_block_is_taken_out_line_for_line_and_precompiled_only
     assert pch.leading_includes('#include "mine.h"\n#include <vector>\n')[0] == []
     assert pch.leading_includes("#define N 4\n#include <vector>\n")[0] == []
     name, header = pch.prefix_header(block)
-    assert header == "\n".join(block) + "\n" and name.startswith("kernelloop/prefix_")
+    assert header == "#include <kernelloop/lean_binding.h>\n#include <vector>\n" and name.startswith("kernelloop/prefix_")
+    # comments and blank lines in the block (a salt, a note) make no other header
+    assert pch.prefix_header(["// salt 1", *block, "#include <cmath>  // maths"]) == \
+        pch.prefix_header(["// salt 2", "", *block, "#include <cmath>"])
     assert pch.prefix_header(block + ["#include <string>"])[0] != name
     assert not pch.seen_before(tmp_path, name) and pch.seen_before(tmp_path, name)
 
