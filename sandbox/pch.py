@@ -145,3 +145,26 @@ def seen_before(root: Path, name: str) -> bool:
     note.parent.mkdir(parents=True, exist_ok=True)
     note.touch()
     return False
+
+
+_SKIPPED_RE = re.compile(r"warning: (\S+\.gch): not used because (.*?) \[-Winvalid-pch\]")
+
+
+def headers_used(build_dir: Path, source: str = "main.cpp", timeout: float = 300.0) -> dict[str, Any]:
+    """Which precompiled headers a finished build's C++ file takes: the file parsed again as its
+    ``build.ninja`` compiles it (``-fsyntax-only``, with ``-Winvalid-pch -H``). ``used`` lists the
+    ``.gch`` files GCC read, ``skipped`` each one it found but refused, with its reason. A header
+    refused costs only time and GCC says nothing without the warning: this is how a build's
+    flags drifting from a header's (another ``-std``) is seen."""
+    import shlex
+    import subprocess
+
+    build_dir = Path(build_dir)
+    values = dict(re.findall(r"^(\w+) = (.*)$", (build_dir / "build.ninja").read_text(), re.M))
+    cmd = [values["cxx"], *shlex.split(values.get("cflags", "")), "-fsyntax-only", "-Winvalid-pch", "-H",
+           "-c", source, *shlex.split(values.get("post_cflags", ""))]
+    out = subprocess.run(cmd, cwd=build_dir, capture_output=True, text=True, timeout=timeout)
+    used = [line[2:].strip() for line in out.stderr.splitlines() if line.startswith("! ")]
+    skipped = [f"{Path(g).name}: {why}" for g, why in _SKIPPED_RE.findall(out.stderr)]
+    return {"used": used, "skipped": skipped, "ok": out.returncode == 0}
+

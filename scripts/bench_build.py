@@ -9,7 +9,8 @@ candidate style, the medians of each step and the ratio:
   more than the lean binding header (the builtin's; ``sandbox.pch``);
 * ``sandbox``: the hook with the precompiled headers made (the steady state), with the median
   seconds of each translation unit (``main.o``: the C++ file and its bindings; ``cuda.cuda.o``:
-  the CUDA file; the ``.so``: the link) from ninja's log;
+  the CUDA file; the ``.so``: the link) from ninja's log, and the precompiled headers its C++ file
+  takes (``sandbox.pch.headers_used``: any GCC skipped is printed with GCC's reason);
 * with ``--workers``, the whole build stage of an evaluation (``Sandbox.build_only``: a build
   worker, the candidate's module executed, the hook's build, the reply): ``worker cold`` starts
   its worker for the build (Python and torch's import paid in the build), ``worker warm`` takes
@@ -36,6 +37,9 @@ import sys
 import tempfile
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 KERNEL_LEAN = r'''
 __global__ void scale_add(const float* x, float* y, float s, long n) {
@@ -169,7 +173,7 @@ def build_once(mode: str, style: str, device: str, cache: str, arch: str | None 
     for d in reply.get("dirs", []):
         for k, v in ninja_steps(d).items():
             steps[k] = steps.get(k, 0.0) + v
-    return {"seconds": reply["seconds"], "steps": steps}
+    return {"seconds": reply["seconds"], "steps": steps, "dirs": reply.get("dirs", [])}
 
 
 def worker_builds(style: str, device: str, cache: str, arch: str | None, n: int, warm: bool) -> list[float]:
@@ -210,6 +214,17 @@ def worker_builds(style: str, device: str, cache: str, arch: str | None, n: int,
                                  f"{check.build.log[-3000:] if check.build else ''}")
             out.append(check.build.seconds)
     return out
+
+
+def _headers_taken(runs: list[dict]) -> dict:
+    """The precompiled headers the last steady-state build's C++ file takes, and any GCC skipped."""
+    from sandbox.pch import headers_used
+
+    for d in reversed([d for r in runs for d in r["dirs"]]):
+        if (Path(d) / "main.cpp").exists():
+            found = headers_used(Path(d))
+            return {"used": [Path(g).name for g in found["used"]], "skipped": found["skipped"]}
+    return {"used": [], "skipped": []}
 
 
 def _steps(runs: list[dict]) -> str:
@@ -272,6 +287,10 @@ def main() -> None:
               f"leading-include PCH, if any) {second['seconds']:.1f} s ({_steps([second])})\n"
               f"  sandbox, PCHs made: median {o:.1f} s {['%.1f' % r['seconds'] for r in ours]} ({_steps(ours)})\n"
               f"  ratio plain/sandbox {p / o:.2f}x", flush=True)
+        taken = _headers_taken(ours)
+        row["pch_used"], row["pch_skipped"] = taken["used"], taken["skipped"]
+        print(f"  the C++ file's precompiled headers (sandbox.pch.headers_used): {len(taken['used'])} taken "
+              f"{taken['used']}" + (f"; SKIPPED {taken['skipped']}" if taken["skipped"] else ""), flush=True)
         if args.workers:
             cold = worker_builds(style, args.device, cache, args.arch, args.n, warm=False)
             warm = worker_builds(style, args.device, cache, args.arch, args.n, warm=True)

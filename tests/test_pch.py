@@ -210,6 +210,9 @@ def test_a_build_with_the_pchs_compiles_to_what_one_without_does(tmp_path):
         assert record.ok and PCH_NOTE not in record.notes
         assert (PREFIX_NOTE in record.notes) == use_pch, record.notes
         assert bool(list((tmp_path / f"pch{use_pch}" / "pch").rglob("*.gch"))) == use_pch
+        # and the compile really takes it (GCC skips one made under other flags without a word)
+        taken = pch.headers_used(Path(record.directory))
+        assert taken["ok"] and not taken["skipped"] and bool(taken["used"]) == use_pch, taken
         built[use_pch] = (ext.scale_add(x, 0.5), _text_symbols(Path(record.directory) / "main.o", record.name))
     assert torch.equal(built[True][0], built[False][0])
     assert built[True][1] == built[False][1]
