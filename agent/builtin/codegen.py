@@ -427,5 +427,19 @@ def emit_forward(traced: Traced, plan: Plan, codes: list[GroupCode], tc: Optiona
         body.append(stmt)
     sig = pysource.signature(placeholders)
     text = [f"    def forward({sig}):"]
+    text += ["        " + line for line in shape_checks(traced.shapes)]
     text += ["        " + line for line in body]
     return "\n".join(text)
+
+
+def shape_checks(shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """The forward's first statements where the trace specialised on its inputs' shapes
+    (``Traced.shapes``): the code was unrolled for those shapes and computes something else for
+    any other, so another shape is refused with the reason, never run."""
+    lines = []
+    for name, shape in shapes.items():
+        want = tuple(int(d) for d in shape)
+        lines += [f"if tuple({name}.shape) != {want!r}:",
+                  f"    raise ValueError(f\"ModelNew was generated for {name} of shape {want!r} (the task's inputs: "
+                  f"its trace read that shape and unrolled on it), got {{tuple({name}.shape)}}\")"]
+    return lines
