@@ -69,6 +69,7 @@ class GroupCode:
         self.device = device
         self.knobs = knobs
         self.roles: dict[str, int] = {}
+        self.fn = kg.name          # the extension function it calls (another group's, where the code is the same)
         if kg.core_info is not None and kg.kind == "norm":
             names = self._param_roles()
             for role, idx in zip(names, kg.params):
@@ -238,7 +239,7 @@ class GroupCode:
         args = [i.py for i in kg.inputs]
         out = var(kg.out_node)
         if kg.op != "batch_norm":
-            return [f"{out} = _ext.{kg.name}({', '.join(args)})"]
+            return [f"{out} = _ext.{self.fn}({', '.join(args)})"]
         path = kg.core_info.params["module"]
         m = pysource.attr_path(path)
         if kg.core_info.params.get("track"):
@@ -250,9 +251,9 @@ class GroupCode:
                 "    _factor = (1.0 / float(_bn.num_batches_tracked)) if _bn.momentum is None else float(_bn.momentum)",
                 "else:",
                 "    _factor = 0.0",
-                f"{out} = _ext.{kg.name}({', '.join(args)}, bool(_bn.training), bool(_update), _factor)",
+                f"{out} = _ext.{self.fn}({', '.join(args)}, bool(_bn.training), bool(_update), _factor)",
             ]
-        return [f"{out} = _ext.{kg.name}({', '.join(args)}, True, False, 0.0)"]
+        return [f"{out} = _ext.{self.fn}({', '.join(args)}, True, False, 0.0)"]
 
 
 _EXPF = re.compile(r"(?<![\w.])expf\(")
@@ -277,6 +278,7 @@ class Rendered:
     groups: list[GroupCode] = field(default_factory=list)
     knobs_used: set[str] = field(default_factory=set)
     tc: list[TcGemm] = field(default_factory=list)      # library GEMMs run as split-TF32 GEMMs
+    shared: dict[str, str] = field(default_factory=dict)   # group -> the group whose kernel it calls (share_kernels)
 
     @property
     def has_kernel(self) -> bool:
@@ -298,11 +300,20 @@ def render_candidate(traced: Traced, plan: Plan, kgroups: list[KernelGroup], dev
     """``init``: lines of the candidate's own ``__init__`` (layout.py); ``extra``: further kernels with
     GroupCode's interface (attention.AttnCode, recurrent.RnnCode), after the plan's."""
     codes = [GroupCode(kg, device, knobs) for kg in kgroups] + list(extra)
+    # a trace unrolled over its input's shape (trace.py) repeats each step's groups: one kernel each
+    shared = share_kernels(codes[:len(kgroups)]) if traced.shapes else {}
+    for c in codes:
+        if c.kg.name in shared:
+            c.fn = shared[c.kg.name]
+    for g in header.get("groups", []):
+        if g["name"] in shared:
+            g["kernel"] = shared[g["name"]]
+    own = [c for c in codes if c.kg.name not in shared]
     inside = {n for c in extra for n in c.kg.nodes}
     qualifying = [g for g in tc3_gemms(plan.infos, traced.modules, device, traced.precision) if g.node not in inside]
     tc = qualifying if knobs.matmul == "tc3" else []
     tc_fns = {g.fn for g in tc}
-    kernels = "\n".join(c.kernel_source() for c in codes)
+    kernels = "\n".join(c.kernel_source() for c in own)
     if tc:
         kernels += ("\n" if kernels else "") + render("cuda_tc.cu.j2")
     # the channels-last input copy (layout.py), in candidates that build their own kernels anyway
@@ -310,7 +321,7 @@ def render_candidate(traced: Traced, plan: Plan, kgroups: list[KernelGroup], dev
     if to_cl:
         kernels += ("\n" if kernels else "") + render("cuda_nhwc.cu.j2")
     common = render("common.h.j2", device=device, half=any(c.kg.has_half for c in codes))
-    wrappers = render("wrapper.cpp.j2", device=device, wrappers=[c.wrapper() for c in codes],
+    wrappers = render("wrapper.cpp.j2", device=device, wrappers=[c.wrapper() for c in own],
                       tc_linear="kl_tc_linear" in tc_fns, tc_matmul="kl_tc_matmul" in tc_fns, to_cl=to_cl)
     if device == "cuda":
         cuda_source = common + "\n" + kernels
@@ -330,8 +341,8 @@ def render_candidate(traced: Traced, plan: Plan, kgroups: list[KernelGroup], dev
     if qualifying:
         used.add("matmul")
     spec = traced.spec
-    summary = _summary(plan, codes, tc, traced.precision)
-    functions = [c.kg.name for c in codes] + sorted(tc_fns) + (["kl_to_cl"] if to_cl else [])
+    summary = _summary(plan, codes, tc, traced.precision, shared)
+    functions = [c.kg.name for c in own] + sorted(tc_fns) + (["kl_to_cl"] if to_cl else [])
     source = render(
         "candidate.py.j2",
         header=json.dumps(header, sort_keys=True, separators=(",", ":")),
@@ -340,10 +351,38 @@ def render_candidate(traced: Traced, plan: Plan, kgroups: list[KernelGroup], dev
         cpp_source=cpp_source, cuda_source=cuda_source, ext_name=ext_name,
         functions=repr(functions), layers=pysource.layers_class(spec),
         forward=forward)
-    return Rendered(source=source, header=header, groups=codes, knobs_used=used, tc=tc)
+    return Rendered(source=source, header=header, groups=codes, knobs_used=used, tc=tc, shared=shared)
 
 
-def _summary(plan: Plan, codes: list[GroupCode], tc: list[TcGemm], precision: str = "fp32") -> list[str]:
+def share_kernels(codes: list[GroupCode]) -> dict[str, str]:
+    """Groups whose kernel and wrapper are another group's but for names -> that group's name.
+
+    Their own kernel would be the same code under another name (each step of an unrolled loop
+    has its group): they call the first one's instead, so the extension holds each kernel once.
+    Names are the group's (``kl_g3``), its values' (``t_<node>``) and its inputs' labels (in the
+    wrapper's messages, which then name the first group's inputs)."""
+    first: dict[str, str] = {}
+    shared: dict[str, str] = {}
+    for c in codes:
+        kg = c.kg
+        wrapper = c.wrapper()
+        body = wrapper["body"]
+        for inp in kg.inputs:
+            body = [line.replace(f'"{_c_str(inp.label)}"', f'"in{inp.index}"') for line in body]
+        text = c.kernel_source() + "\n" + json.dumps({**wrapper, "body": body}, sort_keys=True)
+        text = re.sub(rf"(?<!\w){kg.name}(?!\d)", "kl_g", text)        # kl_g3, kl_g3_impl, kl_g3_cpu ...
+        values = {f"t_{n.name}": f"t_{i}" for i, n in enumerate(kg.nodes)}
+        text = re.sub(r"(?<!\w)(" + "|".join(values) + r")(?!\w)", lambda m: values[m.group(1)], text)
+        key = hashlib.sha256(text.encode()).hexdigest()
+        if key in first:
+            shared[kg.name] = first[key]
+        else:
+            first[key] = kg.name
+    return shared
+
+
+def _summary(plan: Plan, codes: list[GroupCode], tc: list[TcGemm], precision: str = "fp32",
+             shared: Optional[dict[str, str]] = None) -> list[str]:
     out = []
     if precision != "fp32":
         halves = sorted({c_type(d) for c in codes for d in c.kg.dtypes if c_type(d) != "float"})
@@ -353,6 +392,9 @@ def _summary(plan: Plan, codes: list[GroupCode], tc: list[TcGemm], precision: st
                    f"convolutions) stay on PyTorch in {precision} (the split-TF32 GEMM is for fp32 only).")
     for c in codes:
         out.append(c.summary_line())
+    if shared:
+        out.append(f"{len(shared)} of these groups compute what an earlier group does and call its kernel: "
+                   f"{len(codes) - len(shared)} kernel(s) in the extension.")
     for g in tc:
         out.append(f"{g.fn} ({g.node.name}, [{g.m}x{g.k}] x [{g.k}x{g.n}]): the float32 GEMM runs as split-TF32 "
                    "tensor-core GEMMs with K-chunked accumulation: each operand is split into its TF32 rounding "
@@ -427,5 +469,19 @@ def emit_forward(traced: Traced, plan: Plan, codes: list[GroupCode], tc: Optiona
         body.append(stmt)
     sig = pysource.signature(placeholders)
     text = [f"    def forward({sig}):"]
+    text += ["        " + line for line in shape_checks(traced.shapes)]
     text += ["        " + line for line in body]
     return "\n".join(text)
+
+
+def shape_checks(shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """The forward's first statements where the trace specialised on its inputs' shapes
+    (``Traced.shapes``): the code was unrolled for those shapes and computes something else for
+    any other, so another shape is refused with the reason, never run."""
+    lines = []
+    for name, shape in shapes.items():
+        want = tuple(int(d) for d in shape)
+        lines += [f"if tuple({name}.shape) != {want!r}:",
+                  f"    raise ValueError(f\"ModelNew was generated for {name} of shape {want!r} (the task's inputs: "
+                  f"its trace read that shape and unrolled on it), got {{tuple({name}.shape)}}\")"]
+    return lines

@@ -89,7 +89,7 @@ def _named_groups(att: AttemptView, groups: list[dict[str, Any]]) -> list[dict[s
     if r.build is not None and r.build.first_error_line and att.source:
         g = _group_at_line(att.source, r.build.first_error_line)
         if g in names:
-            return [names[g]]
+            return _with_sharers(names[g], groups)
     texts = [r.build.first_error if r.build is not None else None, r.error_message]
     for text in texts:
         if not text:
@@ -97,8 +97,14 @@ def _named_groups(att: AttemptView, groups: list[dict[str, Any]]) -> list[dict[s
         found = [f"kl_g{m}" for m in _GROUP_RE.findall(text)]
         hits = [names[f] for f in dict.fromkeys(found) if f in names]
         if hits:
-            return hits[:1]
+            return _with_sharers(hits[0], groups)
     return []
+
+
+def _with_sharers(group: dict[str, Any], groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A group and the groups that call its kernel (the header's ``kernel``, see
+    ``codegen.share_kernels``): a failure of that kernel is theirs too."""
+    return [group] + [g for g in groups if g.get("kernel") == group["name"]]
 
 
 def _group_at_line(source: str, line: int) -> Optional[str]:

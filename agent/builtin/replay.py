@@ -409,8 +409,12 @@ def check(traced: Any, rendered: Any, infos: dict[Node, Any], numerics: Any) -> 
         verdict.notes.append("replay: not run (the task's CPU sizes are too large for it)")
         return verdict
     setup = _Setup(load_task(traced.spec), numerics, rendered.source, groups, infos)
-    names = [c.kg.name for c in groups]
-    nodes_of = {c.kg.name: [n.name for n in c.kg.nodes] for c in groups}
+    # a group that calls another's kernel (codegen.share_kernels) is that kernel's: blamed with it
+    shared = rendered.shared
+    names = [c.kg.name for c in groups if c.kg.name not in shared]
+    nodes_of: dict[str, list[str]] = {}
+    for c in groups:
+        nodes_of.setdefault(shared.get(c.kg.name, c.kg.name), []).extend(n.name for n in c.kg.nodes)
     verdict.ran = True
     # 1. semantics, in float64
     ref = _reference(setup, wide=True)

@@ -6,6 +6,12 @@ run the model, the task's CPU sizes and real tensors are used instead (shapes on
 the plan: the generated kernels read every size at run time). The caller's RNG state
 is never disturbed.
 
+A forward whose Python control flow reads an input's shape (``seq_len, batch, _ = x.size()``
+then ``for t in range(seq_len)``, KernelBench's level3/34) cannot be traced symbolically: a
+last attempt answers those questions with the example inputs' sizes (``_ShapeTracer``), so the
+loop unrolls. Such a trace holds only for inputs of those shapes: ``Traced.shapes`` names
+them, and the candidate refuses any other (``codegen.emit_forward``).
+
 The trace is taken in the run's precision, as the sandbox builds the models (KernelBench's
 casts, through the ``Numerics`` helpers): tensors among the init inputs, the model's
 parameters and buffers and the floating-point inputs in float16 or bfloat16 under ``fp16`` or
@@ -13,6 +19,7 @@ parameters and buffers and the floating-point inputs in float16 or bfloat16 unde
 """
 from __future__ import annotations
 
+import inspect
 import operator
 import threading
 from dataclasses import dataclass, field
@@ -38,6 +45,7 @@ class Traced:
     error: Optional[str] = None              # why tracing failed (then gm is None)
     how: str = "meta"                        # meta | cpu
     precision: str = "fp32"                  # the run's precision the trace was taken in
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)   # inputs the trace specialised on
 
     @property
     def ok(self) -> bool:
@@ -73,7 +81,11 @@ def _trace(spec: TaskSpec, device: str, numerics: Any = None) -> Traced:
         use = dev_spec if how == "meta" else with_device_sizes(spec, "cpu")
         try:
             with torch.random.fork_rng(devices=[]):
-                return _trace_with(use, device, how, numerics)
+                traced = _trace_with(use, device, how, numerics)
+            if traced.shapes and use.overrides != dev_spec.overrides:
+                raise ValueError("the trace specialised on the input shapes of the CPU sizes, which are "
+                                 f"not those {device} runs")
+            return traced
         except Exception as exc:  # noqa: BLE001 - any failure moves on to the next way
             errors.append(f"{how}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
     return Traced(spec=dev_spec, device=device, error="; ".join(errors), precision=precision)
@@ -92,7 +104,7 @@ def _trace_with(spec: TaskSpec, device: str, how: str, numerics: Any = None) -> 
         init = cast_values(numerics, task.get_init_inputs())
         model = cast_model(numerics, task.Model(*init))
         inputs = cast_values(numerics, task.get_inputs())
-    gm = _symbolic_trace(model)
+    gm, shapes = _symbolic_trace(model, inputs)
     _ShapeProp(gm).propagate(*inputs)
     _rewrite_tuple_reductions(gm)       # first: a convolution followed by torch.min(x, 1)[0] splits its bias too
     _fold_scalar_tensors(gm)            # torch.min(x, torch.tensor(0.0, device=x.device)) fuses with its neighbours
@@ -118,7 +130,7 @@ def _trace_with(spec: TaskSpec, device: str, how: str, numerics: Any = None) -> 
                                      "(only tensors of at most 4096 values, not on the meta device, are copied)")
                 constants[node.target] = value.detach().cpu().clone()
     return Traced(spec=spec, device=device, gm=gm, modules=modules, constants=constants, how=how,
-                  precision=precision_of(numerics))
+                  precision=precision_of(numerics), shapes=shapes)
 
 
 class _ShapeProp(ShapeProp):
@@ -165,17 +177,82 @@ def _recurrent_outputs(module: nn.RNNBase, x: Any = None, hx: Any = None) -> Any
     return x.new_empty(output), x.new_empty(h_n)
 
 
-def _symbolic_trace(model: nn.Module) -> GraphModule:
-    """``symbolic_trace``, and where that fails, again with the model's buffers as proxies: a
-    forward that slices a buffer by a traced size (``self.bias[:, :, :T, :T]`` in minGPT's causal
-    attention) indexes a real tensor with a proxy otherwise."""
+def _symbolic_trace(model: nn.Module, inputs: list) -> tuple[GraphModule, dict[str, tuple[int, ...]]]:
+    """``symbolic_trace``; where that fails, again with the model's buffers as proxies (a forward
+    that slices a buffer by a traced size, ``self.bias[:, :, :T, :T]`` in minGPT's causal
+    attention, indexes a real tensor with a proxy otherwise); where that fails too, with the
+    inputs' shapes answered concretely (``_ShapeTracer``). Returns the graph module and the
+    shapes of the inputs it specialised on (empty but for the last way)."""
     try:
-        return symbolic_trace(model)
-    except Exception:  # noqa: BLE001 - the second way, or its own error
+        return symbolic_trace(model), {}
+    except Exception:  # noqa: BLE001 - the next way, or its own error
+        pass
+    try:
         tracer = torch.fx.Tracer()
         tracer.proxy_buffer_attributes = True
         graph = tracer.trace(model)
-        return GraphModule(tracer.root, graph, type(model).__name__)
+        return GraphModule(tracer.root, graph, type(model).__name__), {}
+    except Exception:  # noqa: BLE001 - the last way, or its own error
+        shaped = _ShapeTracer(model, inputs)
+        graph = shaped.trace(model)
+        return GraphModule(shaped.root, graph, type(model).__name__), shaped.used
+
+
+class _ShapedProxy(torch.fx.Proxy):
+    """The proxy of a forward's tensor argument that answers shape questions (``size``, ``shape``,
+    ``dim``, ``ndim``, ``numel``, ``nelement``, ``len``) with the example input's sizes instead
+    of recording them, and records that it did (``_ShapeTracer.used``). Everything else is
+    traced as by any proxy; a tensor computed from the input asks its own proxy, which records."""
+
+    def __init__(self, node: Node, tracer: "_ShapeTracer", size: torch.Size):
+        super().__init__(node, tracer)
+        self._size = size
+
+    def _answer(self) -> torch.Size:
+        self.tracer.used[str(self.node.target)] = tuple(self._size)
+        return self._size
+
+    def size(self, dim: Optional[int] = None) -> Any:
+        return self._answer() if dim is None else self._answer()[dim]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._answer()
+
+    def dim(self) -> int:
+        return len(self._answer())
+
+    @property
+    def ndim(self) -> int:
+        return len(self._answer())
+
+    def numel(self) -> int:
+        return self._answer().numel()
+
+    def nelement(self) -> int:
+        return self._answer().numel()
+
+    def __len__(self) -> int:
+        return self._answer()[0]
+
+
+class _ShapeTracer(torch.fx.Tracer):
+    """A tracer whose placeholders for the forward's positional tensor arguments are
+    ``_ShapedProxy``s with the example inputs' sizes: Python control flow over those sizes
+    unrolls (``for t in range(x.size(0))``). ``used``: the arguments whose sizes were read,
+    by name, with their shapes."""
+
+    def __init__(self, model: nn.Module, inputs: list):
+        super().__init__()
+        params = [p for p in inspect.signature(model.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self.sizes = {p.name: v.shape for p, v in zip(params, inputs) if isinstance(v, torch.Tensor)}
+        self.used: dict[str, tuple[int, ...]] = {}
+
+    def proxy(self, node: Node) -> torch.fx.Proxy:
+        if node.op == "placeholder" and node.target in self.sizes:
+            return _ShapedProxy(node, self, self.sizes[str(node.target)])
+        return super().proxy(node)
 
 
 def _get_path(obj: Any, path: str) -> Any:

@@ -1,0 +1,198 @@
+"""A forward whose Python control flow reads its input's shape (KernelBench level3/34's
+``seq_len, batch_size, _ = x.size()`` and ``for t in range(seq_len)``): traced specialised on the
+example inputs' shapes (``agent.builtin.trace._ShapeTracer``), the loop unrolled, each step's
+identical group calling one kernel (``codegen.share_kernels``), and any other input shape refused
+by the candidate. Everything runs without a compiler except the sandbox test (one C++ build).
+"""
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+
+from agent.builtin import generate, propose, replay_verdict
+from agent.builtin.trace import trace_task
+from sandbox.tasks import TaskSpec, read_spec, with_device_sizes
+
+FIXTURES = Path(__file__).parent / "fixtures" / "builtin"
+LOOP = FIXTURES / "rnn_loop.py"
+REFUSED = "ModelNew was generated for x of shape (6, 2, 8)"
+
+QUESTIONS = '''
+import torch
+import torch.nn as nn
+
+class Model(nn.Module):
+    def forward(self, x, y):
+        n = x.size(0)
+        assert x.dim() == 3 and x.ndim == 3 and len(x) == n and x.numel() == n * x.shape[1] * x.size(-1)
+        out = x[0] * 0.0
+        for i in range(x.shape[0]):
+            out = torch.relu(out + x[i])
+        return out * y
+
+def get_inputs():
+    return [torch.randn(3, 4, 5), torch.randn(4, 5)]
+
+def get_init_inputs():
+    return []
+'''
+
+REPEATED = '''
+import torch
+import torch.nn as nn
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.b(torch.relu(self.a(x))))
+
+def get_inputs():
+    return [torch.randn(4, 8)]
+
+def get_init_inputs():
+    return []
+'''
+
+
+@pytest.fixture(autouse=True)
+def _fresh_verdicts(monkeypatch):
+    import agent.builtin as builtin
+    monkeypatch.setattr(builtin, "_VERDICTS", {})
+
+
+def _spec(path: Path) -> TaskSpec:
+    return with_device_sizes(read_spec(path, name=f"fixtures/{path.stem}"), "cpu")
+
+
+def _inline(source: str, name: str, tmp_path: Path) -> TaskSpec:
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    return read_spec(path, name=f"inline/{name}")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_loop_over_the_inputs_size_unrolls_into_one_shared_kernel(device):
+    """Six steps, six tanh groups: the first has the kernel, the other five call it (the header's
+    ``kernel``); the extension binds one function, and the forward checks the shape first."""
+    traced = trace_task(_spec(LOOP), device)
+    assert traced.ok and traced.shapes == {"x": (6, 2, 8)}
+    cand = generate(_spec(LOOP), device)
+    groups = cand.choices["groups"]
+    assert "fallback" not in cand.choices and [g["ops"] for g in groups] == [["tanh"]] * 6
+    assert [g.get("kernel") for g in groups] == [None] + ["kl_g0"] * 5
+    assert cand.source.count("---- kl_g0 begin") == 1 and "---- kl_g1 begin" not in cand.source
+    assert "functions=['kl_g0']" in cand.source
+    assert cand.source.count("_ext.kl_g0(") == 6
+    forward = cand.source.split("def forward(self, x, h0):")[1].splitlines()
+    assert forward[1].strip() == "if tuple(x.shape) != (6, 2, 8):" and REFUSED in forward[2]
+
+
+def test_every_shape_question_of_an_input_is_answered(tmp_path):
+    """size(), size(d), shape, shape[d], dim(), ndim, len() and numel() of an input are the example's
+    sizes (an assert on them and a loop over shape[0] trace); an input whose shape nothing asked
+    gets no check."""
+    spec = _inline(QUESTIONS, "questions", tmp_path)
+    traced = trace_task(spec, "cpu")
+    assert traced.ok, traced.error
+    assert traced.shapes == {"x": (3, 4, 5)}
+    cand = generate(spec, "cpu")
+    assert "if tuple(x.shape) != (3, 4, 5):" in cand.source and "tuple(y.shape)" not in cand.source
+
+
+def test_a_traceable_forward_is_traced_as_before(tmp_path):
+    """Only a forward the symbolic trace cannot follow is specialised: a traceable one has no shape
+    check and keeps a kernel per group, even where two groups compute the same."""
+    spec = _inline(REPEATED, "repeated", tmp_path)
+    assert trace_task(spec, "cpu").shapes == {}
+    cand = generate(spec, "cpu")
+    assert [g["ops"] for g in cand.choices["groups"]] == [["relu"], ["relu"]]
+    assert "functions=['kl_g0', 'kl_g1']" in cand.source and "raise ValueError" not in cand.source
+
+
+def test_an_input_of_another_shape_is_refused(monkeypatch):
+    """The candidate, run (its extension stubbed) with a longer sequence: the clear error, before
+    any kernel is called; with the traced shape it runs to the end."""
+    import torch
+    import torch.utils.cpp_extension as ext
+
+    calls = []
+
+    def fake(name, cpp_sources, functions=None, **kw):
+        return types.SimpleNamespace(**{f: (lambda t: calls.append(f) or torch.tanh(t)) for f in functions})
+
+    monkeypatch.setattr(ext, "load_inline", fake)
+    cand = generate(_spec(LOOP), "cpu")
+    ns: dict = {}
+    exec(compile(cand.source, "candidate.py", "exec"), ns)
+    model = ns["ModelNew"](8, 5, 3)
+    with pytest.raises(ValueError, match=r"generated for x of shape \(6, 2, 8\).*got \(7, 2, 8\)"):
+        model(torch.rand(7, 2, 8), torch.rand(2, 5))
+    assert calls == []
+    assert model(torch.rand(6, 2, 8), torch.rand(2, 5)).shape == (6, 2, 3) and calls == ["kl_g0"] * 6
+
+
+def test_a_failure_of_the_shared_kernel_blames_every_group_calling_it():
+    """A runtime error naming kl_g0: all six steps' groups are its, so all six are narrowed (left to
+    PyTorch), not only the first."""
+    from agent.types import AttemptView
+    from sandbox.result import EvalResult, Status
+
+    cand = propose(_spec(LOOP), "cpu", 0, 0, [])
+    failed = EvalResult(status=Status.runtime_error, task="t", device="cpu",
+                        error_message="RuntimeError: kl_g0 (tanh): something went wrong")
+    history = [AttemptView(attempt_id=1, round=0, sample=0, parse_status="ok", source=cand.source, result=failed)]
+    after = propose(_spec(LOOP), "cpu", 1, 0, history)
+    tanhs = {"tanh"} | {f"tanh_{i}" for i in range(1, 6)}
+    assert tanhs <= set(after.choices["excluded"])
+    assert not any("tanh" in g["ops"] for g in after.choices["groups"])
+
+
+def test_the_replay_runs_the_unrolled_candidate():
+    verdict = replay_verdict(_spec(LOOP))
+    assert verdict.ran and not verdict.semantic and not verdict.unverifiable, verdict.notes
+
+
+def test_the_replay_blames_every_group_calling_a_wrong_shared_kernel(monkeypatch):
+    """The plan reads tanh as sigmoid (a planted bug): the replay finds the one kernel wrong and
+    leaves all six steps' tanh to PyTorch."""
+    from agent.builtin import plan as plan_mod
+
+    real = plan_mod.classify
+
+    def planted(node, modules, constants):
+        info = real(node, modules, constants)
+        if info.op == "tanh":
+            info.op = "sigmoid"
+        return info
+
+    monkeypatch.setattr(plan_mod, "classify", planted)
+    verdict = replay_verdict(_spec(LOOP))
+    assert verdict.semantic == ["kl_g0"], verdict.notes
+    assert verdict.excluded == {"tanh"} | {f"tanh_{i}" for i in range(1, 6)}
+
+
+def test_the_unrolled_candidate_is_correct_in_the_cpu_sandbox():
+    """One C++ build: the proposal judged by the sandbox against the reference (fp32 tolerance,
+    float64 rule); the same source with the shared kernel planted wrong is judged incorrect."""
+    from sandbox.evaluate import evaluate
+    from sandbox.numerics import Numerics
+    from sandbox.result import EvalConfig, Status
+
+    spec = _spec(LOOP)
+    cand = propose(spec, "cpu", 0, 0, [])
+    cfg = EvalConfig(numerics=Numerics(), trials=2, warmup_runs=1, timed_runs=2, time_compile=False, profile=False)
+    result = evaluate(spec, cand.source, "cpu", cfg)
+    assert result.status is Status.correct, (result.status, result.error_message,
+                                             result.build.first_error if result.build else None)
+    checks = [o for t in result.trials for o in t.outputs]
+    assert checks and all(c.mismatched == 0 for c in checks)
+    right = "const float t_tanh = tanhf(a0);"
+    assert cand.source.count(right) == 1
+    wrong = evaluate(spec, cand.source.replace(right, "const float t_tanh = tanhf(a0) * 0.99f;"), "cpu", cfg)
+    assert wrong.status is Status.incorrect, (wrong.status, wrong.error_message)
