@@ -157,6 +157,26 @@ def side_stream_flags(source: str) -> list[str]:
     return ([] if join else [UNJOINED]) + ([] if fork else [UNFORKED])
 
 
+class _NoStrings(ast.NodeTransformer):
+    """A syntax tree's string constants emptied (their text is read apart, see ``_code_text``)."""
+
+    def visit_Constant(self, node: ast.Constant) -> ast.Constant:
+        return ast.copy_location(ast.Constant(value=""), node) if isinstance(node.value, str) else node
+
+
+def _code_text(source: str) -> str:
+    """What a candidate's source does, without what it only says: the Python code without its
+    comments, then its string literals (the C++/CUDA sources and compile flags load_inline gets)
+    with their // and /* */ comments removed. A source that is not Python is read as C++.
+    (The builtin's C++ mentions ``-ffast-math`` in a comment; every candidate was noted as compiled with it.)"""
+    try:
+        tree = pyast.parse(source)
+    except SyntaxError:
+        return strip_cpp_comments(source)
+    strings = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    return ast.unparse(_NoStrings().visit(tree)) + "\n" + strip_cpp_comments("\n".join(strings))
+
+
 def scan(source: str, precision_patterns: Optional[list[tuple[re.Pattern, str]]] = None,
          patchable_roots: Optional[frozenset[str]] = None) -> list[Flag]:
     """The flags of ``source``. A backend (``sandbox.backends``) passes its own precision
@@ -169,8 +189,9 @@ def scan(source: str, precision_patterns: Optional[list[tuple[re.Pattern, str]]]
         if not any(f.kind == kind and f.reason == reason for f in flags):
             flags.append(Flag(kind=kind, reason=reason))
 
+    code = _code_text(source)
     for pattern, reason in (PRECISION_PATTERNS if precision_patterns is None else precision_patterns):
-        if pattern.search(source):
+        if pattern.search(code):
             add(FlagKind.precision, reason)
     for pattern, reason in _SUSPICIOUS_PATTERNS:
         if pattern.search(source):

@@ -171,6 +171,22 @@ def test_static_scan_flags(snippet, kind):
     assert kind in {f.kind for f in anticheat.scan(snippet)}
 
 
+def test_precision_notes_read_what_the_code_does_not_what_its_comments_say():
+    """The builtin's C++ mentions ``-ffast-math`` in a comment: every builtin CPU candidate was noted
+    as compiled with fast-math. Comments (Python's, and C++'s inside the sources) say nothing; a flag
+    in a list load_inline gets still counts, a ``//`` division before it on the line included."""
+    said = ('src = r"""\n// glibc declares its vector expf only under -ffast-math\n__global__ void k(float* p) {}\n"""\n'
+            "# a note: no --use_fast_math, no x.half()\n")
+    assert not [f for f in anticheat.scan(said) if f.kind == FlagKind.precision]
+    done = 'n = 7 // 2; m = load_inline(name="x", cpp_sources=[""], extra_cuda_cflags=["-O3", "--use_fast_math"])\n'
+    assert [f.reason for f in anticheat.scan(done) if f.kind == FlagKind.precision] == ["compiles with fast-math"]
+    from agent.builtin import generate
+    from sandbox.tasks import read_spec
+
+    builtin = generate(read_spec(ADV.parents[1] / "tasks/seeds/conv2d_bias_scale_sigmoid_groupnorm.py"), "cpu").source
+    assert "-ffast-math" in builtin and not [f for f in anticheat.scan(builtin) if f.kind == FlagKind.precision]
+
+
 def test_static_scan_is_quiet_on_an_honest_candidate():
     assert anticheat.scan((ADV / "cpu" / "honest.py").read_text()) == []
 
