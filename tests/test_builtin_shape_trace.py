@@ -105,14 +105,16 @@ def test_every_shape_question_of_an_input_is_answered(tmp_path):
     assert "if tuple(x.shape) != (3, 4, 5):" in cand.source and "tuple(y.shape)" not in cand.source
 
 
-def test_a_traceable_forward_is_traced_as_before(tmp_path):
+def test_a_traceable_forward_is_traced_as_before_and_its_repeated_groups_share_a_kernel(tmp_path):
     """Only a forward the symbolic trace cannot follow is specialised: a traceable one has no shape
-    check and keeps a kernel per group, even where two groups compute the same."""
+    check. Two groups that compute the same call one kernel there too (a ResNet's repeated
+    blocks: level3/10's candidate 2.68 MB as a kernel per group, 189 KB shared)."""
     spec = _inline(REPEATED, "repeated", tmp_path)
     assert trace_task(spec, "cpu").shapes == {}
     cand = generate(spec, "cpu")
     assert [g["ops"] for g in cand.choices["groups"]] == [["relu"], ["relu"]]
-    assert "functions=['kl_g0', 'kl_g1']" in cand.source and "raise ValueError" not in cand.source
+    assert [g.get("kernel") for g in cand.choices["groups"]] == [None, "kl_g0"]
+    assert "functions=['kl_g0']" in cand.source and "raise ValueError" not in cand.source
 
 
 def test_an_input_of_another_shape_is_refused(monkeypatch):

@@ -300,8 +300,8 @@ def render_candidate(traced: Traced, plan: Plan, kgroups: list[KernelGroup], dev
     """``init``: lines of the candidate's own ``__init__`` (layout.py); ``extra``: further kernels with
     GroupCode's interface (attention.AttnCode, recurrent.RnnCode), after the plan's."""
     codes = [GroupCode(kg, device, knobs) for kg in kgroups] + list(extra)
-    # a trace unrolled over its input's shape (trace.py) repeats each step's groups: one kernel each
-    shared = share_kernels(codes[:len(kgroups)]) if traced.shapes else {}
+    # groups computing the same (an unrolled loop's steps, a network's repeated blocks) call one kernel
+    shared = share_kernels(codes[:len(kgroups)])
     for c in codes:
         if c.kg.name in shared:
             c.fn = shared[c.kg.name]
