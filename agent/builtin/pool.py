@@ -41,8 +41,6 @@ from torch.fx import Node
 
 from agent.builtin.ops import OpInfo, shape_of
 
-POOL_OPS = ("max_pool2d", "avg_pool2d")
-
 
 def pool2d_nhwc(x: torch.Tensor, op: str, kernel: tuple, stride: tuple, padding: tuple) -> torch.Tensor:
     """2-D pooling of the permuted channels-last view ``(N, H, W, C)``, as a view ``(N, OH, OW, C)``:

@@ -198,6 +198,7 @@ def _split_conv_bias(gm: GraphModule) -> bool:
     as PyTorch's own separate bias add does). Returns whether the graph changed (its shapes
     must then be propagated again)."""
     from agent.builtin.ops import classify
+    from agent.builtin.pool import pool_info
 
     modules = dict(gm.named_modules())
     changed = False
@@ -209,7 +210,7 @@ def _split_conv_bias(gm: GraphModule) -> bool:
         if fn is None or getattr(mod, "bias", None) is None or getattr(mod, "padding_mode", "zeros") != "zeros":
             continue
         users = list(node.users)
-        if len(users) != 1 or not classify(users[0], modules, {}).fusible:
+        if len(users) != 1 or not (pool_info(users[0], modules) or classify(users[0], modules, {})).fusible:
             continue
         rank = len(mod.kernel_size)          # spatial dimensions after the channels
         if mod.transposed:
