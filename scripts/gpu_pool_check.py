@@ -120,8 +120,8 @@ def check(path: Path, name: str, layout: str, seen: set[str]) -> bool:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kb", default=None, help="a KernelBench checkout (its level2/ pooling tasks are checked too)")
-    ap.add_argument("--tasks", default=None, help="level-2 task stems (comma-separated; default: every one "
-                                                  "whose candidate has a pooling kernel)")
+    ap.add_argument("--tasks", default=None, help="level-2 task stems, or level1/STEM (comma-separated; default: "
+                                                  "every level-2 task whose candidate has a pooling kernel)")
     ap.add_argument("--layouts", default="nchw,nhwc")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -137,9 +137,10 @@ def main() -> int:
         kb = Path(args.kb)
         stems = args.tasks.split(",") if args.tasks else pooled_tasks(kb)
         for stem in stems:
+            rel = stem if "/" in stem else f"level2/{stem}"      # level1/42_Max_Pooling_2D works too
             seen = set()
             for layout in layouts:
-                ok &= check(kb / "level2" / f"{stem}.py", f"level2/{stem}", layout, seen)
+                ok &= check(kb / f"{rel}.py", rel, layout, seen)
     return 0 if ok else 1
 
 

@@ -186,3 +186,20 @@ def test_max_pooling_propagates_nan_as_pytorch():
         for w, g in zip(want, got):
             assert w.isnan().any() and not w.isnan().all()
             torch.testing.assert_close(g, w, equal_nan=True, rtol=1e-5, atol=1e-5)
+
+
+def test_the_pool_kernels_are_correct_in_bfloat16():
+    """Under bf16 the pool kernels load and store c10::BFloat16, pool and accumulate in float
+    (the channels-last candidate, judged by the sandbox at bf16's tolerance)."""
+    from sandbox.evaluate import evaluate
+    from sandbox.numerics import Numerics
+    from sandbox.result import EvalConfig, Status
+
+    numerics = Numerics(precision="bf16")
+    spec = with_device_sizes(_spec(), "cpu")
+    cand = generate(spec, "cpu", Knobs(layout="nhwc"), numerics=numerics)
+    assert len(_pool_groups(cand)) == 3 and "const c10::BFloat16* __restrict__ in0" in cand.source
+    cfg = EvalConfig(numerics=numerics, trials=2, warmup_runs=1, timed_runs=2, time_compile=False, profile=False)
+    result = evaluate(spec, cand.source, "cpu", cfg)
+    assert result.status is Status.correct, (result.status, result.error_message,
+                                             result.build.first_error if result.build else None)
