@@ -194,11 +194,11 @@ class Model(nn.Module):
         super().__init__()
         self.conv = nn.Conv2d(3, 8, 3)
         self.convt = nn.ConvTranspose2d(8, 4, 3, stride=2, padding=1, output_padding=1)
-        self.pool = nn.MaxPool2d(2)
+        self.pool = nn.MaxPool2d(2, ceil_mode=True)
         self.last = nn.Conv2d(4, 4, 1)
 
     def forward(self, x):
-        x = self.pool(self.conv(x))          # its user is a library op: the bias stays inside
+        x = self.pool(self.conv(x))          # its user is a library op (ceil_mode: pool.py's exception): the bias stays inside
         x = torch.tanh(self.convt(x))       # transposed: the bias joins the tanh kernel
         return self.last(x)                 # returned as it is: nothing to fuse
 

@@ -97,7 +97,7 @@ class GroupCode:
 
     @property
     def fixed_meta(self) -> int:
-        return {"ew": 2, "reduce": 4, "norm": 11}[self.kg.kind]
+        return {"ew": 2, "reduce": 4, "norm": 11, "pool": 8}[self.kg.kind]
 
     def _layout_meta(self) -> None:
         pos = self.fixed_meta
@@ -108,6 +108,8 @@ class GroupCode:
     @property
     def uses_knobs(self) -> set[str]:
         op = self.kg.op
+        if self.kg.kind == "pool":          # one thread per output (cuda); rows or pixels (cpu)
+            return {"block"} if self.device == "cuda" else set()
         used = set() if (self.device == "cpu" and self.kg.kind == "norm") else {"block"}
         if self.device == "cuda" or self.kg.kind in ("ew", "norm") or op in ("softmax", "log_softmax", "logsumexp"):
             used.add("vec")
@@ -122,13 +124,14 @@ class GroupCode:
 
     def kernel_source(self) -> str:
         kg = self.kg
-        template = {"ew": "ew", "reduce": "reduce", "norm": "norm"}[kg.kind]
+        template = {"ew": "ew", "reduce": "reduce", "norm": "norm", "pool": "pool"}[kg.kind]
         template = f"{'cuda' if self.device == 'cuda' else 'cpu'}_{template}." + ("cu.j2" if self.device == "cuda" else "cpp.j2")
         eps = c_float(kg.core_info.params["eps"]) if kg.kind == "norm" else "0.f"
         source = render(template, g=self, op=kg.op, vec=self.knobs.vec, block=self.knobs.block,
                         twopass=self.knobs.reduce == "twopass", lanes=LANES, eps=eps,
                         blocks_per_sm=max(2048 // self.knobs.block, 1) * 2,
-                        chunk=self.knobs.block * 32, tile=max(self.knobs.block // 4, 16))
+                        chunk=self.knobs.block * 32, tile=max(self.knobs.block // 4, 16),
+                        pool=kg.core_info.params if kg.kind == "pool" else None)
         return source if self.device == "cuda" else cpu_math(source)
 
     # wrapper ---------------------------------------------------------------------------
@@ -170,6 +173,9 @@ class GroupCode:
                 lines.append(f"const std::vector<int64_t> osh{{{', '.join(parts)}}};")
                 out_shape = "osh"
                 shape_e = "osh"
+        elif kg.kind == "pool":
+            lines += self._pool_sizes()
+            out_shape = shape_e = "osh"
         else:
             lines += self._norm_sizes(rank)
             out_shape = "sp"
@@ -194,6 +200,22 @@ class GroupCode:
         return {"name": kg.name, "describe": _c_str(kg.describe()), "signature": ", ".join(sig),
                 "body": lines, "in_ptrs": ", ".join(f"in{i.index}.data_ptr<{i.ctype}>()" for i in kg.inputs),
                 "out_ptr": f"out.data_ptr<{c_type(kg.out_dtype)}>()", "fmeta": fmeta}
+
+    def _pool_sizes(self) -> list[str]:
+        """meta[1..7] of a pooling kernel (outputs, N, C, H, W, OH, OW) and its output shape ``osh``:
+        (N, C, OH, OW), or (N, OH, OW, C) on the channels-last view."""
+        p = self.kg.core_info.params
+        (kh, kw), (sh, sw), (ph, pw) = p["kernel"], p["stride"], p["padding"]
+        nhwc = p["layout"] == "nhwc"
+        lines = [f"const int64_t N = sp[0], C = sp[{3 if nhwc else 1}], H = sp[{1 if nhwc else 2}], "
+                 f"W = sp[{2 if nhwc else 3}];",
+                 f"TORCH_CHECK(H + {2 * ph} >= {kh} && W + {2 * pw} >= {kw}, who, "
+                 '": the pooling window is larger than the padded input");',
+                 f"const int64_t OH = (H + {2 * ph} - {kh}) / {sh} + 1, OW = (W + {2 * pw} - {kw}) / {sw} + 1;",
+                 "const std::vector<int64_t> osh{" + ("N, OH, OW, C" if nhwc else "N, C, OH, OW") + "};"]
+        for v in ("N * C * OH * OW", "N", "C", "H", "W", "OH", "OW"):
+            lines.append(f"meta.push_back((long long)({v}));")
+        return lines
 
     def _norm_sizes(self, rank: int) -> list[str]:
         kg = self.kg

@@ -19,7 +19,8 @@ reads the convolution's output once. ``channels_last(traced)`` rewrites a traced
   would feed a norm (group/batch/instance/layer norm) stays NCHW: the norm's fused prologue in one
   NCHW kernel beats a copy back plus a separate kernel;
 * 2-D pooling on a channels-last tensor keeps the layout, so the operators after it stay in the
-  permuted view too.
+  permuted view too; a pooling the generated kernels reproduce (``pool.py``) runs on the view
+  itself (``pool2d_nhwc``), so it fuses with the chains around it.
 
 The rewrite changes which memory each value lives in, never a value: the same operators in the
 same order on the same numbers (the reduction kernels' summation order over channels differs as
@@ -38,6 +39,8 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.shape_prop import ShapeProp
 
 from agent.builtin.ops import OpInfo, shape_of
+from agent.builtin.pool import forward_statement as pool_forward_statement
+from agent.builtin.pool import pool2d_nhwc, supported as pool_supported
 from agent.builtin.trace import Traced
 
 LAYOUTS = ("nchw", "nhwc")
@@ -171,6 +174,11 @@ def channels_last(traced: Traced, infos: dict[Node, OpInfo]) -> Optional[Channel
         return r if shape is not None and len(shape) == r else None
 
     for n in nodes:
+        pooled = pool_supported(n, modules, traced.device)
+        if pooled is not None and isinstance(pooled[0], Node) and rank_of.get(pooled[0]) == 4:
+            dom[n] = g.call_function(pool2d_nhwc, (view(pooled[0], 4), *pooled[1:]))
+            rank_of[n] = 4
+            continue
         r = in_view(n)
         if r is not None:
             made = set(g.nodes)
@@ -245,9 +253,11 @@ to_logical.kl_library = True
 
 def forward_statement(node: Node, kernel: bool) -> Optional[list[str]]:
     """The candidate's lines (a comment, the statement) for a ``to_channels_last`` or ``to_logical``
-    node (None: neither): the input copy is, with ``kernel`` (cuda, in a candidate that builds an
-    extension anyway), the extension's ``kl_to_cl`` (a tiled shared-memory transpose, coalesced on
-    both sides), else PyTorch's copy."""
+    node, or a ``pool2d_nhwc`` left to PyTorch (None: none of them): the input copy is, with
+    ``kernel`` (cuda, in a candidate that builds an extension anyway), the extension's ``kl_to_cl``
+    (a tiled shared-memory transpose, coalesced on both sides), else PyTorch's copy."""
+    if node.op == "call_function" and node.target is pool2d_nhwc:
+        return pool_forward_statement(node)
     if node.op != "call_function" or node.target not in (to_channels_last, to_logical):
         return None
     from agent.builtin.pysource import fmt, var

@@ -6,6 +6,7 @@ Every node of a traced reference is classified as one of
 * ``reduce``  a reduction over one contiguous run of dimensions (sum, mean, amax, amin,
               logsumexp, softmax, log_softmax) - the *core* of a fusion group;
 * ``norm``    GroupNorm, LayerNorm, InstanceNorm, BatchNorm - also a core;
+* ``pool``    2-D max/avg pooling that ``pool.py`` matches (classified there, not here) - a core;
 * ``alias``   an identity (nn.Identity, dropout with p=0, ``contiguous``) - no code;
 * ``library`` a library operator (GEMM, convolution, pooling) - stays on PyTorch on purpose;
 * ``plumb``   shape plumbing (view, reshape, size, getitem) - stays on PyTorch, no kernel needed;
@@ -128,7 +129,7 @@ class ModuleAttr:
 
 @dataclass
 class OpInfo:
-    kind: str                                   # ew | reduce | norm | alias | library | plumb | other
+    kind: str                                   # ew | reduce | norm | pool | alias | library | plumb | other
     op: str                                     # canonical operator name
     operands: list[Any] = field(default_factory=list)   # Node | ModuleAttr | float | None
     params: dict[str, Any] = field(default_factory=dict)
@@ -137,11 +138,11 @@ class OpInfo:
 
     @property
     def fusible(self) -> bool:
-        return self.kind in ("ew", "reduce", "norm")
+        return self.kind in ("ew", "reduce", "norm", "pool")
 
     @property
     def is_core(self) -> bool:
-        return self.kind in ("reduce", "norm")
+        return self.kind in ("reduce", "norm", "pool")
 
 
 # --------------------------------------------------------------------------------------

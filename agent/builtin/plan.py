@@ -2,7 +2,7 @@
 
 A *group* is a topologically ordered run of fusible nodes with one output (its last node):
 
-    prologue (elementwise, on the core's input shape) -> core (reduction or norm) -> epilogue (elementwise)
+    prologue (elementwise, on the core's input shape) -> core (reduction, norm or 2-D pooling) -> epilogue (elementwise)
 
 or an elementwise chain without a core. Groups grow greedily from producer to consumer;
 afterwards any group whose intermediate value is needed outside it is cut right after
@@ -12,7 +12,7 @@ Knobs that shape the plan:
 
 * ``fusion``: ``max`` (prologue + core + epilogue), ``no_prologue`` (a core starts a new
   group), ``split`` (cores stand alone, elementwise chains on their own), ``elementwise``
-  (reductions and normalisations stay on PyTorch, only elementwise chains are fused);
+  (reductions, normalisations and pooling stay on PyTorch, only elementwise chains are fused);
 * ``cuts``: node names a group must end at (set by the feedback when a group failed);
 * ``excluded``: node names left to PyTorch.
 """
@@ -25,6 +25,7 @@ from torch.fx import Node
 
 from agent.builtin.dtypes import dtype_name, supported, value_dtype
 from agent.builtin.ops import ModuleAttr, OpInfo, classify, shape_of
+from agent.builtin.pool import pool_info
 from agent.builtin.trace import Traced
 
 FUSION_MODES = ("max", "no_prologue", "split", "elementwise")
@@ -61,7 +62,8 @@ def classify_graph(traced: Traced) -> dict[Node, OpInfo]:
     assert traced.gm is not None
     infos = {}
     for node in traced.gm.graph.nodes:
-        infos[node] = classify(node, traced.modules, traced.constants)
+        # a pooling call the kernels reproduce is a core (pool.py); any other stays the library's
+        infos[node] = pool_info(node, traced.modules, traced.device) or classify(node, traced.modules, traced.constants)
     _check_dtypes(infos)
     _check_inplace(traced, infos)
     for info in infos.values():
@@ -96,6 +98,9 @@ def _check_dtypes(infos: dict[Node, OpInfo]) -> None:
             continue
         tensors = [o for o in info.operands if isinstance(o, (Node, ModuleAttr))]
         bad = [value_dtype(t) for t in [node, *tensors] if not supported(value_dtype(t))]
+        if bad and info.kind == "pool":
+            info.kind = "library"           # a pooling call as the reference makes it
+            continue
         if bad:
             info.kind = "other"
             info.note = (f"a {dtype_name(bad[0])} tensor: the builtin kernels read float32, float16 and "
@@ -264,7 +269,7 @@ def narrow(nodes: list[str], kinds: list[str]) -> tuple[set[str], set[str]]:
     """
     if len(nodes) <= 1:
         return set(), set(nodes)
-    core_idx = [i for i, k in enumerate(kinds) if k in ("reduce", "norm")]
+    core_idx = [i for i, k in enumerate(kinds) if k in ("reduce", "norm", "pool")]
     if core_idx:
         i = core_idx[0]
         cuts = set()

@@ -39,6 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.fx import Node
 
+from agent.builtin import pool
 from agent.builtin.ops import ModuleAttr
 from agent.builtin.plan import resolve_alias
 
@@ -215,6 +216,8 @@ class _Emulated:
                 env[n] = _plan_ew(info.op, [val(o) for o in info.operands], info.params)
             elif info.kind == "reduce":
                 env[n] = _plan_reduce(info.op, val(info.operands[0]), info.params)
+            elif info.kind == "pool":
+                env[n] = pool.emulate(info, val(info.operands[0]))
             else:
                 # running buffers are updated in place, in their own dtype
                 vals = [val(o, wide=not (isinstance(o, ModuleAttr) and o.attr.startswith("running_")))

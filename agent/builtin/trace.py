@@ -52,7 +52,7 @@ class Traced:
         return self.gm is not None
 
 
-_CACHE: dict[tuple[str, str, str, str], Traced] = {}
+_CACHE: dict[tuple[str, str, str, str, bool], Traced] = {}
 _LOCK = threading.Lock()
 
 
@@ -61,8 +61,10 @@ def trace_task(spec: TaskSpec, device: str, numerics: Any = None) -> Traced:
     ``sandbox.numerics.Numerics``, None for float32). Serialised: the backend runs samples in
     threads, and tracing uses process-wide state (the default-device mode, the RNG it saves
     and restores)."""
+    from agent.builtin.pool import fused_on
+
     precision = precision_of(numerics)
-    key = (spec.key, spec.name, device, precision)
+    key = (spec.key, spec.name, device, precision, fused_on(device))   # a fused pool splits the conv's bias
     with _LOCK:
         hit = _CACHE.get(key)
         if hit is None:
@@ -109,7 +111,7 @@ def _trace_with(spec: TaskSpec, device: str, how: str, numerics: Any = None) -> 
     _rewrite_tuple_reductions(gm)       # first: a convolution followed by torch.min(x, 1)[0] splits its bias too
     _fold_scalar_tensors(gm)            # torch.min(x, torch.tensor(0.0, device=x.device)) fuses with its neighbours
     # on the CPU oneDNN adds the bias inside the convolution (no extra pass): it stays there
-    if device != "cpu" and _split_conv_bias(gm):
+    if device != "cpu" and _split_conv_bias(gm, device):
         _ShapeProp(gm).propagate(*inputs)
     modules = dict(gm.named_modules())
     known = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
@@ -266,7 +268,7 @@ _CONVS: dict[type, Any] = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: 
                            nn.ConvTranspose3d: F.conv_transpose3d}
 
 
-def _split_conv_bias(gm: GraphModule) -> bool:
+def _split_conv_bias(gm: GraphModule, device: str) -> bool:
     """``conv(x)`` -> ``conv(x, weight, None) + bias.view(-1, 1, ...)`` where the convolution's one
     user is an operator the plan fuses. PyTorch adds a convolution's bias in a kernel of its
     own after cuDNN's (a full read and write of the output); as an add node it becomes part of
@@ -275,6 +277,7 @@ def _split_conv_bias(gm: GraphModule) -> bool:
     as PyTorch's own separate bias add does). Returns whether the graph changed (its shapes
     must then be propagated again)."""
     from agent.builtin.ops import classify
+    from agent.builtin.pool import pool_info
 
     modules = dict(gm.named_modules())
     changed = False
@@ -286,7 +289,7 @@ def _split_conv_bias(gm: GraphModule) -> bool:
         if fn is None or getattr(mod, "bias", None) is None or getattr(mod, "padding_mode", "zeros") != "zeros":
             continue
         users = list(node.users)
-        if len(users) != 1 or not classify(users[0], modules, {}).fusible:
+        if len(users) != 1 or not (pool_info(users[0], modules, device) or classify(users[0], modules, {})).fusible:
             continue
         rank = len(mod.kernel_size)          # spatial dimensions after the channels
         if mod.transposed:

@@ -1,0 +1,170 @@
+"""2-D max and average pooling as the core of a fusion group (issue #35).
+
+KernelBench's level-2 convolution tasks pool between two elementwise chains
+(``conv -> sub -> hardswish -> max_pool2d -> mish``). With pooling on the library the
+candidate writes the whole convolution-sized tensor after the first chain, the library reads
+it back and writes a quarter, and a third kernel runs the second chain; torch.compile
+(inductor) reads the convolution's output once. Here a supported pooling node is classified
+``pool``, a core like a reduction (``plan.py``): the chain before it is its prologue, applied
+to each input element as the window reads it, and the chain after it its epilogue, applied
+to each pooled value before the one store (templates ``cuda_pool.cu.j2``, ``cpu_pool.cpp.j2``).
+
+Matched exactly where the kernels compute PyTorch's result: ``F.max_pool2d``,
+``torch.max_pool2d``, ``nn.MaxPool2d``, ``F.avg_pool2d``, ``nn.AvgPool2d`` on a batched
+(4-d) input with dilation 1, ``ceil_mode=False``, no indices returned, padding at most half
+the kernel, and for average pooling ``count_include_pad=True`` and no ``divisor_override``.
+Anything else stays the library's call. Semantics (float32 accumulation, the half types
+loaded and stored as ``dtypes`` says):
+
+* max: padded positions never win (the window skips them; the accumulator starts at -inf);
+  a NaN anywhere in the window makes the result NaN, as PyTorch's CPU and CUDA kernels do
+  (``val > maxval || isnan(val)``);
+* avg: the sum over the window's real elements divided by the kernel's area: a padded
+  position counts as a zero of the pool's *input*, i.e. after the prologue (never ``f(0)``).
+  With ``ceil_mode=False`` no window reaches past the padding, so PyTorch's divisor is the
+  area too.
+
+The ``layout`` knob's channels-last rewrite (``layout.py``) puts a supported pool on the
+permuted view ``(N, H, W, C)`` as ``pool2d_nhwc``, so the kernel reads the convolution's
+channels-last output in its memory order. Whether the pool is fused is the ``fusion`` knob's
+choice: ``max``/``no_prologue``/``split`` run it as a kernel, ``elementwise`` (like the
+reductions and norms) leaves it to the library, so measurement compares the two.
+"""
+from __future__ import annotations
+
+import os
+
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.fx import Node
+
+from agent.builtin.ops import OpInfo, shape_of
+
+
+def pool2d_nhwc(x: torch.Tensor, op: str, kernel: tuple, stride: tuple, padding: tuple) -> torch.Tensor:
+    """2-D pooling of the permuted channels-last view ``(N, H, W, C)``, as a view ``(N, OH, OW, C)``:
+    the graph node ``layout.channels_last`` writes for a supported pool (on PyTorch: the pool of the
+    logical tensor, channels-last memory in and out, permuted back; no copy)."""
+    fn = F.max_pool2d if op == "max_pool2d" else F.avg_pool2d
+    return fn(x.permute(0, 3, 1, 2), kernel, stride, padding).permute(0, 2, 3, 1)
+
+
+def _pair(v: Any) -> Optional[tuple[int, int]]:
+    if isinstance(v, int) and not isinstance(v, bool):
+        return (v, v)
+    if isinstance(v, (tuple, list)) and len(v) == 1 and isinstance(v[0], int):
+        return (v[0], v[0])
+    if isinstance(v, (tuple, list)) and len(v) == 2 and all(isinstance(a, int) and not isinstance(a, bool) for a in v):
+        return (int(v[0]), int(v[1]))
+    return None
+
+
+# the functional forms' parameters after the input, in order, with PyTorch's defaults
+_MAX_PARAMS = (("kernel_size", None), ("stride", None), ("padding", 0), ("dilation", 1),
+               ("ceil_mode", False), ("return_indices", False))
+_AVG_PARAMS = (("kernel_size", None), ("stride", None), ("padding", 0), ("ceil_mode", False),
+               ("count_include_pad", True), ("divisor_override", None))
+_FUNCTIONS = {F.max_pool2d: ("max_pool2d", _MAX_PARAMS), torch.max_pool2d: ("max_pool2d", _MAX_PARAMS),
+              F.avg_pool2d: ("avg_pool2d", _AVG_PARAMS)}
+
+
+def _call(node: Node, modules: dict[str, nn.Module]) -> Optional[tuple[str, Any, dict[str, Any]]]:
+    """(op, input, parameters) of a pooling call, whatever form it was written in (None: not one)."""
+    if node.op == "call_module":
+        mod = modules.get(str(node.target))
+        if type(mod) not in (nn.MaxPool2d, nn.AvgPool2d) or len(node.args) != 1 or node.kwargs:
+            return None
+        names = [n for n, _ in (_MAX_PARAMS if isinstance(mod, nn.MaxPool2d) else _AVG_PARAMS)]
+        return ("max_pool2d" if isinstance(mod, nn.MaxPool2d) else "avg_pool2d", node.args[0],
+                {n: getattr(mod, n) for n in names})
+    if node.op != "call_function" or node.target not in _FUNCTIONS:
+        return None
+    op, spec = _FUNCTIONS[node.target]
+    args = list(node.args)
+    kwargs = dict(node.kwargs)
+    x = args.pop(0) if args else kwargs.pop("input", None)
+    params = {name: default for name, default in spec}
+    for (name, _), value in zip(spec, args):
+        params[name] = value
+    for name, value in kwargs.items():
+        if name not in params:
+            return None
+        params[name] = value
+    return op, x, params
+
+
+CUDA_POOL_ENV = "KERNELLOOP_CUDA_POOL"
+
+
+def fused_on(device: str) -> bool:
+    """Whether pooling runs in the generated kernels on ``device``. On ``cuda`` only with
+    ``KERNELLOOP_CUDA_POOL=1`` until a GPU has judged them (``scripts/gpu_pool_check.py``): their
+    CUDA sources compile with nvcc but have not run; the CPU kernels are judged in CI."""
+    return device != "cuda" or os.environ.get(CUDA_POOL_ENV) == "1"
+
+
+def pool_info(node: Node, modules: dict[str, nn.Module], device: str) -> Optional[OpInfo]:
+    """The ``pool`` core of a supported 2-D max/avg pooling node (None: the library's call, also
+    wherever ``fused_on(device)`` is not)."""
+    if not fused_on(device):
+        return None
+    if node.op == "call_function" and node.target is pool2d_nhwc:
+        x, op, k, s, p = node.args
+        return OpInfo("pool", op, [x], {"kernel": k, "stride": s, "padding": p, "layout": "nhwc"})
+    call = _call(node, modules)
+    if call is None:
+        return None
+    op, x, params = call
+    shape = shape_of(x)
+    k = _pair(params["kernel_size"])
+    stride = params["stride"]
+    s = k if stride is None or (isinstance(stride, (tuple, list)) and len(stride) == 0) else _pair(stride)
+    p = _pair(params["padding"])
+    if shape is None or len(shape) != 4 or k is None or s is None or p is None:
+        return None
+    if min(k) < 1 or min(s) < 1 or min(p) < 0 or p[0] > k[0] // 2 or p[1] > k[1] // 2:
+        return None          # PyTorch's own error, or not a pooling we reproduce
+    if params["ceil_mode"] is not False:
+        return None
+    if op == "max_pool2d" and (_pair(params["dilation"]) != (1, 1) or params["return_indices"] is not False):
+        return None
+    if op == "avg_pool2d" and (params["count_include_pad"] is not True or params["divisor_override"] is not None):
+        return None
+    if shape[2] + 2 * p[0] < k[0] or shape[3] + 2 * p[1] < k[1]:
+        return None
+    return OpInfo("pool", op, [x], {"kernel": k, "stride": s, "padding": p, "layout": "nchw"})
+
+
+def supported(node: Node, modules: dict[str, nn.Module], device: str) -> Optional[tuple[Any, str, tuple, tuple, tuple]]:
+    """(input, op, kernel, stride, padding) of a logical pooling node the kernels run (None: the
+    library's): what ``layout.channels_last`` needs to put it on the view."""
+    info = pool_info(node, modules, device)
+    if info is None or info.params["layout"] != "nchw":
+        return None
+    p = info.params
+    return info.operands[0], info.op, p["kernel"], p["stride"], p["padding"]
+
+
+def emulate(info: OpInfo, x: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes, for the replay's plan mode (``x``: the pool's input, in the
+    replay's float64)."""
+    p = info.params
+    if p["layout"] == "nhwc":
+        return pool2d_nhwc(x, info.op, p["kernel"], p["stride"], p["padding"])
+    fn = F.max_pool2d if info.op == "max_pool2d" else F.avg_pool2d
+    return fn(x, p["kernel"], p["stride"], p["padding"])
+
+
+def forward_statement(node: Node) -> Optional[list[str]]:
+    """The candidate's lines for a ``pool2d_nhwc`` node left to PyTorch (None: not one): the pool
+    of the logical tensor, permuted back to the view."""
+    if node.op != "call_function" or node.target is not pool2d_nhwc:
+        return None
+    from agent.builtin.pysource import fmt, var
+
+    x, op, k, s, p = node.args
+    return ["# 2-D pooling of the channels-last view, on PyTorch",
+            f"{var(node)} = F.{op}({fmt(x)}.permute(0, 3, 1, 2), {k!r}, {s!r}, {p!r}).permute(0, 2, 3, 1)"]

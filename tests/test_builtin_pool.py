@@ -1,0 +1,228 @@
+"""Fused 2-D pooling (agent/builtin/pool.py): conv -> elementwise -> max/avg pool2d -> elementwise as
+one generated kernel after the convolution, in NCHW and on the channels-last view; the library's
+pooling in the ``elementwise`` fusion variant and for every pooling the kernels do not reproduce;
+the candidates built and judged in the CPU sandbox (right where right, NaN as PyTorch, incorrect
+where a kernel is planted wrong)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from agent.builtin import Knobs, generate, propose, replay_verdict
+from agent.builtin.pool import CUDA_POOL_ENV
+from sandbox.tasks import read_spec, with_device_sizes
+
+FIXTURES = Path(__file__).parent / "fixtures" / "builtin"
+CONV_POOL = FIXTURES / "conv_pool.py"
+POOLS = ["max_pool2d", "avg_pool2d", "max_pool2d"]
+
+UNSUPPORTED = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ceil = nn.MaxPool2d(2, ceil_mode=True)
+        self.dilated = nn.MaxPool2d(2, dilation=2)
+        self.exclusive = nn.AvgPool2d(3, 1, 1, count_include_pad=False)
+
+    def forward(self, x):
+        a = self.ceil(x * 2.0) + 1.0
+        b = self.dilated(x * 2.0) + 1.0
+        c = self.exclusive(x * 2.0) + 1.0
+        d = F.avg_pool2d(x * 2.0, 2, divisor_override=3) + 1.0
+        e = F.max_pool3d(x.unsqueeze(1) * 2.0, 2) + 1.0
+        return a, b, c, d, e
+
+def get_inputs():
+    return [torch.randn(2, 3, 9, 9)]
+
+def get_init_inputs():
+    return []
+'''
+
+
+@pytest.fixture(autouse=True)
+def _fresh_verdicts(monkeypatch):
+    import agent.builtin as builtin
+    monkeypatch.setattr(builtin, "_VERDICTS", {})
+
+
+def _spec(path: Path = CONV_POOL):
+    return read_spec(path, name=f"fixtures/{path.stem}")
+
+
+def _forward_code(source: str) -> str:
+    return "\n".join(line for line in source.split("def forward")[1].splitlines() if not line.strip().startswith("#"))
+
+
+def _pool_groups(cand) -> list[dict]:
+    return [g for g in cand.choices["groups"] if g["kind"] == "pool"]
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_each_pool_is_one_kernel_with_its_chains(layout, monkeypatch):
+    monkeypatch.setenv(CUDA_POOL_ENV, "1")
+    cand = generate(_spec(), "cpu", Knobs(layout=layout))
+    assert cand.choices["knobs"]["layout"] == layout
+    groups = _pool_groups(cand)
+    assert [[op for op in g["ops"] if op in POOLS] for g in groups] == [[p] for p in POOLS]
+    assert [g["ops"] for g in groups][:2] == [["sub", "hardswish", "max_pool2d", "mish"],
+                                               ["add", "tanh", "sub", "avg_pool2d", "mul", "sigmoid"]]
+    assert groups[2]["ops"][-1] == "add" and "relu" in groups[2]["ops"]
+    assert len(cand.choices["groups"]) == 3               # nothing else: one kernel per convolution's epilogue
+    code = _forward_code(cand.source)
+    assert "pool" not in code.replace("_ext.", "")        # no pooling on PyTorch
+    # the CUDA candidate renders in both layouts (built on a GPU: scripts/gpu_pool_check.py)
+    cuda = generate(_spec(), "cuda", Knobs(layout=layout))
+    assert [[op for op in g["ops"] if op in POOLS] for g in _pool_groups(cuda)] == [[p] for p in POOLS]
+    assert cuda.source.count("_kernel<int><<<") == 3
+    compile(cuda.source, "cuda_candidate.py", "exec")
+
+
+def test_cuda_candidates_keep_the_library_pooling_until_enabled(monkeypatch):
+    """The CUDA pool kernels compile but have not run on a GPU: a cuda candidate pools on PyTorch
+    unless KERNELLOOP_CUDA_POOL=1 (scripts/gpu_pool_check.py sets it); the CPU's are always fused."""
+    monkeypatch.delenv(CUDA_POOL_ENV, raising=False)
+    for layout in ("nchw", "nhwc"):
+        off = generate(_spec(), "cuda", Knobs(layout=layout))
+        assert off.choices["groups"] and not _pool_groups(off)
+        assert len(_pool_groups(generate(_spec(), "cpu", Knobs(layout=layout)))) == 3
+    monkeypatch.setenv(CUDA_POOL_ENV, "1")
+    assert len(_pool_groups(generate(_spec(), "cuda"))) == 3
+
+
+def test_the_elementwise_variant_keeps_the_library_pooling():
+    """fusion=elementwise: the pools run as the reference calls them (on the view: pooled in
+    logical order, permuted back), the chains around them as elementwise kernels."""
+    for layout in ("nchw", "nhwc"):
+        lib = generate(_spec(), "cpu", Knobs(fusion="elementwise", layout=layout))
+        assert lib.choices["groups"] and not _pool_groups(lib)
+        code = _forward_code(lib.source)
+        assert ("self.pool(" in code) == (layout == "nchw")
+        assert code.count("max_pool2d(") + code.count("avg_pool2d(") + code.count("self.pool(") == 3
+    # split: the pool a kernel of its own; no_prologue: the chain before it a kernel of its own
+    split = generate(_spec(), "cpu", Knobs(fusion="split"))
+    assert [g["ops"] for g in _pool_groups(split)] == [[p] for p in POOLS]
+    nopro = generate(_spec(), "cpu", Knobs(fusion="no_prologue"))
+    assert [g["ops"][0] for g in _pool_groups(nopro)] == POOLS
+
+
+def test_the_proposer_tries_fused_pooling_first_and_the_library_pooling_later():
+    """Round 0 on the CPU: the fused candidate in both layouts, then no_prologue, then the
+    library-pooling variant (fusion=elementwise), so measurement can choose between them."""
+    samples = [propose(_spec(), "cpu", 0, s, []).choices for s in range(4)]
+    assert [(c["knobs"]["fusion"], c["knobs"]["layout"]) for c in samples] == \
+        [("max", "nchw"), ("max", "nhwc"), ("no_prologue", "nhwc"), ("elementwise", "nhwc")]
+    assert [sum(g["kind"] == "pool" for g in c["groups"]) for c in samples] == [3, 3, 3, 0]
+
+
+def test_unsupported_pooling_keeps_the_library_call(tmp_path):
+    """ceil_mode, dilation 2, count_include_pad=False, divisor_override and 3-D pooling stay the library's."""
+    path = tmp_path / "unsupported_pool.py"
+    path.write_text(UNSUPPORTED)
+    cand = generate(read_spec(path, name="fixtures/unsupported_pool"), "cpu")
+    assert not _pool_groups(cand) and {g["kind"] for g in cand.choices["groups"]} == {"ew"}
+    assert cand.choices["library"].count("MaxPool2d") == 2 and "AvgPool2d" in cand.choices["library"]
+    code = _forward_code(cand.source)
+    for call in ("self.ceil(", "self.dilated(", "self.exclusive(", "divisor_override=3", "max_pool3d("):
+        assert call in code
+
+
+def test_the_replay_checks_the_pool_kernels(monkeypatch):
+    verdict = replay_verdict(_spec())
+    assert verdict.ran and not verdict.excluded, verdict.notes
+    # plant a planning bug: average pooling dividing by the window's real elements (count_include_pad=False)
+    from agent.builtin import pool
+
+    real = pool.emulate
+
+    def exclusive(info, x):
+        if info.op != "avg_pool2d":
+            return real(info, x)
+        p = info.params
+        return torch.nn.functional.avg_pool2d(x, p["kernel"], p["stride"], p["padding"], count_include_pad=False)
+
+    monkeypatch.setattr(pool, "emulate", exclusive)
+    import agent.builtin as builtin
+    monkeypatch.setattr(builtin, "_VERDICTS", {})
+    verdict = replay_verdict(_spec())
+    assert len(verdict.semantic) == 1 and len(verdict.excluded) >= 1, verdict.notes
+
+
+def _judge(source: str):
+    from sandbox.evaluate import evaluate
+    from sandbox.numerics import Numerics
+    from sandbox.result import EvalConfig
+
+    cfg = EvalConfig(numerics=Numerics(), trials=2, warmup_runs=1, timed_runs=2, time_compile=False, profile=False)
+    return evaluate(with_device_sizes(_spec(), "cpu"), source, "cpu", cfg)
+
+
+def _candidate(layout: str) -> str:
+    cand = generate(with_device_sizes(_spec(), "cpu"), "cpu", Knobs(layout=layout))
+    assert len(_pool_groups(cand)) == 3 and cand.choices["knobs"]["layout"] == layout
+    return cand.source
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_the_pool_kernels_are_correct_in_the_cpu_sandbox(layout):
+    from sandbox.result import Status
+
+    result = _judge(_candidate(layout))
+    assert result.status is Status.correct, (result.status, result.error_message,
+                                             result.build.first_error if result.build else None)
+    checks = [o for t in result.trials for o in t.outputs]
+    assert checks and all(c.mismatched == 0 for c in checks)
+
+
+def test_a_wrong_pool_kernel_is_judged_incorrect():
+    """Average pooling planted to divide by the window's real elements (count_include_pad=False):
+    wrong at the borders only, and judged incorrect, so the test above can fail."""
+    from sandbox.result import Status
+
+    source = _candidate("nhwc")
+    right = "acc = acc / 9.f;"
+    assert source.count(right) == 1
+    result = _judge(source.replace(right, "acc = acc / (float)((he - hs) * (we - ws));"))
+    assert result.status is Status.incorrect, (result.status, result.error_message)
+
+
+def test_max_pooling_propagates_nan_as_pytorch():
+    """NaN and -inf in the input: every output (max with and without padding, avg) equal to
+    PyTorch's, NaN where PyTorch's is NaN, in both layouts."""
+    from builtin_candidate import reference_and_candidate
+
+    spec = with_device_sizes(_spec(), "cpu")
+    for layout in ("nchw", "nhwc"):
+        task, ref, new = reference_and_candidate(spec, _candidate(layout))
+        (x,) = task.get_inputs()
+        x[0, 0, 4, 4] = float("nan")
+        x[1, 2, 0, 0] = float("nan")
+        x[1, 1, 7, 9] = float("-inf")
+        with torch.no_grad():
+            want, got = ref(x), new(x)
+        for w, g in zip(want, got):
+            assert w.isnan().any() and not w.isnan().all()
+            torch.testing.assert_close(g, w, equal_nan=True, rtol=1e-5, atol=1e-5)
+
+
+def test_the_pool_kernels_are_correct_in_bfloat16():
+    """Under bf16 the pool kernels load and store c10::BFloat16, pool and accumulate in float
+    (the channels-last candidate, judged by the sandbox at bf16's tolerance)."""
+    from sandbox.evaluate import evaluate
+    from sandbox.numerics import Numerics
+    from sandbox.result import EvalConfig, Status
+
+    numerics = Numerics(precision="bf16")
+    spec = with_device_sizes(_spec(), "cpu")
+    cand = generate(spec, "cpu", Knobs(layout="nhwc"), numerics=numerics)
+    assert len(_pool_groups(cand)) == 3 and "const c10::BFloat16* __restrict__ in0" in cand.source
+    cfg = EvalConfig(numerics=numerics, trials=2, warmup_runs=1, timed_runs=2, time_compile=False, profile=False)
+    result = evaluate(spec, cand.source, "cpu", cfg)
+    assert result.status is Status.correct, (result.status, result.error_message,
+                                             result.build.first_error if result.build else None)
