@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -33,7 +32,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from builtin_candidate import reference_and_candidate  # noqa: E402
+from builtin_candidate import (cuda_event_median_ms as _time, flat_outputs as _flat,  # noqa: E402
+                               reference_and_candidate)
 
 from agent.builtin import Knobs, generate  # noqa: E402
 from agent.builtin.pool import CUDA_POOL_ENV  # noqa: E402
@@ -41,21 +41,6 @@ from agent.builtin.pool import CUDA_POOL_ENV  # noqa: E402
 os.environ[CUDA_POOL_ENV] = "1"      # the CUDA pool kernels, off by default until this check has run on a GPU
 from sandbox.tasks import read_spec  # noqa: E402
 
-
-def _flat(out):
-    return list(out) if isinstance(out, (tuple, list)) else [out]
-
-
-def _time(fn, inputs, reps: int = 20) -> float:
-    times = []
-    for _ in range(reps + 3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn(*inputs)
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times[3:])
 
 
 def _pools(cand) -> list[str]:

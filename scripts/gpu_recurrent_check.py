@@ -12,7 +12,6 @@ One line per task; exits 1 where an output fails both comparisons.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -21,7 +20,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from builtin_candidate import reference_and_candidate  # noqa: E402
+from builtin_candidate import (cuda_event_median_ms as _time, flat_outputs as _flat,  # noqa: E402
+                               reference_and_candidate)
 
 from agent.builtin import generate  # noqa: E402
 from sandbox.tasks import read_spec  # noqa: E402
@@ -29,21 +29,6 @@ from sandbox.tasks import read_spec  # noqa: E402
 KB_TASKS = ["36_LSTMHn", "37_LSTMCn", "38_LSTMBidirectional", "39_GRU", "40_GRUHidden",
             "41_GRUBidirectional", "42_GRUBidirectionalHidden"]
 
-
-def _flat(out):
-    return list(out) if isinstance(out, (tuple, list)) else [out]
-
-
-def _time(fn, inputs, reps: int = 20) -> float:
-    times = []
-    for _ in range(reps + 3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn(*inputs)
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times[3:])
 
 
 def check(path: Path, name: str) -> bool:
