@@ -64,6 +64,22 @@ class RunData:
         return self.parent_sources.get(attempt_id)
 
 
+def best_clean(data: RunData, limit: int, prefer: str = "Conv") -> list[AttemptRecord]:
+    """Each task's fastest clean attempt (by its speedup vs eager), for at most ``limit`` tasks:
+    those whose name holds ``prefer`` first, up to half of ``limit``, then the others, then more of
+    ``prefer``'s (KernelBench's harness cross-checks such a mix: ``scripts/kb_harness.py --run``)."""
+    best: dict[str, AttemptRecord] = {}
+    for r in data.records:
+        if r.clean and r.speedup_eager and r.source and (r.task not in best
+                                                          or r.speedup_eager > (best[r.task].speedup_eager or 0)):
+            best[r.task] = r
+    liked = [best[t] for t in sorted(best) if prefer in t]
+    other = [best[t] for t in sorted(best) if prefer not in t]
+    first = liked[:limit // 2]
+    rest = (other + liked[len(first):])[:limit - len(first)]
+    return first + rest
+
+
 def _record_from(attempt, name: str) -> AttemptRecord:
     from store.repo import eval_result, latest_evaluation
 

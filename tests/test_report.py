@@ -475,3 +475,28 @@ def test_optimize_table_gives_each_tasks_floor_fraction_and_their_geomean_with_t
     assert "floor %" in text and "50.0%" in text and "6.2%" in text
     assert "geomean 17.7% over 2 task(s)" in text          # sqrt(0.5 * 0.0625)
     assert "3xTF32" in text
+
+
+def test_best_clean_picks_each_tasks_fastest_clean_attempt_convolutions_first():
+    """``best_clean`` (scripts/kb_harness.py --run): per task the clean attempt with the highest
+    speedup vs eager (a faster but flagged or source-less one never); convolution tasks first, up
+    to half of the limit, the others next, then more convolutions where the others run out."""
+    from evals.metrics import AttemptRecord
+    from evals.run_data import RunData, best_clean
+
+    def rec(i, task, speedup, clean=True, source="# s\n"):
+        return AttemptRecord(attempt_id=i, task=task, round=0, status="correct", clean=clean,
+                             speedup_eager=speedup, source=source)
+
+    records = [rec(1, "level2/1_Conv2d_A", 1.2), rec(2, "level2/1_Conv2d_A", 1.5), rec(3, "level2/1_Conv2d_A", 3.0, clean=False),
+               rec(4, "level2/2_Conv3d_B", 1.1), rec(5, "level2/3_Conv2d_C", 0.9), rec(6, "level2/9_Gemm_D", 2.0),
+               rec(7, "level2/8_Matmul_E", 1.3), rec(8, "level2/8_Matmul_E", 4.0, source=None),
+               rec(9, "level2/7_Gemm_F", 1.0, clean=False)]
+    data = RunData(run={"id": 1}, records=records, calls=[], task_names=sorted({r.task for r in records}),
+                   task_sources={}, task_ids={}, analyses={}, all_analyses=[], parent_sources={})
+    picked = best_clean(data, 4)
+    assert [(r.task, r.attempt_id) for r in picked] == [
+        ("level2/1_Conv2d_A", 2), ("level2/2_Conv3d_B", 4), ("level2/8_Matmul_E", 7), ("level2/9_Gemm_D", 6)]
+    # fewer others than the rest of the limit: more convolutions fill it
+    assert [r.attempt_id for r in best_clean(data, 6)] == [2, 4, 5, 7, 6]
+    assert [r.attempt_id for r in best_clean(data, 3)] == [2, 7, 6]
