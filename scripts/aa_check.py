@@ -1,0 +1,55 @@
+"""A/A check of the judge's timing: a task's own ``Model`` submitted as its candidate
+(``class ModelNew(Model): pass``), evaluated ``--n`` times by the sandbox. An unbiased judge
+gives speedups around 1.0x; the spread says how far one evaluation's speedup can be read.
+
+Prints each evaluation's eager and candidate medians and speedup, then the median and range.
+On the CPU target of a 2-core host (session p), four runs of 4-6 evaluations gave medians
+0.82x, 0.84x, 0.94x and 1.00x, single evaluations 0.55-1.17x: the CPU timing tends to read the
+candidate slower there, and one evaluation says little (``docs/judge.md``).
+
+    python scripts/aa_check.py --device cpu --task tasks/seeds/conv2d_divide_leakyrelu.py --n 5
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", default=str(ROOT / "tasks/seeds/conv2d_divide_leakyrelu.py"), help="a task file")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--n", type=int, default=5, help="evaluations")
+    args = ap.parse_args()
+
+    from sandbox.evaluate import Sandbox
+    from sandbox.result import EvalConfig
+    from sandbox.tasks import read_spec, with_device_sizes
+
+    path = Path(args.task)
+    spec = with_device_sizes(read_spec(path, name=f"aa/{path.stem}"), args.device)
+    source = path.read_text() + "\n\nclass ModelNew(Model):\n    pass\n"
+    ratios = []
+    with Sandbox(args.device, EvalConfig(time_compile=False, profile=False)) as sb:
+        for k in range(args.n):
+            r = sb.evaluate(spec, source)
+            if r.speedup_eager is None:
+                print(f"evaluation {k}: {r.status.value}: {r.error_message}", flush=True)
+                continue
+            ratios.append(r.speedup_eager)
+            print(f"evaluation {k}: eager {r.eager_time.median_ms:.4f} ms, candidate (the same model) "
+                  f"{r.candidate_time.median_ms:.4f} ms: {r.speedup_eager:.3f}x", flush=True)
+    if not ratios:
+        return 1
+    print(f"A/A on {args.device}, {spec.name}: median {statistics.median(ratios):.3f}x, "
+          f"range {min(ratios):.3f}-{max(ratios):.3f}x over {len(ratios)} evaluations (unbiased: about 1.0x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
