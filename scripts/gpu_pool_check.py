@@ -32,8 +32,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from builtin_candidate import (cuda_event_median_ms as _time, flat_outputs as _flat,  # noqa: E402
-                               reference_and_candidate)
+from builtin_candidate import (compare_with_references, cuda_event_median_ms as _time,  # noqa: E402
+                               flat_outputs as _flat, reference_and_candidate)
 
 from agent.builtin import Knobs, generate  # noqa: E402
 from agent.builtin.pool import CUDA_POOL_ENV  # noqa: E402
@@ -74,7 +74,6 @@ def check(path: Path, name: str, layout: str, seen: set[str]) -> bool:
     ref, new, twin = ref.cuda(), new.cuda(), twin.cuda()
     torch.manual_seed(1)
     inputs = [x.cuda() if torch.is_tensor(x) else x for x in task.get_inputs()]
-    ok = True
     tf32 = torch.backends.cudnn.allow_tf32
     with torch.no_grad():
         torch.backends.cudnn.allow_tf32 = False
@@ -82,17 +81,7 @@ def check(path: Path, name: str, layout: str, seen: set[str]) -> bool:
         ref64 = _flat(ref.double()(*[x.double() if torch.is_tensor(x) else x for x in inputs]))
         ref.float()
         torch.backends.cudnn.allow_tf32 = tf32
-        worst32 = worst64 = ref_err = 0.0
-        for w, g, w64 in zip(want, got, ref64):
-            nan_ok = bool((w.isnan() == g.isnan()).all())
-            w, g, w64 = (t.nan_to_num() for t in (w, g, w64))
-            err = (g.double() - w.double()).abs()
-            worst32 = max(worst32, float(err.max()))
-            bad = err > 1e-4 + 1e-4 * w.double().abs()
-            e64, r64 = (g.double() - w64).abs().max(), (w.double() - w64).abs().max()
-            worst64, ref_err = max(worst64, float(e64)), max(ref_err, float(r64))
-            if not nan_ok or (bool(bad.any()) and float(e64) > 2 * float(r64) + 1e-6):
-                ok = False
+        ok, worst32, worst64, ref_err = compare_with_references(want, got, ref64)
         t_ref, t_new, t_lib = _time(ref, inputs), _time(new, inputs), _time(twin, inputs)
         try:
             compiled = torch.compile(ref)

@@ -20,8 +20,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from builtin_candidate import (cuda_event_median_ms as _time, flat_outputs as _flat,  # noqa: E402
-                               reference_and_candidate)
+from builtin_candidate import (compare_with_references, cuda_event_median_ms as _time,  # noqa: E402
+                               flat_outputs as _flat, reference_and_candidate)
 
 from agent.builtin import generate  # noqa: E402
 from sandbox.tasks import read_spec  # noqa: E402
@@ -39,22 +39,11 @@ def check(path: Path, name: str) -> bool:
     ref, new = ref.cuda(), new.cuda()
     torch.manual_seed(1)
     inputs = [x.cuda() for x in task.get_inputs()]
-    ok = True
     with torch.no_grad():
         want, got = _flat(ref(*inputs)), _flat(new(*inputs))
         ref64 = _flat(ref.double()(*[x.double() for x in inputs]))
         ref.float()
-        worst32 = worst64 = ref_err = 0.0
-        for w, g, w64 in zip(want, got, ref64):
-            err = (g.double() - w.double()).abs()
-            worst32 = max(worst32, float(err.max()))
-            bad = err > 1e-4 + 1e-4 * w.double().abs()
-            e64, r64 = (g.double() - w64).abs().max(), (w.double() - w64).abs().max()
-            worst64, ref_err = max(worst64, float(e64)), max(ref_err, float(r64))
-            # the float64 rule, roughly: where the tolerance fails, the candidate must be as close to
-            # float64 as the float32 reference is (within 2x)
-            if bool(bad.any()) and float(e64) > 2 * float(r64) + 1e-6:
-                ok = False
+        ok, worst32, worst64, ref_err = compare_with_references(want, got, ref64)
         t_ref, t_new = _time(ref, inputs), _time(new, inputs)
     print(f"{name:42s} kernels {groups}: max |cand - ref32| {worst32:.2e}, |cand - ref64| {worst64:.2e} "
           f"(ref32 - ref64 {ref_err:.2e}) {'OK' if ok else 'FAIL'}; reference {t_ref:.3f} ms, "

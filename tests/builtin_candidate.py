@@ -40,3 +40,23 @@ def cuda_event_median_ms(fn, inputs, reps: int = 20, warmup: int = 3) -> float:
         times.append(a.elapsed_time(b))
     return statistics.median(times[warmup:])
 
+
+def compare_with_references(want: list, got: list, ref64: list) -> tuple[bool, float, float, float]:
+    """(ok, max |candidate - float32 reference|, max |candidate - float64 reference|, max |float32
+    reference - float64 reference|) over a forward's outputs. An output passes within 1e-4 absolute
+    + relative of the float32 reference, or, where it does not, within 2x of the float32
+    reference's own distance to float64 (the float64 rule, roughly); NaNs must sit where the
+    reference's do. The GPU check scripts' verdict, not the sandbox's."""
+    ok, worst32, worst64, ref_err = True, 0.0, 0.0, 0.0
+    for w, g, w64 in zip(want, got, ref64):
+        nan_ok = bool((w.isnan() == g.isnan()).all())
+        w, g, w64 = (t.nan_to_num() for t in (w, g, w64))
+        err = (g.double() - w.double()).abs()
+        worst32 = max(worst32, float(err.max()))
+        bad = err > 1e-4 + 1e-4 * w.double().abs()
+        e64, r64 = (g.double() - w64).abs().max(), (w.double() - w64).abs().max()
+        worst64, ref_err = max(worst64, float(e64)), max(ref_err, float(r64))
+        if not nan_ok or (bool(bad.any()) and float(e64) > 2 * float(r64) + 1e-6):
+            ok = False
+    return ok, worst32, worst64, ref_err
+
