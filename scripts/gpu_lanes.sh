@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Independent GPU checks side by side in one device call: lane i runs its command on GPU i with
+# 16 cores of its own (cores 16i..16i+15, `taskset`), its own store (/tmp/lane_i.db, kept on the
+# warm machine and returned as $OUT/lane_i.db) and its own output folder ($OUT/lane_i, exported
+# as OUT, so scripts that write under $OUT keep their lanes apart). A 4-GPU host runs four checks
+# for the device time of one. Each lane's output goes to $OUT/lane_i.txt, whose tail is printed
+# when every lane has ended.
+#
+#   bash scripts/gpu_lanes.sh "bash scripts/gpu_scale.sh bench" "python3 scripts/aa_check.py --device cuda"
+#
+# A lane's command runs under bash with scripts/gpu_env.sh sourced, KERNELLOOP_KERNELBENCH=$PWD/.kb,
+# `named TASK...` (KernelBench task names -> paths, e.g. `named level3/1_MLP`) and `box SECONDS CMD...`
+# (CMD itself gets SIGINT after SECONDS, so `optimize` stops cleanly and its store stays whole: box every
+# long step; the lane's own limit, LANE_S + 40 s, is a last resort that reaches only the lane's shell).
+# Write nothing through `| tail`: the lane's file keeps everything and its tail is printed at the end.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+source scripts/gpu_env.sh || exit 1
+ngpu=$(nvidia-smi -L | wc -l)
+[ "$#" -le "$ngpu" ] || { echo "gpu_lanes: $# lanes for $ngpu GPU(s)"; exit 2; }
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
+echo "$ngpu GPU(s), $(nproc) cores; commit of the tree: $(git log -1 --format=%h 2>/dev/null) (stale on the device)"
+pids=()
+i=0
+for cmd in "$@"; do
+  mkdir -p "$OUT/lane_$i"
+  (
+    export CUDA_VISIBLE_DEVICES=$i OUT="$OUT/lane_$i" KERNELLOOP_DB=/tmp/lane_$i.db PYTHONUNBUFFERED=1 MAX_JOBS=16
+    export KERNELLOOP_KERNELBENCH=$PWD/.kb
+    echo "lane $i (GPU $i, cores $((16 * i))-$((16 * i + 15))): $cmd"
+    timeout --kill-after=10 $(( ${LANE_S:-540} + 40 )) taskset -c $((16 * i))-$((16 * i + 15)) bash -c "
+      source scripts/gpu_env.sh
+      box() { local t=\$1; shift; timeout --signal=INT --kill-after=30 \"\$t\" \"\$@\"; echo \"[exit \$? after: \$*]\"; }
+      named() { python3 -c 'import sys; from evals.kernelbench import kernelbench_paths as p; print(\" \".join(map(str, p(sys.argv[1:]))))' \"\$@\"; }
+      $cmd"
+    echo "[lane $i exit $?]"
+    # a consistent copy, the write-ahead log's pages included (a store cut off mid-run may have them there)
+    [ -f /tmp/lane_$i.db ] && python3 -c "import sqlite3, sys; sqlite3.connect(sys.argv[1]).backup(sqlite3.connect(sys.argv[2]))" \
+      /tmp/lane_$i.db "$OUT/../lane_$i.db"
+  ) 2>&1 | grep -v USDT > "$OUT/lane_$i.txt" &
+  pids+=($!)
+  i=$((i + 1))
+done
+wait "${pids[@]}"
+for j in $(seq 0 $((i - 1))); do echo "===== lane $j"; tail -c "${TAIL:-2500}" "$OUT/lane_$j.txt"; done
