@@ -113,12 +113,14 @@ def test_the_elementwise_variant_keeps_the_library_pooling():
 
 
 def test_the_proposer_tries_fused_pooling_first_and_the_library_pooling_later():
-    """Round 0 on the CPU: the fused candidate in both layouts, then no_prologue, then the
-    library-pooling variant (fusion=elementwise), so measurement can choose between them."""
-    samples = [propose(_spec(), "cpu", 0, s, []).choices for s in range(4)]
-    assert [(c["knobs"]["fusion"], c["knobs"]["layout"]) for c in samples] == \
-        [("max", "nchw"), ("max", "nhwc"), ("no_prologue", "nhwc"), ("elementwise", "nhwc")]
-    assert [sum(g["kind"] == "pool" for g in c["groups"]) for c in samples] == [3, 3, 3, 0]
+    """Round 0 on the CPU: the fused candidate in both layouts, the direct-convolution variant
+    (conv.py; its pools fused too), then no_prologue, then the library-pooling variant
+    (fusion=elementwise), so measurement can choose between them."""
+    samples = [propose(_spec(), "cpu", 0, s, []).choices for s in range(5)]
+    assert [(c["knobs"]["fusion"], c["knobs"]["layout"], c["knobs"]["conv"]) for c in samples] == \
+        [("max", "nchw", "library"), ("max", "nhwc", "library"), ("max", "nchw", "direct"),
+         ("no_prologue", "nhwc", "library"), ("elementwise", "nhwc", "library")]
+    assert [sum(g["kind"] == "pool" for g in c["groups"]) for c in samples] == [3, 3, 3, 3, 0]
 
 
 def test_unsupported_pooling_keeps_the_library_call(tmp_path):

@@ -252,10 +252,11 @@ def test_distinct_candidates_within_a_round():
     assert len({body_hash(c.source) for c in cands}) == 4
     assert len({tuple(sorted(c.choices["knobs"].items())) for c in cands}) == 4
     # no GEMM, attention or recurrent layer here: those knobs are normalised to their defaults;
-    # a conv feeding a norm stays NCHW (layout.py), so the layout knob is normalised too
+    # a conv feeding a norm stays NCHW (layout.py), so the layout knob is normalised too; the direct
+    # convolution is off on cuda by default (conv.direct_on): conv and conv_tile are their defaults
     assert cands[0].choices["knobs"] == {"fusion": "max", "vec": True, "block": 256, "reduce": "onepass",
                                          "matmul": "tc3", "layout": "nhwc", "attention": "fused",
-                                         "recurrent": "fused"}
+                                         "recurrent": "fused", "conv": "library", "conv_tile": "4x16"}
 
 
 def test_variants_without_any_kernel_are_not_proposed_while_others_remain():

@@ -64,6 +64,19 @@ class _Generator:
         self.layout = layout                # the graph's layout (see layout.py)
         self.init = init                    # the candidate's __init__ lines (nhwc: weight conversion)
         self._others: dict[str, Optional[_Generator]] = {}
+        self._conv_infos: Optional[dict] = None
+
+    def infos_for(self, conv: str) -> dict:
+        """The plan's classification under the ``conv`` knob: ``direct`` makes every supported
+        convolution a ``conv`` core (conv.py); NCHW graphs only (the channels-last one keeps cuDNN)."""
+        if conv != "direct" or self.layout != "nchw":
+            return self.infos
+        if self._conv_infos is None:
+            from agent.builtin.conv import with_direct_convs
+
+            self._conv_infos = with_direct_convs(list(self.traced.gm.graph.nodes), self.infos,
+                                                 self.traced.modules, self.device)
+        return self._conv_infos
 
     def other(self, layout: str) -> Optional["_Generator"]:
         """The generator of the same task in another layout (None: it would change nothing)."""
@@ -75,12 +88,12 @@ class _Generator:
                 cl.traced, self.device, self.fb, self.math, layout, init_lines(cl.weights) if cl.weights else None)
         return self._others[layout]
 
-    def plan(self, fusion: str, excluded_extra: frozenset = frozenset()):
-        key = fusion + "|" + ",".join(sorted(excluded_extra))
+    def plan(self, fusion: str, excluded_extra: frozenset = frozenset(), conv: str = "library"):
+        key = fusion + "|" + conv + "|" + ",".join(sorted(excluded_extra))
         if key not in self._plans:
             excluded = set(self.fb.excluded) | set(excluded_extra)
             for _ in range(64):
-                plan = make_plan(self.traced, fusion, self.fb.cuts, excluded, infos=self.infos)
+                plan = make_plan(self.traced, fusion, self.fb.cuts, excluded, infos=self.infos_for(conv))
                 kgroups, bad = [], None
                 for g in plan.groups:
                     try:
@@ -104,7 +117,7 @@ class _Generator:
                                set(self.fb.excluded) | set(self.fb.cuts) | set(excluded_extra))
         fused = spans if knobs.attention == "fused" else []
         inside = frozenset(n.name for sp in fused for n in sp.nodes)
-        plan, kgroups, excluded = self.plan(knobs.fusion, excluded_extra | inside)
+        plan, kgroups, excluded = self.plan(knobs.fusion, excluded_extra | inside, knobs.conv)
         excluded = excluded - inside
         # nn.LSTM/GRU/RNN calls (recurrent.py): library nodes of the plan, one kernel each under recurrent="fused"
         layers = recurrent.find(list(self.traced.gm.graph.nodes), self.traced.modules,
@@ -128,7 +141,9 @@ class _Generator:
                     matmul=knobs.matmul if "matmul" in used else default_matmul(self.precision),
                     layout=self.layout if has_layouts else DEFAULT_KNOBS.layout,
                     attention=knobs.attention if "attention" in used else DEFAULT_KNOBS.attention,
-                    recurrent=knobs.recurrent if "recurrent" in used else DEFAULT_KNOBS.recurrent)
+                    recurrent=knobs.recurrent if "recurrent" in used else DEFAULT_KNOBS.recurrent,
+                    conv=knobs.conv if "conv" in used else DEFAULT_KNOBS.conv,
+                    conv_tile=knobs.conv_tile if "conv_tile" in used else DEFAULT_KNOBS.conv_tile)
         # (where the knob is used it is kept as asked, so the probe ran the same GEMMs)
         extra = extras(eff)
         header = self.header(plan, kgroups + [c.kg for c in extra], eff, excluded, [g.node.name for g in probe.tc])

@@ -12,6 +12,7 @@ import jinja2
 from torch.fx import Node
 
 from agent.builtin import pysource
+from agent.builtin.conv import shared_floats, tile_shape
 from agent.builtin.dtypes import at_type, c_type
 from agent.builtin.gemm import TcGemm, tc3_gemms
 from agent.builtin.kernels import LANES, KernelGroup
@@ -36,6 +37,8 @@ class Knobs:
     layout: str = "nhwc"       # nhwc (convolutions in channels-last, epilogues on the permuted view; see layout.py) | nchw
     attention: str = "fused"   # fused (q@k^T..softmax|relu..@v in one kernel, see attention.py) | library
     recurrent: str = "fused"   # fused (nn.LSTM/GRU/RNN with their own time loop, see recurrent.py) | library
+    conv: str = "library"      # library (cuDNN/oneDNN) | direct (small-K convolutions as fp32 FMA kernels with their epilogue, see conv.py)
+    conv_tile: str = "4x16"    # the direct convolution's CUDA tile: output rows x channels per thread (conv.TILES)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -97,7 +100,7 @@ class GroupCode:
 
     @property
     def fixed_meta(self) -> int:
-        return {"ew": 2, "reduce": 4, "norm": 11, "pool": 8}[self.kg.kind]
+        return {"ew": 2, "reduce": 4, "norm": 11, "pool": 8, "conv": 9}[self.kg.kind]
 
     def _layout_meta(self) -> None:
         pos = self.fixed_meta
@@ -110,6 +113,8 @@ class GroupCode:
         op = self.kg.op
         if self.kg.kind == "pool":          # one thread per output (cuda); rows or pixels (cpu)
             return {"block"} if self.device == "cuda" else set()
+        if self.kg.kind == "conv":          # its tile (cuda); output rows (cpu)
+            return {"conv", "conv_tile"} if self.device == "cuda" else {"conv"}
         used = set() if (self.device == "cpu" and self.kg.kind == "norm") else {"block"}
         if self.device == "cuda" or self.kg.kind in ("ew", "norm") or op in ("softmax", "log_softmax", "logsumexp"):
             used.add("vec")
@@ -124,14 +129,15 @@ class GroupCode:
 
     def kernel_source(self) -> str:
         kg = self.kg
-        template = {"ew": "ew", "reduce": "reduce", "norm": "norm", "pool": "pool"}[kg.kind]
+        template = {"ew": "ew", "reduce": "reduce", "norm": "norm", "pool": "pool", "conv": "conv"}[kg.kind]
         template = f"{'cuda' if self.device == 'cuda' else 'cpu'}_{template}." + ("cu.j2" if self.device == "cuda" else "cpp.j2")
         eps = c_float(kg.core_info.params["eps"]) if kg.kind == "norm" else "0.f"
         source = render(template, g=self, op=kg.op, vec=self.knobs.vec, block=self.knobs.block,
                         twopass=self.knobs.reduce == "twopass", lanes=LANES, eps=eps,
                         blocks_per_sm=max(2048 // self.knobs.block, 1) * 2,
                         chunk=self.knobs.block * 32, tile=max(self.knobs.block // 4, 16),
-                        pool=kg.core_info.params if kg.kind == "pool" else None)
+                        pool=kg.core_info.params if kg.kind == "pool" else None,
+                        conv=self._conv_ctx() if kg.kind == "conv" else None)
         return source if self.device == "cuda" else cpu_math(source)
 
     # wrapper ---------------------------------------------------------------------------
@@ -176,6 +182,9 @@ class GroupCode:
         elif kg.kind == "pool":
             lines += self._pool_sizes()
             out_shape = shape_e = "osh"
+        elif kg.kind == "conv":
+            lines += self._conv_sizes()
+            out_shape = shape_e = "osh"
         else:
             lines += self._norm_sizes(rank)
             out_shape = "sp"
@@ -214,6 +223,41 @@ class GroupCode:
                  f"const int64_t OH = (H + {2 * ph} - {kh}) / {sh} + 1, OW = (W + {2 * pw} - {kw}) / {sw} + 1;",
                  "const std::vector<int64_t> osh{" + ("N, OH, OW, C" if nhwc else "N, C, OH, OW") + "};"]
         for v in ("N * C * OH * OW", "N", "C", "H", "W", "OH", "OW"):
+            lines.append(f"meta.push_back((long long)({v}));")
+        return lines
+
+    def _conv_ctx(self) -> dict[str, Any]:
+        """The direct convolution's template context: its parameters, the CUDA tile, the shared
+        memory it stages, and which kernel inputs are its weight and bias."""
+        p = self.kg.core_info.params
+        s_in, s_w = shared_floats(p, self.knobs.conv_tile)
+        return {**p, "tile": tile_shape(self.knobs.conv_tile, p["out_channels"]), "s_in": s_in, "s_w": s_w,
+                "w": self.kg.params[0], "b": self.kg.params[1] if p["bias"] else None}
+
+    def _conv_sizes(self) -> list[str]:
+        """meta[1..8] of a direct convolution (outputs, N, D, H, W, OD, OH, OW; D = OD = 1 in 2-D)
+        and its output shape ``osh`` (N, C_out, [OD,] OH, OW)."""
+        p = self.kg.core_info.params
+        dims, ci, co = p["dims"], p["in_channels"], p["out_channels"]
+        w = self.kg.params[0]
+        lines = [f"TORCH_CHECK(sp.size() == {dims + 2} && sp[1] == {ci}, who, \": the input must have {ci} channels\");",
+                 f"TORCH_CHECK(in{w}.numel() == {co * p['k']}, who, \": the weight has the wrong size\");",
+                 "const int64_t N = sp[0], D = " + ("sp[2]" if dims == 3 else "1")
+                 + f", H = sp[{dims}], W = sp[{dims + 1}];"]
+        if p["bias"]:
+            lines.append(f"TORCH_CHECK(in{self.kg.params[1]}.numel() == {co}, who, \": the bias has the wrong size\");")
+        outs = []
+        for name, size in zip(("OD", "OH", "OW"), ("D", "H", "W")):
+            i = ("OD", "OH", "OW").index(name)
+            k, s, pad, dil = p["kernel3"][i], p["stride3"][i], p["padding3"][i], p["dilation3"][i]
+            outs.append(f"{name} = ({size} + {2 * pad} - {dil * (k - 1) + 1}) / {s} + 1")
+        lines.append(f"TORCH_CHECK(D + {2 * p['padding3'][0]} >= {p['dilation3'][0] * (p['kernel3'][0] - 1) + 1} && "
+                     f"H + {2 * p['padding3'][1]} >= {p['dilation3'][1] * (p['kernel3'][1] - 1) + 1} && "
+                     f"W + {2 * p['padding3'][2]} >= {p['dilation3'][2] * (p['kernel3'][2] - 1) + 1}, who, "
+                     '": the kernel is larger than the padded input");')
+        lines.append("const int64_t " + ", ".join(outs) + ";")
+        lines.append("const std::vector<int64_t> osh{N, " + str(co) + (", OD" if dims == 3 else "") + ", OH, OW};")
+        for v in (f"N * {co} * OD * OH * OW", "N", "D", "H", "W", "OD", "OH", "OW"):
             lines.append(f"meta.push_back((long long)({v}));")
         return lines
 

@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 from agent.builtin.attention import ATTENTION_MODES
 from agent.builtin.codegen import BLOCK_SIZES, HEADER_PREFIX, Knobs, body_hash
+from agent.builtin.conv import DEFAULT_TILE, TILES
 from agent.builtin.gemm import MATMUL_MODES
 from agent.builtin.layout import LAYOUTS
 from agent.builtin.plan import FUSION_MODES, narrow
@@ -268,11 +269,15 @@ def read_history(history: list[AttemptView], device: str, precision: str = "fp32
 # twin in NCHW: convolutions run in channels-last by default (layout.py), measured against it
 # (on tasks without a convolution the knob is normalised away the same way). Where convolutions
 # may run in TF32 (cuda, PyTorch's defaults), and on the CPU, the NCHW twin comes first instead (variant_order).
+# The fifth is the NCHW twin with its small-K convolutions as direct fp32 kernels fused with their
+# epilogue (conv.py; normalised away where there is none, or where they are off: cuda without
+# KERNELLOOP_CUDA_CONV=1); where the NCHW twin comes first it comes third.
 DEFAULT_ORDER = [
     Knobs("max", True, 256, "onepass", "tc3"),
     Knobs("max", False, 256, "twopass", "tc3"),
     Knobs("max", True, 256, "onepass", "ieee"),
     Knobs("max", True, 256, "onepass", "tc3", "nchw"),
+    Knobs("max", True, 256, "onepass", "tc3", "nchw", conv="direct"),
     Knobs("max", True, 256, "onepass", "tc3", attention="library"),     # attention's matmuls on the library
     Knobs("max", True, 256, "onepass", "tc3", recurrent="library"),     # nn.LSTM/GRU/RNN as the library's layers
     Knobs("max", True, 512, "twopass", "tc3"),
@@ -281,12 +286,17 @@ DEFAULT_ORDER = [
     Knobs("max", True, 128, "onepass", "tc3"),
     Knobs("split", True, 256, "twopass", "tc3"),
 ]
-ALL_KNOBS = [Knobs(f, v, b, r, m, lay, a, rec) for f in FUSION_MODES for v in (True, False) for b in BLOCK_SIZES
-             for r in ("onepass", "twopass") for m in MATMUL_MODES for lay in LAYOUTS for a in ATTENTION_MODES
-             for rec in RECURRENT_MODES]
+# (the direct convolution with each of its tiles in NCHW only: the channels-last graph keeps cuDNN)
+_CONVS = [("library", DEFAULT_TILE)] + [("direct", t) for t in TILES]
+ALL_KNOBS = [Knobs(f, v, b, r, m, lay, a, rec, cv, tile) for cv, tile in _CONVS for f in FUSION_MODES
+             for v in (True, False) for b in BLOCK_SIZES for r in ("onepass", "twopass") for m in MATMUL_MODES
+             for lay in LAYOUTS for a in ATTENTION_MODES for rec in RECURRENT_MODES
+             if cv == "library" or lay == "nchw"]
+_ALL_INDEX = {k: i for i, k in enumerate(ALL_KNOBS)}
 # Around the best, one-knob changes are tried in this order: the GEMM's mode and the convolutions'
 # layout first (the GEMM or the convolution dominates the time of every task that has one).
-_PRIORITY = {"matmul": 0, "layout": 0, "attention": 1, "recurrent": 1, "block": 2, "vec": 3, "reduce": 4, "fusion": 5}
+_PRIORITY = {"matmul": 0, "layout": 0, "conv": 0, "attention": 1, "recurrent": 1, "block": 2, "conv_tile": 2,
+             "vec": 3, "reduce": 4, "fusion": 5}
 
 
 def variant_order(fb: Feedback, precision: Optional[str] = None, nchw_first: bool = False) -> list[Knobs]:
@@ -313,13 +323,13 @@ def variant_order(fb: Feedback, precision: Optional[str] = None, nchw_first: boo
             # measured losses last, measured wins and (where the library dominates the profile)
             # the changes that move work between library and kernels first (search.py)
             lost, rank = neighbour_key({n: d[n] for n in diff}, fb.search)
-            return (lost, len(diff), rank, sorted(_PRIORITY[n] for n in diff), ALL_KNOBS.index(k))
+            return (lost, len(diff), rank, sorted(_PRIORITY[n] for n in diff), _ALL_INDEX[k])
 
         order = sorted(ALL_KNOBS, key=key)
     else:
         first = DEFAULT_ORDER
         if nchw_first:
-            first = [DEFAULT_ORDER[3], DEFAULT_ORDER[0]] + DEFAULT_ORDER[1:3] + DEFAULT_ORDER[4:]
+            first = [DEFAULT_ORDER[3], DEFAULT_ORDER[0], DEFAULT_ORDER[4]] + DEFAULT_ORDER[1:3] + DEFAULT_ORDER[5:]
         order = first + [k for k in ALL_KNOBS if k not in first]
     if precision != "fp32":
         order = list(dict.fromkeys(replace(k, matmul="ieee") for k in order))

@@ -314,11 +314,12 @@ class KernelGroup:
         return not any(o in pro for n in self.epilogue_nodes for o in self.plan.infos[n].operands
                        if isinstance(o, Node))
 
-    def epilogue(self, core_value: str, index: str, lane: Optional[int] = None, row: Optional[str] = None) -> str:
+    def epilogue(self, core_value: str, index: str, lane: Optional[int] = None, row: Optional[str] = None,
+                 chan: Optional[str] = None) -> str:
         """Statements after the core: ``t_<core> = core_value`` then the epilogue; result in ``z``
-        (``row`` as for the prologue)."""
+        (``row`` and ``chan`` as for the prologue)."""
         lines = [f"const float {self.var(self.core)} = {core_value};"]
-        body, _ = self._body(self.epilogue_nodes, self.epi_space, index, lane, "b", row=row)
+        body, _ = self._body(self.epilogue_nodes, self.epi_space, index, lane, "b", row=row, chan=chan)
         lines += body
         lines.append(f"const float z = {self.var(self.out_node)};")
         return "\n".join(lines)

@@ -7,6 +7,8 @@ Every node of a traced reference is classified as one of
               logsumexp, softmax, log_softmax) - the *core* of a fusion group;
 * ``norm``    GroupNorm, LayerNorm, InstanceNorm, BatchNorm - also a core;
 * ``pool``    2-D max/avg pooling that ``pool.py`` matches (classified there, not here) - a core;
+* ``conv``    a small-K convolution that ``conv.py`` matches, under the ``conv`` knob's ``direct``
+              only (the plan's classification, not this one's) - a core;
 * ``alias``   an identity (nn.Identity, dropout with p=0, ``contiguous``) - no code;
 * ``library`` a library operator (GEMM, convolution, pooling) - stays on PyTorch on purpose;
 * ``plumb``   shape plumbing (view, reshape, size, getitem) - stays on PyTorch, no kernel needed;
@@ -129,7 +131,7 @@ class ModuleAttr:
 
 @dataclass
 class OpInfo:
-    kind: str                                   # ew | reduce | norm | pool | alias | library | plumb | other
+    kind: str                                   # ew | reduce | norm | pool | conv | alias | library | plumb | other
     op: str                                     # canonical operator name
     operands: list[Any] = field(default_factory=list)   # Node | ModuleAttr | float | None
     params: dict[str, Any] = field(default_factory=dict)
@@ -138,11 +140,11 @@ class OpInfo:
 
     @property
     def fusible(self) -> bool:
-        return self.kind in ("ew", "reduce", "norm", "pool")
+        return self.kind in ("ew", "reduce", "norm", "pool", "conv")
 
     @property
     def is_core(self) -> bool:
-        return self.kind in ("reduce", "norm", "pool")
+        return self.kind in ("reduce", "norm", "pool", "conv")
 
 
 # --------------------------------------------------------------------------------------

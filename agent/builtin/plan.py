@@ -2,7 +2,7 @@
 
 A *group* is a topologically ordered run of fusible nodes with one output (its last node):
 
-    prologue (elementwise, on the core's input shape) -> core (reduction, norm or 2-D pooling) -> epilogue (elementwise)
+    prologue (elementwise, on the core's input shape) -> core (reduction, norm, 2-D pooling or direct convolution) -> epilogue (elementwise)
 
 or an elementwise chain without a core. Groups grow greedily from producer to consumer;
 afterwards any group whose intermediate value is needed outside it is cut right after
@@ -188,7 +188,8 @@ def make_plan(traced: Traced, fusion: str = "max", cuts: Iterable[str] = (),
             if shape_of(n) != space_shape(g):
                 return False
             if c is not None:
-                same_space = shape_of(c) == shape_of(infos[c].operands[0])
+                # (a window core's epilogue element is not its prologue's, whatever the shapes)
+                same_space = infos[c].kind not in ("pool", "conv") and shape_of(c) == shape_of(infos[c].operands[0])
                 pre = g.nodes[:g.nodes.index(c)]
                 if not same_space and any(o in pre for o in ins):
                     return False
@@ -269,7 +270,7 @@ def narrow(nodes: list[str], kinds: list[str]) -> tuple[set[str], set[str]]:
     """
     if len(nodes) <= 1:
         return set(), set(nodes)
-    core_idx = [i for i, k in enumerate(kinds) if k in ("reduce", "norm", "pool")]
+    core_idx = [i for i, k in enumerate(kinds) if k in ("reduce", "norm", "pool", "conv")]
     if core_idx:
         i = core_idx[0]
         cuts = set()

@@ -39,7 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.fx import Node
 
-from agent.builtin import pool
+from agent.builtin import conv, pool
 from agent.builtin.ops import ModuleAttr
 from agent.builtin.plan import resolve_alias
 
@@ -210,14 +210,18 @@ class _Emulated:
                 return o
             return v.double() if wide and v.is_floating_point() else v
 
+        infos = kg.plan.infos          # the plan's classification (conv=direct: its conv cores)
         for n in kg.nodes:
-            info = self.infos[n]
+            info = infos[n]
             if info.kind == "ew":
                 env[n] = _plan_ew(info.op, [val(o) for o in info.operands], info.params)
             elif info.kind == "reduce":
                 env[n] = _plan_reduce(info.op, val(info.operands[0]), info.params)
             elif info.kind == "pool":
                 env[n] = pool.emulate(info, val(info.operands[0]))
+            elif info.kind == "conv":
+                ops = [val(o) for o in info.operands]
+                env[n] = conv.emulate(info, ops[0], ops[1], ops[2] if len(ops) > 2 else None)
             else:
                 # running buffers are updated in place, in their own dtype
                 vals = [val(o, wide=not (isinstance(o, ModuleAttr) and o.attr.startswith("running_")))

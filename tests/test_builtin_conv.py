@@ -1,0 +1,189 @@
+"""Direct convolution (agent/builtin/conv.py): small-K Conv2d/Conv3d + the elementwise chains around
+them as one generated kernel under ``conv=direct``, judged in the CPU sandbox (with and without
+bias, stride 2 / padding 1, dilation 2, a prologue whose f(0) is not 0, 3-D); a kernel planted
+wrong judged incorrect; convolutions the kernels do not reproduce, the ``library`` variant and
+the channels-last layout keep cuDNN/oneDNN; the CUDA candidates render (built on a GPU by
+scripts/gpu_conv_check.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from agent.builtin import Knobs, generate, propose
+from agent.builtin.conv import CUDA_CONV_ENV, TILES
+from sandbox.tasks import read_spec, with_device_sizes
+
+FIXTURE = Path(__file__).parent / "fixtures" / "builtin" / "conv_direct.py"
+DIRECT = Knobs(layout="nchw", conv="direct")
+
+UNSUPPORTED = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.grouped = nn.Conv2d(4, 4, 3, groups=2)
+        self.wide = nn.Conv2d(16, 8, 3)
+        self.reflect = nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect")
+        self.transposed = nn.ConvTranspose2d(4, 4, 3)
+        self.same = nn.Conv2d(4, 4, 3, padding="same")
+
+    def forward(self, x, y):
+        a = torch.relu(self.grouped(x))
+        b = torch.relu(self.wide(y))
+        c = torch.relu(self.reflect(x))
+        d = torch.relu(self.transposed(x))
+        e = torch.relu(self.same(x))
+        return a, b, c, d, e
+
+def get_inputs():
+    return [torch.randn(2, 4, 8, 8), torch.randn(2, 16, 8, 8)]
+
+def get_init_inputs():
+    return []
+'''
+
+
+@pytest.fixture(autouse=True)
+def _fresh_verdicts(monkeypatch):
+    import agent.builtin as builtin
+    monkeypatch.setattr(builtin, "_VERDICTS", {})
+
+
+def _spec(path: Path = FIXTURE):
+    return read_spec(path, name=f"fixtures/{path.stem}")
+
+
+def _conv_groups(cand) -> list[dict]:
+    return [g for g in cand.choices["groups"] if g["kind"] == "conv"]
+
+
+def _forward_code(source: str) -> str:
+    return "\n".join(line for line in source.split("def forward")[1].splitlines() if not line.strip().startswith("#"))
+
+
+def test_each_small_convolution_is_one_kernel_with_its_chains():
+    cand = generate(_spec(), "cpu", DIRECT)
+    assert cand.choices["knobs"]["conv"] == "direct"
+    groups = _conv_groups(cand)
+    assert [g["ops"] for g in groups] == [
+        ["conv2d", "relu", "sub", "hardswish"], ["conv2d", "tanh", "mul"], ["conv2d", "leaky_relu"],
+        ["add", "conv2d", "sigmoid"], ["conv2d"], ["conv3d", "mish", "div"]]
+    code = _forward_code(cand.source)
+    assert "self.conv(" not in code and "conv2d(" not in code.replace("_ext.", "")
+    assert not cand.choices["library"]
+
+
+def test_the_library_variant_and_the_channels_last_layout_keep_the_library_convolution():
+    for knobs in (Knobs(layout="nchw"), Knobs(layout="nhwc", conv="direct"), Knobs(layout="nchw", conv="direct",
+                                                                                   fusion="elementwise")):
+        cand = generate(_spec(), "cpu", knobs)
+        assert not _conv_groups(cand) and cand.choices["knobs"]["conv"] == "library"
+        assert cand.choices["knobs"]["conv_tile"] == "4x16"      # unused: normalised
+
+
+def test_cuda_candidates_keep_cudnn_until_enabled(monkeypatch):
+    """The CUDA kernels compile with nvcc but no GPU has judged them: off unless KERNELLOOP_CUDA_CONV=1."""
+    monkeypatch.delenv(CUDA_CONV_ENV, raising=False)
+    assert not _conv_groups(generate(_spec(), "cuda", DIRECT))
+    monkeypatch.setenv(CUDA_CONV_ENV, "1")
+    for tile in TILES:
+        cuda = generate(_spec(), "cuda", Knobs(layout="nchw", conv="direct", conv_tile=tile))
+        groups = _conv_groups(cuda)
+        # on cuda the bias is split off the convolution (trace.py) and fused as an add
+        assert [g["ops"][:2] for g in groups][:2] == [["conv2d", "add"], ["conv2d", "tanh"]] and len(groups) == 6
+        assert cuda.choices["knobs"]["conv_tile"] == tile
+        assert cuda.source.count("_kernel<int><<<grid") == 6
+        compile(cuda.source, "cuda_candidate.py", "exec")
+
+
+def test_unsupported_convolutions_stay_the_librarys(tmp_path):
+    """groups>1, K = C_in * kh * kw above the threshold, reflect padding, transposed and padding='same'."""
+    path = tmp_path / "unsupported_conv.py"
+    path.write_text(UNSUPPORTED)
+    cand = generate(read_spec(path, name="fixtures/unsupported_conv"), "cpu", DIRECT)
+    assert not _conv_groups(cand)
+    assert sorted(cand.choices["library"]) == ["Conv2d"] * 4 + ["ConvTranspose2d"]
+
+
+def test_the_proposer_offers_the_direct_convolution_beside_the_library_one():
+    samples = [propose(_spec(), "cpu", 0, s, []).choices for s in range(3)]
+    assert [(c["knobs"]["layout"], c["knobs"]["conv"]) for c in samples] == \
+        [("nchw", "library"), ("nhwc", "library"), ("nchw", "direct")]
+    assert len(_conv_groups_of(samples[2])) == 6
+
+
+def _conv_groups_of(choices: dict) -> list[dict]:
+    return [g for g in choices["groups"] if g["kind"] == "conv"]
+
+
+def _judge(source: str):
+    from sandbox.evaluate import evaluate
+    from sandbox.numerics import Numerics
+    from sandbox.result import EvalConfig
+
+    cfg = EvalConfig(numerics=Numerics(), trials=2, warmup_runs=1, timed_runs=2, time_compile=False, profile=False)
+    return evaluate(with_device_sizes(_spec(), "cpu"), source, "cpu", cfg)
+
+
+def _candidate() -> str:
+    cand = generate(with_device_sizes(_spec(), "cpu"), "cpu", DIRECT)
+    assert len(_conv_groups(cand)) == 6
+    return cand.source
+
+
+def test_the_direct_convolutions_are_correct_in_the_cpu_sandbox():
+    from sandbox.result import Status
+
+    result = _judge(_candidate())
+    assert result.status is Status.correct, (result.status, result.error_message,
+                                             result.build.first_error if result.build else None)
+    checks = [o for t in result.trials for o in t.outputs]
+    assert checks and all(c.mismatched == 0 for c in checks)
+
+
+def test_a_wrong_halo_is_judged_incorrect():
+    """The clipped column range off by one (the first padded column read as data): wrong at the
+    borders only, and judged incorrect, so the test above can fail."""
+    from sandbox.result import Status
+
+    source = _candidate()
+    right = "I lo = off >= 0 ? 0 :"
+    assert source.count(right) == 6
+    result = _judge(source.replace(right, "I lo = off >= 0 ? 0 : -1 +"))
+    assert result.status is Status.incorrect, (result.status, result.error_message)
+
+
+def test_the_direct_convolution_matches_pytorch_elementwise():
+    """Every output within float32 rounding of PyTorch's (the prologue's padding is a zero of the
+    convolution's input: x + 1.0 before a padded convolution)."""
+    from builtin_candidate import reference_and_candidate
+
+    task, ref, new = reference_and_candidate(with_device_sizes(_spec(), "cpu"), _candidate())
+    inputs = task.get_inputs()
+    with torch.no_grad():
+        want, got = ref(*inputs), new(*inputs)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_the_replay_checks_the_direct_convolution(monkeypatch):
+    """The plan replay emulates a conv group (float64) and blames a wrong convolution plan."""
+    from agent.builtin import Feedback, _Generator
+    from agent.builtin import conv, replay
+    from agent.builtin.trace import trace_task
+
+    traced = trace_task(_spec(), "cpu")
+    gen = _Generator(traced, "cpu", Feedback())
+    rendered = gen.render(Knobs(layout="nchw", conv="direct", matmul="ieee"))
+    assert sum(c.kg.kind == "conv" for c in rendered.groups) == 6
+    verdict = replay.check(gen.traced, rendered, gen.infos, None)
+    assert verdict.ran and not verdict.excluded, verdict.notes
+    real = conv.emulate
+    monkeypatch.setattr(conv, "emulate", lambda info, x, w, b: real(info, x, w, None if b is None else 2 * b))
+    verdict = replay.check(gen.traced, rendered, gen.infos, None)
+    assert verdict.semantic and verdict.excluded, verdict.notes
