@@ -42,8 +42,12 @@ def main() -> int:
                 print(f"evaluation {k}: {r.status.value}: {r.error_message}", flush=True)
                 continue
             ratios.append(r.speedup_eager)
+            faults = ""
+            if r.candidate_time.page_faults is not None and r.eager_time.page_faults is not None:
+                faults = (f" (page faults per timed call: eager {r.eager_time.page_faults:g}, "
+                          f"candidate {r.candidate_time.page_faults:g})")
             print(f"evaluation {k}: eager {r.eager_time.median_ms:.4f} ms, candidate (the same model) "
-                  f"{r.candidate_time.median_ms:.4f} ms: {r.speedup_eager:.3f}x", flush=True)
+                  f"{r.candidate_time.median_ms:.4f} ms: {r.speedup_eager:.3f}x{faults}", flush=True)
     if not ratios:
         return 1
     print(f"A/A on {args.device}, {spec.name}: median {statistics.median(ratios):.3f}x, "
