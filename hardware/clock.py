@@ -19,7 +19,9 @@ Policy (GPU), for each timed run after the warm-up runs:
    stream it did not join to ours ran past the end event. The later of the two ends counts,
    so unjoined side-stream work stays on the clock.
 
-CPU: the same policy with a monotonic clock and a buffer larger than the last-level cache.
+CPU: the same policy with a monotonic clock and a buffer larger than the last-level cache; the
+process's minor page faults are read just outside each timed call (``faults``: the harness's own
+allocations between runs must not move the call onto fresh pages; ``Timing.page_faults``).
 
 The clock and synchronize functions are bound when this module is imported (before any
 candidate code runs in a worker), so a candidate that later patches ``time`` or
@@ -27,6 +29,7 @@ candidate code runs in a worker), so a candidate that later patches ``time`` or
 """
 from __future__ import annotations
 
+import resource
 import sys
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -34,6 +37,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 _perf_counter_ns = time.perf_counter_ns
+_getrusage = resource.getrusage
+_RUSAGE_SELF = resource.RUSAGE_SELF
 _cuda_sync = getattr(torch._C, "_cuda_synchronize", None)
 _Event = torch.cuda.Event
 _elapsed_time = torch.cuda.Event.elapsed_time
@@ -150,8 +155,10 @@ _preamble = (lambda original: lambda: original)(preamble)     # held in a closur
 
 def time_samples(fn: Callable[..., Any], make_args: Callable[[int], Sequence[Any]], device: str,
                  warmup: int = 3, runs: int = 20, flush_l2: bool = True,
-                 on_output: Optional[Callable[[int, Any], None]] = None) -> tuple[list[float], str]:
+                 on_output: Optional[Callable[[int, Any], None]] = None,
+                 faults: Optional[list[int]] = None) -> tuple[list[float], str]:
     """Milliseconds of ``fn(*make_args(i))`` for each of ``runs`` runs, and the clock's name.
+    ``faults`` (cpu): gets each timed call's minor page faults (the process's, read outside the clock).
 
     ``make_args`` is called outside the timed region, so generating inputs costs nothing
     on the clock, and at most one argument set is alive at a time. ``on_output(i, out)``
@@ -184,9 +191,12 @@ def time_samples(fn: Callable[..., Any], make_args: Callable[[int], Sequence[Any
         for i in range(runs):
             args = tuple(make_args(i))
             flusher()
+            f0 = _getrusage(_RUSAGE_SELF).ru_minflt if faults is not None else 0
             t0 = _perf_counter_ns()
             out = fn(*args)
             samples.append((_perf_counter_ns() - t0) / 1e6)
+            if faults is not None:
+                faults.append(_getrusage(_RUSAGE_SELF).ru_minflt - f0)
             if on_output is not None:
                 on_output(i, out)
             del args, out

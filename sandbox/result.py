@@ -140,6 +140,7 @@ class Timing(BaseModel):
     clock: str                               # cuda_event | perf_counter
     samples_ms: list[float] = []             # every timed run, in order (intervals are bootstrapped from these)
     host_load: Optional[float] = None        # 1-minute load average per usable CPU when the runs ended
+    page_faults: Optional[float] = None      # cpu: median minor page faults per timed call (the process's)
 
 
 class KernelStat(BaseModel):

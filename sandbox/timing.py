@@ -15,7 +15,7 @@ from sandbox.result import Timing
 MAX_SAMPLES = 200             # per-run times kept with a Timing
 
 
-def summarize(samples_ms: Sequence[float], clock: str) -> Timing:
+def summarize(samples_ms: Sequence[float], clock: str, faults: Optional[Sequence[int]] = None) -> Timing:
     s = sorted(samples_ms)
     if len(s) >= 4:
         q = statistics.quantiles(s, n=4, method="inclusive")
@@ -24,7 +24,8 @@ def summarize(samples_ms: Sequence[float], clock: str) -> Timing:
         iqr = s[-1] - s[0]
     return Timing(median_ms=statistics.median(s), iqr_ms=iqr, mean_ms=statistics.fmean(s),
                   min_ms=s[0], max_ms=s[-1], runs=len(s), clock=clock,
-                  samples_ms=[float(f"{x:.6g}") for x in samples_ms][:MAX_SAMPLES], host_load=host_load())
+                  samples_ms=[float(f"{x:.6g}") for x in samples_ms][:MAX_SAMPLES], host_load=host_load(),
+                  page_faults=float(statistics.median(faults)) if faults else None)
 
 
 def host_load() -> Optional[float]:
@@ -39,6 +40,9 @@ def host_load() -> Optional[float]:
 def time_runs(fn: Callable[..., Any], make_args: Callable[[int], Sequence[Any]], device: str,
               warmup: int = 3, runs: int = 20, flush_l2: bool = True,
               on_output: Optional[Callable[[int, Any], None]] = None) -> Timing:
-    """Time ``fn(*make_args(i))`` for ``runs`` runs (``hardware.clock.time_samples``) and summarise them."""
-    return summarize(*time_samples(fn, make_args, device, warmup=warmup, runs=runs, flush_l2=flush_l2,
-                                   on_output=on_output))
+    """Time ``fn(*make_args(i))`` for ``runs`` runs (``hardware.clock.time_samples``) and summarise them
+    (on cpu with the median minor page faults per timed call, ``Timing.page_faults``)."""
+    faults: Optional[list[int]] = [] if device != "cuda" else None
+    samples, clock = time_samples(fn, make_args, device, warmup=warmup, runs=runs, flush_l2=flush_l2,
+                                  on_output=on_output, faults=faults)
+    return summarize(samples, clock, faults)

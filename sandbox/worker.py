@@ -421,7 +421,8 @@ class Worker:
         self.timing_seed = int(req["seed"])
         # Every timed run checked (sandbox.runcheck): the candidate samples its outputs, the
         # reference checks those samples against its own outputs of the same runs.
-        self.sampler = runcheck.Sampler(self.device) if self.role == "candidate" and req.get("sample") else None
+        self.sampler = (runcheck.Sampler(self.device, runs=int(req["runs"]))
+                        if self.role == "candidate" and req.get("sample") else None)
         checker = None
         if self.role == "reference" and req.get("samples_path"):
             from sandbox.result import EvalConfig

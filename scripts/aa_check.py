@@ -2,10 +2,12 @@
 (``class ModelNew(Model): pass``), evaluated ``--n`` times by the sandbox. An unbiased judge
 gives speedups around 1.0x; the spread says how far one evaluation's speedup can be read.
 
-Prints each evaluation's eager and candidate medians and speedup, then the median and range.
-On the CPU target of a 2-core host (session p), four runs of 4-6 evaluations gave medians
-0.82x, 0.84x, 0.94x and 1.00x, single evaluations 0.55-1.17x: the CPU timing tends to read the
-candidate slower there, and one evaluation says little (``docs/judge.md``).
+Prints each evaluation's eager and candidate medians and speedup (on cpu with each side's page
+faults per timed call, which should match), then the median and range. On the CPU target of a
+2-core host (session p), four runs of 4-6 evaluations gave medians 0.82x-1.00x: the candidate's
+timed calls paid 28 page faults each that the reference's did not (the run check's sampler,
+fixed); after the fix five runs of 6 gave medians 0.94x-1.14x, single evaluations 0.77-1.38x:
+one evaluation says little there (``docs/judge.md``).
 
     python scripts/aa_check.py --device cpu --task tasks/seeds/conv2d_divide_leakyrelu.py --n 5
 """
@@ -42,8 +44,12 @@ def main() -> int:
                 print(f"evaluation {k}: {r.status.value}: {r.error_message}", flush=True)
                 continue
             ratios.append(r.speedup_eager)
+            faults = ""
+            if r.candidate_time.page_faults is not None and r.eager_time.page_faults is not None:
+                faults = (f" (page faults per timed call: eager {r.eager_time.page_faults:g}, "
+                          f"candidate {r.candidate_time.page_faults:g})")
             print(f"evaluation {k}: eager {r.eager_time.median_ms:.4f} ms, candidate (the same model) "
-                  f"{r.candidate_time.median_ms:.4f} ms: {r.speedup_eager:.3f}x", flush=True)
+                  f"{r.candidate_time.median_ms:.4f} ms: {r.speedup_eager:.3f}x{faults}", flush=True)
     if not ratios:
         return 1
     print(f"A/A on {args.device}, {spec.name}: median {statistics.median(ratios):.3f}x, "
