@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from agent.builtin import Knobs, generate, propose
-from agent.builtin.conv import CUDA_CONV_ENV, TILES
+from agent.builtin.conv import CUDA_CONV_ENV, DEFAULT_TILE, TILES
 from sandbox.tasks import read_spec, with_device_sizes
 
 FIXTURE = Path(__file__).parent / "fixtures" / "builtin" / "conv_direct.py"
@@ -83,14 +83,14 @@ def test_the_library_variant_and_the_channels_last_layout_keep_the_library_convo
                                                                                    fusion="elementwise")):
         cand = generate(_spec(), "cpu", knobs)
         assert not _conv_groups(cand) and cand.choices["knobs"]["conv"] == "library"
-        assert cand.choices["knobs"]["conv_tile"] == "4x16"      # unused: normalised
+        assert cand.choices["knobs"]["conv_tile"] == DEFAULT_TILE      # unused: normalised
 
 
-def test_cuda_candidates_keep_cudnn_until_enabled(monkeypatch):
-    """The CUDA kernels compile with nvcc but no GPU has judged them: off unless KERNELLOOP_CUDA_CONV=1."""
-    monkeypatch.delenv(CUDA_CONV_ENV, raising=False)
+def test_cuda_direct_convolutions_are_on_unless_switched_off(monkeypatch):
+    """The CUDA kernels were judged on a GPU (scripts/gpu_conv_check.py): on unless KERNELLOOP_CUDA_CONV=0."""
+    monkeypatch.setenv(CUDA_CONV_ENV, "0")
     assert not _conv_groups(generate(_spec(), "cuda", DIRECT))
-    monkeypatch.setenv(CUDA_CONV_ENV, "1")
+    monkeypatch.delenv(CUDA_CONV_ENV, raising=False)
     for tile in TILES:
         cuda = generate(_spec(), "cuda", Knobs(layout="nchw", conv="direct", conv_tile=tile))
         groups = _conv_groups(cuda)
@@ -111,10 +111,12 @@ def test_unsupported_convolutions_stay_the_librarys(tmp_path):
 
 
 def test_the_proposer_offers_the_direct_convolution_beside_the_library_one():
+    """Where NCHW comes first (the CPU; cuda with TF32 convolutions), the direct twin comes second,
+    before channels-last: round 0 with two samples measures it against cuDNN/oneDNN."""
     samples = [propose(_spec(), "cpu", 0, s, []).choices for s in range(3)]
     assert [(c["knobs"]["layout"], c["knobs"]["conv"]) for c in samples] == \
-        [("nchw", "library"), ("nhwc", "library"), ("nchw", "direct")]
-    assert len(_conv_groups_of(samples[2])) == 6
+        [("nchw", "library"), ("nchw", "direct"), ("nhwc", "library")]
+    assert len(_conv_groups_of(samples[1])) == 6
 
 
 def _conv_groups_of(choices: dict) -> list[dict]:

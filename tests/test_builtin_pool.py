@@ -84,16 +84,16 @@ def test_each_pool_is_one_kernel_with_its_chains(layout, monkeypatch):
     compile(cuda.source, "cuda_candidate.py", "exec")
 
 
-def test_cuda_candidates_keep_the_library_pooling_until_enabled(monkeypatch):
-    """The CUDA pool kernels compile but have not run on a GPU: a cuda candidate pools on PyTorch
-    unless KERNELLOOP_CUDA_POOL=1 (scripts/gpu_pool_check.py sets it); the CPU's are always fused."""
+def test_cuda_pool_kernels_are_on_unless_switched_off(monkeypatch):
+    """The CUDA pool kernels were judged on a GPU (scripts/gpu_pool_check.py): a cuda candidate fuses
+    its pools unless KERNELLOOP_CUDA_POOL=0, which keeps PyTorch's pooling; the CPU's are always fused."""
     monkeypatch.delenv(CUDA_POOL_ENV, raising=False)
+    assert len(_pool_groups(generate(_spec(), "cuda"))) == 3
+    monkeypatch.setenv(CUDA_POOL_ENV, "0")
     for layout in ("nchw", "nhwc"):
         off = generate(_spec(), "cuda", Knobs(layout=layout))
         assert off.choices["groups"] and not _pool_groups(off)
         assert len(_pool_groups(generate(_spec(), "cpu", Knobs(layout=layout)))) == 3
-    monkeypatch.setenv(CUDA_POOL_ENV, "1")
-    assert len(_pool_groups(generate(_spec(), "cuda"))) == 3
 
 
 def test_the_elementwise_variant_keeps_the_library_pooling():
@@ -113,12 +113,12 @@ def test_the_elementwise_variant_keeps_the_library_pooling():
 
 
 def test_the_proposer_tries_fused_pooling_first_and_the_library_pooling_later():
-    """Round 0 on the CPU: the fused candidate in both layouts, the direct-convolution variant
-    (conv.py; its pools fused too), then no_prologue, then the library-pooling variant
+    """Round 0 on the CPU: the fused candidate in NCHW, its direct-convolution twin (conv.py; its
+    pools fused too), the fused candidate channels-last, then no_prologue, then the library-pooling variant
     (fusion=elementwise), so measurement can choose between them."""
     samples = [propose(_spec(), "cpu", 0, s, []).choices for s in range(5)]
     assert [(c["knobs"]["fusion"], c["knobs"]["layout"], c["knobs"]["conv"]) for c in samples] == \
-        [("max", "nchw", "library"), ("max", "nhwc", "library"), ("max", "nchw", "direct"),
+        [("max", "nchw", "library"), ("max", "nchw", "direct"), ("max", "nhwc", "library"),
          ("no_prologue", "nhwc", "library"), ("elementwise", "nhwc", "library")]
     assert [sum(g["kind"] == "pool" for g in c["groups"]) for c in samples] == [3, 3, 3, 3, 0]
 

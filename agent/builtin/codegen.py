@@ -38,7 +38,7 @@ class Knobs:
     attention: str = "fused"   # fused (q@k^T..softmax|relu..@v in one kernel, see attention.py) | library
     recurrent: str = "fused"   # fused (nn.LSTM/GRU/RNN with their own time loop, see recurrent.py) | library
     conv: str = "library"      # library (cuDNN/oneDNN) | direct (small-K convolutions as fp32 FMA kernels with their epilogue, see conv.py)
-    conv_tile: str = "4x16"    # the direct convolution's CUDA tile: output rows x channels per thread (conv.TILES)
+    conv_tile: str = "4x8"     # the direct convolution's CUDA tile: output rows x channels per thread (conv.TILES)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
