@@ -7,9 +7,12 @@ faults per timed call, which should match), then the median and range. On the CP
 2-core host (session p), four runs of 4-6 evaluations gave medians 0.82x-1.00x: the candidate's
 timed calls paid 28 page faults each that the reference's did not (the run check's sampler,
 fixed); after the fix five runs of 6 gave medians 0.94x-1.14x, single evaluations 0.77-1.38x:
-one evaluation says little there (``docs/judge.md``).
+one evaluation said little there. With the cpu timing's interleaved blocks (4, ABBA), under a loaded
+host, medians 0.96x-1.02x, single evaluations 0.84-1.08x, where one block each gave 0.65-1.73x in the
+same runs (``--blocks 1,4``; ``docs/judge.md``).
 
     python scripts/aa_check.py --device cpu --task tasks/seeds/conv2d_divide_leakyrelu.py --n 5
+    python scripts/aa_check.py --device cpu --n 6 --blocks 1,4     # both conventions, alternating
 """
 from __future__ import annotations
 
