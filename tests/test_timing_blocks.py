@@ -185,3 +185,15 @@ def test_a_bad_block_count_names_the_setting(monkeypatch):
         cpu_timing_blocks()
     monkeypatch.setenv(CPU_BLOCKS_ENV, "6")
     assert cpu_timing_blocks() == 6 and "6 interleaved blocks" in cpu_timing_note()
+
+
+def test_the_report_header_says_how_the_times_were_taken():
+    from types import SimpleNamespace
+
+    from evals.report import timing_conventions
+
+    blocks = block_timing([Timing(**_timing(5))] * 4).convention
+    one = Timing(**_timing(20)).convention
+    assert timing_conventions([SimpleNamespace(timing=blocks)] * 3) == f"each side's time the {blocks}"
+    mixed = timing_conventions([SimpleNamespace(timing=blocks), SimpleNamespace(timing=one), SimpleNamespace(timing=None)])
+    assert "several conventions" in mixed and "4 blocks interleaved" in mixed and "in one block" in mixed
