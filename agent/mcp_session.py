@@ -82,8 +82,9 @@ def verdict(result: EvalResult) -> dict[str, Any]:
         "convention": (f"medians of {cfg.timed_runs} timed runs each (candidate, reference eager"
                        + (", reference torch.compile" if cfg.time_compile else "") + f") in the sandbox on "
                        f"{result.device} ({result.device_name}), torch {result.torch_version}, numerics "
-                       f"{cfg.numerics.label}; floor: the roofline floor on this device, floor_fraction = "
-                       f"floor_ms / candidate_ms"),
+                       f"{cfg.numerics.label}"
+                       + (f"; each side's time the {result.candidate_time.convention}" if result.candidate_time else "")
+                       + "; floor: the roofline floor on this device, floor_fraction = floor_ms / candidate_ms"),
         "device": result.device, "device_name": result.device_name, "backend": cfg.backend or result.device,
         "build": None if b is None else {"ok": b.ok, "seconds": b.seconds, "cached": b.cached,
                                           "first_error": b.first_error, "first_error_line": b.first_error_line},

@@ -239,7 +239,7 @@ def baseline_command(
         from sandbox.slots import cpu_timing_note
 
         try:
-            console.print(cpu_timing_note("eager and torch.compile", ", as the sandbox's workers time"), highlight=False)
+            console.print(cpu_timing_note("eager and torch.compile", " (the sandbox's thread count; each in one block of its own runs)", blocks=False), highlight=False)
         except ValueError as exc:
             fail(str(exc))
     try:

@@ -88,6 +88,7 @@ class AttemptRecord:
     parent_ids: list[int] = field(default_factory=list)
     evaluation_id: Optional[int] = None
     source: Optional[str] = None
+    timing: Optional[str] = None           # how its times were taken (sandbox.result.Timing.convention)
 
     @property
     def correct(self) -> bool:

@@ -94,6 +94,21 @@ def run_numerics(run: dict[str, Any]) -> dict[str, Any]:
     return {"label": n.label, "describe": n.describe(), "recorded": recorded, "note": note}
 
 
+def timing_conventions(records: list) -> str:
+    """How the run's times were taken (``Timing.convention`` of its timed evaluations), for the
+    header: one convention, or each with its count where evaluations were timed under several
+    (an evaluation reused from before cpu's interleaved blocks keeps its one-block convention)."""
+    from collections import Counter
+
+    seen = Counter(r.timing for r in records if getattr(r, "timing", None))
+    if not seen:
+        return "no evaluation was timed"
+    if len(seen) == 1:
+        return f"each side's time the {next(iter(seen))}"
+    return "the evaluations' times under several conventions: " + "; ".join(
+        f"{conv} ({n} evaluations)" for conv, n in seen.most_common())
+
+
 def task_paths_of(session, data: RunData) -> dict[str, str]:
     """Task name -> the task file's path as stored with the task row."""
     import sqlalchemy as sa
@@ -210,7 +225,8 @@ def build_report(data: RunData, task_paths: Optional[dict[str, str]] = None) -> 
                for t in tasks for a in t["attempts"] if a["status"] == "correct" and not a["evaluation"]]
     not_run = [{"task": name, "reason": why} for name, why in sorted(data.not_run.items())]
     summary["floor_convention"] = FLOOR_CONVENTION
-    return json_safe({"run": data.run, "numerics": numerics, "summary": summary, "fast_p": fast_p_rows,
+    timing = timing_conventions(data.records)
+    return json_safe({"run": data.run, "numerics": numerics, "timing": timing, "summary": summary, "fast_p": fast_p_rows,
                       "flagged": flagged, "not_run": not_run, "tasks": tasks,
                       "published": published_summary(tasks, numerics)})
 

@@ -18,6 +18,35 @@ from sandbox.quiet import GpuWatch, IdleWatch, TimingHistory, timing_window
 from sandbox.reference import Precomputed, ReferenceWorker
 from sandbox.result import EvalConfig, EvalResult, FlagKind, KernelStat, OutputCheck, Status, Timing, Trial
 
+# cpu's interleaved blocks: warm-up runs before every block after the first (the first has the config's)
+BLOCK_WARMUP = 1
+
+
+def block_plan(runs: int, blocks: int) -> list[tuple[int, int]]:
+    """``runs`` timed runs in ``blocks`` blocks as even as can be: (first run, runs) per block."""
+    blocks = max(1, min(blocks, runs))
+    plan, off = [], 0
+    for b in range(blocks):
+        n = runs // blocks + (1 if b < runs % blocks else 0)
+        plan.append((off, n))
+        off += n
+    return plan
+
+
+def block_timing(blocks: list[Timing]) -> Timing:
+    """One side's blocks as one ``Timing``: median, IQR, mean and extremes over all their runs, in
+    run order (``samples_ms``), ``blocks`` their count; ``page_faults`` the median of the blocks'
+    medians; ``host_load`` the last block's."""
+    import statistics
+
+    from sandbox.timing import summarize
+
+    t = summarize([x for blk in blocks for x in blk.samples_ms], blocks[0].clock)
+    faults = [blk.page_faults for blk in blocks if blk.page_faults is not None]
+    return t.model_copy(update={"blocks": len(blocks), "host_load": blocks[-1].host_load,
+                                "page_faults": float(statistics.median(faults)) if len(faults) == len(blocks) else None})
+
+
 # A candidate whose reported time leaves this much of the parent's wall clock unexplained is flagged.
 CLOCK_SLACK_S = 0.25
 CLOCK_FACTOR = 3.0
@@ -27,13 +56,16 @@ class CandidateChecks:
     """Runs the cascade's trials, timing and evidence stages for one sandbox's config and device."""
 
     def __init__(self, config: EvalConfig, device: str, gpu: Optional[str] = None,
-                 history: Optional[TimingHistory] = None, inputs_copy_on_host: bool = False):
+                 history: Optional[TimingHistory] = None, inputs_copy_on_host: bool = False,
+                 blocks: int = 1):
         """``gpu``: the slot's GPU (a CUDA_VISIBLE_DEVICES entry, watched through NVML);
         ``history``: the sandbox's running medians of reference timings (``sandbox.quiet``);
         ``inputs_copy_on_host``: the candidate keeps its trials' input copies (the mutation
-        check's) in host memory (``MemoryGate.plan``)."""
+        check's) in host memory (``MemoryGate.plan``); ``blocks`` (``cpu`` only, else 1): the
+        timed runs in that many interleaved blocks per side (``_time_in_blocks``)."""
         self.config, self.device, self.gpu, self.history = config, device, gpu, history
         self.inputs_copy_on_host = inputs_copy_on_host
+        self.blocks = max(1, min(int(blocks), config.timed_runs)) if device == "cpu" else 1
 
     def run(self, result: EvalResult, ref: ReferenceWorker, cand: WorkerProcess, stages: Stages,
             first: Optional[Precomputed] = None, gate: Any = None, slot: Any = None) -> None:
@@ -125,44 +157,52 @@ class CandidateChecks:
         # Spot checks: the outputs of the last timed run and of one secret other run are
         # compared in full with the reference's.
         check_runs = sorted({cfg.timed_runs - 1, secrets.randbelow(cfg.timed_runs)})
-        with timing_window(gate, self.gpu, self.device, slot) as gpu:
-            stages.enter("timing")
-            result.add_strays(cand.sweep(), "before its timed runs")
-            self._foreign(gpu, result, "before the timed runs", None)
-            w0 = time.monotonic()
-            ct = cand.ask({**timed, "check_runs": check_runs, "sample": True}, cfg.run_timeout_s)
-            cand_wall = time.monotonic() - w0
-            if not ct.get("ok"):
-                _raise_if_infra(ct, cand)
-                result.status = Status.runtime_error
-                result.error_type = ct.get("error_type")
-                result.error_message = f"while timing: {ct.get('error_message')}"
-                result.traceback = ct.get("traceback")
+        if self.blocks > 1:
+            # cpu: the timed runs in short blocks, the candidate's and the reference's interleaved
+            # and alternating which goes first (``_time_in_blocks``); cuda keeps the sequence below
+            got = self._time_in_blocks(result, ref, cand, stages, gate, slot, timed, check_runs)
+            if got is None:
                 return
-            result.candidate_time = Timing(**ct["timing"])
-            outs = cand.ask({"op": "timed_outputs"}, cfg.run_timeout_s)
-            if not outs.get("ok"):
-                _raise_if_infra(outs, cand)
-            result.add_strays(cand.sweep(), "during its timed runs")
-            self._foreign(gpu, result, "while the candidate was timed", cand.worker_pid)
-            idle = IdleWatch(cand.worker_pid)
-            w0 = time.monotonic()
-            eager = ref.ask({**timed, "samples_path": outs.get("samples_path"), "config": cfg.model_dump(mode="json")}
-                            if outs.get("samples_path") else timed)
-            ref_wall = time.monotonic() - w0
-            result.eager_time = Timing(**eager["timing"])
-            self._steady(ref, timed, result)
-            if cfg.time_compile:
-                try:
-                    comp = ref.ask({**timed, "compiled": True})
-                    result.compile_time = Timing(**comp["timing"])
-                except RuntimeError as exc:
-                    result.stderr += f"\n[kernelloop] torch.compile of the reference failed: {exc}"
-            busy = idle.busy()
-            busy_gpu = self._foreign(gpu, result, "while the reference was timed",
-                                     ref.proc.worker_pid if ref.proc is not None else None)
-            if cand.worker_pid in busy_gpu:
-                busy = (busy + "; " if busy else "") + "its worker used the GPU while the reference was timed"
+            ct, outs, eager, busy, ref_wall, cand_wall = got
+        else:
+            with timing_window(gate, self.gpu, self.device, slot) as gpu:
+                stages.enter("timing")
+                result.add_strays(cand.sweep(), "before its timed runs")
+                self._foreign(gpu, result, "before the timed runs", None)
+                w0 = time.monotonic()
+                ct = cand.ask({**timed, "check_runs": check_runs, "sample": True}, cfg.run_timeout_s)
+                cand_wall = time.monotonic() - w0
+                if not ct.get("ok"):
+                    _raise_if_infra(ct, cand)
+                    result.status = Status.runtime_error
+                    result.error_type = ct.get("error_type")
+                    result.error_message = f"while timing: {ct.get('error_message')}"
+                    result.traceback = ct.get("traceback")
+                    return
+                result.candidate_time = Timing(**ct["timing"])
+                outs = cand.ask({"op": "timed_outputs"}, cfg.run_timeout_s)
+                if not outs.get("ok"):
+                    _raise_if_infra(outs, cand)
+                result.add_strays(cand.sweep(), "during its timed runs")
+                self._foreign(gpu, result, "while the candidate was timed", cand.worker_pid)
+                idle = IdleWatch(cand.worker_pid)
+                w0 = time.monotonic()
+                eager = ref.ask({**timed, "samples_path": outs.get("samples_path"), "config": cfg.model_dump(mode="json")}
+                                if outs.get("samples_path") else timed)
+                ref_wall = time.monotonic() - w0
+                result.eager_time = Timing(**eager["timing"])
+                self._steady(ref, timed, result)
+                if cfg.time_compile:
+                    try:
+                        comp = ref.ask({**timed, "compiled": True})
+                        result.compile_time = Timing(**comp["timing"])
+                    except RuntimeError as exc:
+                        result.stderr += f"\n[kernelloop] torch.compile of the reference failed: {exc}"
+                busy = idle.busy()
+                busy_gpu = self._foreign(gpu, result, "while the reference was timed",
+                                         ref.proc.worker_pid if ref.proc is not None else None)
+                if cand.worker_pid in busy_gpu:
+                    busy = (busy + "; " if busy else "") + "its worker used the GPU while the reference was timed"
         if busy:
             result.add_flag(FlagKind.suspicious, busy)
             result.add_flag(FlagKind.contended, "the candidate's process ran while the reference was timed")
@@ -201,6 +241,109 @@ class CandidateChecks:
             result.reference_profile = [KernelStat(**row) for row in ref.profile]
         stages.enter("floor")
         self._floor(ref, result)
+
+    def _time_in_blocks(self, result: EvalResult, ref: ReferenceWorker, cand: WorkerProcess, stages: Stages,
+                        gate: Any, slot: Any, timed: dict[str, Any], check_runs: list[int]) -> Optional[tuple]:
+        """The ``cpu`` timing: the timed runs split into ``self.blocks`` short blocks per side,
+        the candidate's and the reference's interleaved, the order alternating block by block
+        (ABBA: candidate, eager[, compile]; then [compile,] eager, candidate; ...), so the host's
+        drift between blocks (on 2 shared cores the same model's blocks moved 0.30-0.62 ms within
+        seconds) falls on both sides alike. Each side's figure is the median over all its runs
+        (``block_timing``). Block ``b`` times the runs ``off..off+n-1`` of the evaluation: inputs from
+        the seeds ``timing_seed + i`` as in one block, so the spot checks and the run check keep
+        their run numbers; its warm-up inputs come from seeds no timed run uses.
+
+        Every check of the one-block sequence is kept per block: the candidate samples every timed
+        output, its kept spot-check outputs and samples are handed over after each of its blocks,
+        its strays swept then; where the candidate's block came first the reference checks its
+        samples while timing its own block (as before), where the reference's came first it runs
+        those runs' inputs again, untimed, after the candidate's block (``check_samples``); the
+        candidate's worker is watched while every reference block is timed (eager and compiled).
+
+        Returns ``(ct, outs, eager, busy, ref_wall, cand_wall)`` as the one-block sequence leaves
+        them, or None where the candidate failed (the result says how)."""
+        cfg = self.config
+        seed, warm = int(timed["seed"]), cfg.warmup_runs
+        plan = block_plan(cfg.timed_runs, self.blocks)
+        conf = cfg.model_dump(mode="json")
+        times: dict[str, list[Timing]] = {"candidate": [], "eager": [], "compile": []}
+        saved: dict[str, Any] = {}
+        checked, failed, tampered, threads, busy_parts = 0, [], [], 0, []
+        cand_wall = ref_wall = 0.0
+        time_compile = cfg.time_compile
+
+        def verdict(samples: Optional[dict], off: int, path: Optional[str]) -> None:
+            nonlocal checked
+            if samples is None:
+                failed.append([off, "its timed outputs were not sampled" if path is None else "its samples were not checked"])
+                return
+            checked += int(samples.get("checked") or 0)
+            failed.extend([off + int(i), why] for i, why in samples.get("failed") or [])
+
+        with timing_window(gate, self.gpu, self.device, slot):
+            stages.enter("timing")
+            result.add_strays(cand.sweep(), "before its timed runs")
+            for b, (off, n) in enumerate(plan):
+                ask = {**timed, "seed": seed + off, "runs": n, "warmup": warm if b == 0 else min(warm, BLOCK_WARMUP),
+                       "warmup_seed": seed + cfg.timed_runs + b * warm}
+                order = ["candidate", "eager"] + (["compile"] if time_compile else [])
+                if b % 2:
+                    order.reverse()
+                samples_path: Optional[str] = None
+                for side in order:
+                    if side == "candidate":
+                        mine = [i - off for i in check_runs if off <= i < off + n]
+                        w0 = time.monotonic()
+                        c = cand.ask({**ask, "check_runs": mine, "sample": True}, cfg.run_timeout_s)
+                        cand_wall += time.monotonic() - w0
+                        if not c.get("ok"):
+                            _raise_if_infra(c, cand)
+                            result.status = Status.runtime_error
+                            result.error_type = c.get("error_type")
+                            result.error_message = f"while timing: {c.get('error_message')}"
+                            result.traceback = c.get("traceback")
+                            return None
+                        times["candidate"].append(Timing(**c["timing"]))
+                        tampered += [t for t in c.get("tampered") or [] if t not in tampered]
+                        threads += int(c.get("threads_started") or 0)
+                        outs = cand.ask({"op": "timed_outputs", "first": off}, cfg.run_timeout_s)
+                        if not outs.get("ok"):
+                            _raise_if_infra(outs, cand)
+                        saved.update(outs.get("saved") or {})       # by the evaluation's run numbers
+                        result.add_strays(cand.sweep(), "during its timed runs")
+                        samples_path = outs.get("samples_path")
+                        if times["eager"] and len(times["eager"]) == b + 1:
+                            # the reference's block came first: its runs again, untimed, check the samples
+                            verdict(ref.ask({"op": "check_samples", "seed": seed + off, "runs": n,
+                                             "samples_path": samples_path, "config": conf})["samples"]
+                                    if samples_path else None, off, samples_path)
+                        continue
+                    idle = IdleWatch(cand.worker_pid)
+                    if side == "eager":
+                        check = samples_path is not None or len(times["candidate"]) == b + 1
+                        w0 = time.monotonic()
+                        e = ref.ask({**ask, "samples_path": samples_path, "config": conf} if samples_path else ask)
+                        ref_wall += time.monotonic() - w0
+                        times["eager"].append(Timing(**e["timing"]))
+                        if check:       # the candidate's block came first: checked while timed
+                            verdict(e.get("samples") if samples_path else None, off, samples_path)
+                    else:
+                        try:
+                            times["compile"].append(Timing(**ref.ask({**ask, "compiled": True})["timing"]))
+                        except RuntimeError as exc:
+                            result.stderr += f"\n[kernelloop] torch.compile of the reference failed: {exc}"
+                            time_compile, times["compile"] = False, []
+                    why = idle.busy()
+                    if why:
+                        busy_parts.append(f"block {b + 1} of {len(plan)} ({side}): {why}")
+        result.candidate_time = block_timing(times["candidate"])
+        result.eager_time = block_timing(times["eager"])
+        if time_compile and len(times["compile"]) == len(plan):
+            result.compile_time = block_timing(times["compile"])
+        ct = {"tampered": tampered, "threads_started": threads}
+        outs = {"saved": saved, "samples_path": "blocks"}
+        eager = {"samples": {"checked": checked, "failed": sorted(failed)}}
+        return ct, outs, eager, "; ".join(busy_parts) or None, ref_wall, cand_wall
 
     def _ahead_of_clock(self, result: EvalResult, ahead: dict[str, Any]) -> None:
         """The profile ran the clock's preamble before each forward (sandbox.profiling): work of the

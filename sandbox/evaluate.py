@@ -12,7 +12,8 @@
    an output further from that than the reference's (``Numerics.rms_factor``) is flagged
    ``inaccurate``;
 5. timing of candidate, reference eager and reference torch.compile by the same code, with
-   the device held exclusively, and a parent-side clock cross-check; every timed run's output
+   the device held exclusively (on ``cpu`` in short blocks, the sides interleaved, ABBA), and a
+   parent-side clock cross-check; every timed run's output
    checked on a secret sample (``sandbox.runcheck``); the candidate's strays swept before each
    timing and its worker watched while the reference is timed, the GPU watched through NVML
    (``sandbox.quiet``);
@@ -47,7 +48,8 @@ from sandbox.quiet import TimingHistory
 from sandbox.process import WorkerDied, WorkerProcess, WorkerTimeout, kill_all_workers
 from sandbox.reference import Precomputed, ReferenceWorker
 from sandbox.result import BuildCheck, BuildInfo, EvalConfig, EvalResult, FlagKind, Status
-from sandbox.slots import build_plan, cpu_thread_env, cpu_timing_threads, usable_cores, visible_gpus
+from sandbox.slots import (build_plan, cpu_thread_env, cpu_timing_blocks, cpu_timing_threads, usable_cores,
+                           visible_gpus)
 from sandbox.tasks import TaskSpec
 
 
@@ -86,7 +88,8 @@ class Sandbox:
                  init_seed: Optional[int] = None, gpus: Optional[list[str]] = None,
                  arch: Optional[str] = None, footprints: Optional[FootprintBook] = None,
                  memory_budgets: Optional[dict[str, int]] = None, warm_workers: Optional[int] = None,
-                 precompute: Optional[bool] = None, prepare: Optional[bool] = None):
+                 precompute: Optional[bool] = None, prepare: Optional[bool] = None,
+                 timing_blocks: Optional[int] = None):
         """``footprints`` and ``memory_budgets``: what tasks need and what may be used
         (``sandbox.admission``); ``warm_workers``: candidate workers kept started per slot (``sandbox.pool``; None: the
         default, 0: each candidate's worker starts when its candidate is ready, as it used to);
@@ -111,6 +114,8 @@ class Sandbox:
         self._slot_pick = threading.Lock()
         # cpu: every timed worker with the same small thread count (sandbox.slots.cpu_timing_threads)
         self.cpu_threads = cpu_timing_threads() if device == "cpu" else None
+        self.timing_blocks = ((timing_blocks if timing_blocks is not None else cpu_timing_blocks())
+                              if device == "cpu" else 1)
         self._refs: dict[tuple[str, int], ReferenceWorker] = {}
         self._refs_lock = threading.Lock()
         self._aborted = threading.Event()
@@ -515,7 +520,8 @@ class Sandbox:
                     self._slot_locks[slot].acquire()
                 stages = Stages(result)
                 try:
-                    CandidateChecks(cfg, self.device, self.slots[slot], self._history, inputs_copy_on_host).run(
+                    CandidateChecks(cfg, self.device, self.slots[slot], self._history, inputs_copy_on_host,
+                                    self.timing_blocks).run(
                         result, ref, cand, stages, first, self._gates[slot], self._slot_locks[slot])
                 finally:
                     stages.enter(None)

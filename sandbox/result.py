@@ -140,7 +140,21 @@ class Timing(BaseModel):
     clock: str                               # cuda_event | perf_counter
     samples_ms: list[float] = []             # every timed run, in order (intervals are bootstrapped from these)
     host_load: Optional[float] = None        # 1-minute load average per usable CPU when the runs ended
-    page_faults: Optional[float] = None      # cpu: median minor page faults per timed call (the process's)
+    page_faults: Optional[float] = None      # cpu: median minor page faults per timed call (the process's;
+                                             # with blocks, the median of the blocks' medians)
+    # How the runs were sequenced against the other side's (sandbox.checks): None (every Timing
+    # before blocks, and every cuda one) or 1: one block of consecutive runs in its worker, the other
+    # side's block before or after it; k > 1 (cpu): k short blocks interleaved with the other side's,
+    # the order alternating (ABBA), the median over all runs. See ``convention``.
+    blocks: Optional[int] = None
+
+    @property
+    def convention(self) -> str:
+        """The timing convention, in words, as reports print it."""
+        if (self.blocks or 1) > 1:
+            return (f"median of {self.runs} runs in {self.blocks} blocks interleaved with the other side's "
+                    f"(ABBA), {self.clock}")
+        return f"median of {self.runs} runs in one block, {self.clock}"
 
 
 class KernelStat(BaseModel):

@@ -49,9 +49,34 @@ def cpu_timing_threads() -> int:
     return n
 
 
-def cpu_timing_note(what: str = "reference and candidate", tail: str = "") -> str:
-    """The ``cpu`` timing convention, as commands print it beside their figures."""
-    return f"timing on cpu: {what} with {cpu_timing_threads()} intra-op thread(s) each ({CPU_THREADS_ENV}){tail}"
+CPU_BLOCKS_ENV = "KERNELLOOP_CPU_BLOCKS"
+DEFAULT_CPU_BLOCKS = 4
+
+
+def cpu_timing_blocks() -> int:
+    """Blocks the timed runs of an evaluation are split into on the ``cpu`` target
+    (``sandbox.checks``: the candidate's and the reference's blocks interleaved, ABBA). 4 by
+    default (20 timed runs: 4 blocks of 5): an even count, so each side goes first in as many
+    blocks as it goes second and a drift that is linear over two blocks cancels exactly; 1 gives
+    the old sequence, each side's runs in one block."""
+    raw = os.environ.get(CPU_BLOCKS_ENV, "").strip()
+    if not raw:
+        return DEFAULT_CPU_BLOCKS
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(f"{CPU_BLOCKS_ENV}={raw!r}: give a whole number of blocks (default {DEFAULT_CPU_BLOCKS})") from None
+    if n < 1:
+        raise ValueError(f"{CPU_BLOCKS_ENV}={raw!r}: give at least 1 block")
+    return n
+
+
+def cpu_timing_note(what: str = "reference and candidate", tail: str = "", blocks: bool = True) -> str:
+    """The ``cpu`` timing convention, as commands print it beside their figures (``blocks``: the
+    sandbox's interleaved blocks apply; ``kernelloop baseline`` times in one block of its own)."""
+    b = cpu_timing_blocks() if blocks else 1
+    how = (f", their timed runs in {b} interleaved blocks, ABBA ({CPU_BLOCKS_ENV})" if b > 1 else "")
+    return f"timing on cpu: {what} with {cpu_timing_threads()} intra-op thread(s) each ({CPU_THREADS_ENV}){how}{tail}"
 
 
 @contextlib.contextmanager

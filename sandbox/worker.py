@@ -443,8 +443,14 @@ class Worker:
             if checker is not None:
                 checker(i, out)
 
+        make = self._make_args(self.timing_seed)
+        if req.get("warmup_seed") is not None:
+            # a block of interleaved timing (cpu, sandbox.checks): its warm-up inputs from seeds of
+            # their own, never a later block's timed inputs (``time_samples`` warms up on runs + i)
+            timed_args, warm_args, runs = make, self._make_args(int(req["warmup_seed"])), int(req["runs"])
+            make = lambda i: timed_args(i) if i < runs else warm_args(i - runs)   # noqa: E731
         try:
-            t = _time_runs(fn, self._make_args(self.timing_seed), self.device, int(req["warmup"]),
+            t = _time_runs(fn, make, self.device, int(req["warmup"]),
                            int(req["runs"]), bool(req.get("flush_l2", True)),
                            on_output=keep if (check or self.sampler or checker) else None)
         except BaseException as exc:  # noqa: BLE001
@@ -461,14 +467,40 @@ class Worker:
             reply["samples"] = checker.finish(self)
         return reply
 
+    def check_samples(self, req: dict[str, Any]) -> dict[str, Any]:
+        """The reference's check of the candidate's samples of a block of timed runs that the
+        reference timed *before* the candidate (cpu's interleaved blocks, ``sandbox.checks``): the
+        samples did not exist while its own runs were timed, so the reference runs those inputs
+        (the same secret seeds) again, untimed, and checks the samples against these outputs with
+        the same rule as during a timed run (``runcheck.SampleCheck``, the float64 recheck included)."""
+        from sandbox.result import EvalConfig
+
+        if self.role != "reference":
+            return {"ok": False, "error_message": "only the reference checks samples"}
+        self.timing_seed, runs = int(req["seed"]), int(req["runs"])
+        self.step = "reading the candidate's samples"
+        checker = runcheck.SampleCheck(str(req["samples_path"]), self.device, runs,
+                                       EvalConfig.model_validate(req["config"]))
+        self.step = "rerunning timed runs to check their samples"
+        make = self._make_args(self.timing_seed)
+        with torch.no_grad():
+            for i in range(runs):
+                if i not in checker.failed:
+                    checker(i, self.model(*make(i)))
+        clock.device_sync(self.device)
+        self.step = "rechecking timed runs"
+        return {"ok": True, "samples": checker.finish(self)}
+
     def timed_outputs(self, req: dict[str, Any]) -> dict[str, Any]:
         saved: dict[str, dict[str, Any]] = {}
         self.step = "handing over the outputs of timed runs"
         kept = getattr(self, "kept", {})
         self.harness_bytes = 2 * sum(x.numel() * x.element_size() for flat in kept.values() for x in flat)
+        # ``first``: the evaluation's number of this request's first timed run (cpu's blocks, sandbox.checks)
+        first = int(req.get("first") or 0)
         for i, flat in kept.items():
-            saved[str(i)] = handoff.send(flat, self.handoff, self.exported, self._save_outputs,
-                                         f"{self.role}_timed_{i}.pt")
+            saved[str(first + i)] = handoff.send(flat, self.handoff, self.exported, self._save_outputs,
+                                                 f"{self.role}_timed_{first + i}.pt")
         self.kept = {}
         reply: dict[str, Any] = {"ok": True, "saved": saved}
         sampler = getattr(self, "sampler", None)
@@ -528,6 +560,7 @@ def serve(conn: Connection) -> None:
     handlers = {"trial": worker.trial, "compare": worker.compare, "time": worker.time,
                 "precompute": worker.precompute, "discard": worker.discard,
                 "timed_outputs": worker.timed_outputs, "resend": worker.resend,
+                "check_samples": worker.check_samples,
                 "profile": worker.profile,
                 "roofline": worker.roofline}
     if worker.role == "reference":

@@ -7,9 +7,12 @@ faults per timed call, which should match), then the median and range. On the CP
 2-core host (session p), four runs of 4-6 evaluations gave medians 0.82x-1.00x: the candidate's
 timed calls paid 28 page faults each that the reference's did not (the run check's sampler,
 fixed); after the fix five runs of 6 gave medians 0.94x-1.14x, single evaluations 0.77-1.38x:
-one evaluation says little there (``docs/judge.md``).
+one evaluation said little there. With the cpu timing's interleaved blocks (4, ABBA), under a loaded
+host, medians 0.96x-1.02x, single evaluations 0.84-1.08x, where one block each gave 0.65-1.73x in the
+same runs (``--blocks 1,4``; ``docs/judge.md``).
 
     python scripts/aa_check.py --device cpu --task tasks/seeds/conv2d_divide_leakyrelu.py --n 5
+    python scripts/aa_check.py --device cpu --n 6 --blocks 1,4     # both conventions, alternating
 """
 from __future__ import annotations
 
@@ -26,7 +29,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", default=str(ROOT / "tasks/seeds/conv2d_divide_leakyrelu.py"), help="a task file")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--n", type=int, default=5, help="evaluations")
+    ap.add_argument("--n", type=int, default=5, help="evaluations (per convention given to --blocks)")
+    ap.add_argument("--blocks", default=None,
+                    help="cpu: interleaved timing blocks per side (sandbox.checks), e.g. 4; a comma list "
+                         "(1,4) alternates the conventions evaluation by evaluation in one sandbox, so both "
+                         "meet the same host; default: KERNELLOOP_CPU_BLOCKS or its default (4)")
     args = ap.parse_args()
 
     from sandbox.evaluate import Sandbox
@@ -36,24 +43,47 @@ def main() -> int:
     path = Path(args.task)
     spec = with_device_sizes(read_spec(path, name=f"aa/{path.stem}"), args.device)
     source = path.read_text() + "\n\nclass ModelNew(Model):\n    pass\n"
-    ratios = []
+    conventions = [int(b) for b in args.blocks.split(",")] if args.blocks else [None]
+    ratios: dict = {b: [] for b in conventions}
+    pair_ratios: dict = {b: [] for b in conventions}
     with Sandbox(args.device, EvalConfig(time_compile=False, profile=False)) as sb:
-        for k in range(args.n):
+        default = sb.timing_blocks
+        for k in range(args.n * len(conventions)):
+            blocks = conventions[k % len(conventions)]
+            sb.timing_blocks = default if blocks is None else blocks     # read by each evaluation
             r = sb.evaluate(spec, source)
             if r.speedup_eager is None:
                 print(f"evaluation {k}: {r.status.value}: {r.error_message}", flush=True)
                 continue
-            ratios.append(r.speedup_eager)
-            faults = ""
+            ratios[blocks].append(r.speedup_eager)
+            faults = pair = ""
             if r.candidate_time.page_faults is not None and r.eager_time.page_faults is not None:
                 faults = (f" (page faults per timed call: eager {r.eager_time.page_faults:g}, "
                           f"candidate {r.candidate_time.page_faults:g})")
-            print(f"evaluation {k}: eager {r.eager_time.median_ms:.4f} ms, candidate (the same model) "
-                  f"{r.candidate_time.median_ms:.4f} ms: {r.speedup_eager:.3f}x{faults}", flush=True)
-    if not ratios:
+            nb = r.candidate_time.blocks or 1
+            if nb > 1:
+                # the other estimator: the median of the per-block ratios (block b of each side)
+                from sandbox.checks import block_plan
+
+                per = [statistics.median(r.eager_time.samples_ms[o:o + n]) / statistics.median(r.candidate_time.samples_ms[o:o + n])
+                       for o, n in block_plan(r.candidate_time.runs, nb)]
+                pair_ratios[blocks].append(statistics.median(per))
+                pair = f"; median of block ratios {pair_ratios[blocks][-1]:.3f}x"
+            print(f"evaluation {k} [{r.candidate_time.convention}]: eager {r.eager_time.median_ms:.4f} ms, candidate "
+                  f"(the same model) {r.candidate_time.median_ms:.4f} ms: {r.speedup_eager:.3f}x{pair}{faults}", flush=True)
+    if not any(ratios.values()):
         return 1
-    print(f"A/A on {args.device}, {spec.name}: median {statistics.median(ratios):.3f}x, "
-          f"range {min(ratios):.3f}-{max(ratios):.3f}x over {len(ratios)} evaluations (unbiased: about 1.0x)")
+    for blocks, got in ratios.items():
+        if not got:
+            continue
+        label = "default blocks" if blocks is None else f"{blocks} block(s)"
+        extra = ""
+        if pair_ratios[blocks]:
+            pr = pair_ratios[blocks]
+            extra = (f"; median of block ratios: median {statistics.median(pr):.3f}x, "
+                     f"range {min(pr):.3f}-{max(pr):.3f}x")
+        print(f"A/A on {args.device}, {spec.name}, {label}: median {statistics.median(got):.3f}x, "
+              f"range {min(got):.3f}-{max(got):.3f}x over {len(got)} evaluations (unbiased: about 1.0x){extra}")
     return 0
 
 

@@ -51,7 +51,9 @@ def built(tmp_path_factory):
 def test_json_has_all_numbers(built):
     info, _, out, _ = built
     r = json.loads(out["json"])
-    assert set(r) == {"run", "numerics", "summary", "fast_p", "flagged", "not_run", "tasks", "published"}
+    assert set(r) == {"run", "numerics", "timing", "summary", "fast_p", "flagged", "not_run", "tasks", "published"}
+    # how the times were taken (Timing.convention): the fixture's evaluations predate cpu's blocks
+    assert "in one block" in r["timing"] or r["timing"] == "no evaluation was timed", r["timing"]
     # the fixture run's config records no numerics: it ran before they were recorded (fp32/strict)
     assert r["numerics"]["label"] == "fp32/strict" and r["numerics"]["recorded"] is False
     assert r["published"]["tasks"] == 0 and all(t["published"]["available"] is False for t in r["tasks"])

@@ -94,6 +94,10 @@ def test_an_aa_evaluation_times_the_candidate_on_no_more_fresh_pages_than_the_re
             r = sb.evaluate(spec, source)
             assert r.status == Status.correct, r.error_message
             assert r.timed_runs_checked == r.candidate_time.runs          # every timed run still sampled
+            # timed in interleaved blocks (tests/test_timing_blocks.py), the reference-first blocks'
+            # samples checked by the reference's untimed reruns: all runs of both sides, all checked
+            assert (r.candidate_time.blocks or 1) == (r.eager_time.blocks or 1) == sb.timing_blocks
+            assert r.candidate_time.runs == r.eager_time.runs == len(r.candidate_time.samples_ms) == 20
             c, e = r.candidate_time.page_faults, r.eager_time.page_faults
             assert c is not None and e is not None
             assert c <= e + 4, f"the candidate's timed calls faulted {c} pages each, the reference's {e}"

@@ -74,7 +74,9 @@ def evidence_lines(a: AttemptView, max_kernels: int = 8) -> list[str]:
     if r.candidate_time:
         ct = r.candidate_time
         lines.append(f"runtime: median {fmt_ms(ct.median_ms)} (IQR {fmt_ms(ct.iqr_ms)}, {ct.runs} runs, "
-                     f"clock {ct.clock}" + (f", host load {sig(ct.host_load, 3)} per CPU" if ct.host_load else "")
+                     f"clock {ct.clock}" + (f", in {ct.blocks} blocks interleaved with the reference's (ABBA)"
+                                            if (ct.blocks or 1) > 1 else "")
+                     + (f", host load {sig(ct.host_load, 3)} per CPU" if ct.host_load else "")
                      + ")")
     if r.eager_time:
         text = f"eager PyTorch: median {fmt_ms(r.eager_time.median_ms)} (IQR {fmt_ms(r.eager_time.iqr_ms)})"
