@@ -197,3 +197,21 @@ def test_the_report_header_says_how_the_times_were_taken():
     assert timing_conventions([SimpleNamespace(timing=blocks)] * 3) == f"each side's time the {blocks}"
     mixed = timing_conventions([SimpleNamespace(timing=blocks), SimpleNamespace(timing=one), SimpleNamespace(timing=None)])
     assert "several conventions" in mixed and "4 blocks interleaved" in mixed and "in one block" in mixed
+
+
+def test_a_burst_that_takes_one_sides_block_is_contended():
+    """session q's seed read 4.11x: two of four eager blocks at 5.7-6.1 ms, the others 1.15-1.17 ms,
+    the candidate's steady. Drift both sides meet (the A/A check's blocks) is not flagged."""
+    from sandbox.checks import block_burst
+    from sandbox.result import Timing
+
+    def t(ms: float) -> Timing:
+        return Timing(median_ms=ms, iqr_ms=0.0, mean_ms=ms, min_ms=ms, max_ms=ms, runs=5, clock="perf_counter")
+
+    cand = [t(1.4), t(1.35), t(1.42), t(1.38)]
+    why = block_burst(cand, [t(6.1), t(1.15), t(5.7), t(1.17)])
+    assert why and "burst" in why and "6.1" in why
+    assert block_burst(cand, [t(1.5), t(1.3), t(1.6), t(1.4)]) is None
+    drift = [t(0.30), t(0.62), t(0.45), t(0.31)]         # the host's drift, on both sides
+    assert block_burst(drift, [t(x * 1.02) for x in (0.31, 0.60, 0.47, 0.30)]) is None
+    assert block_burst([t(1.0)], [t(9.0)]) is None       # one block: nothing to compare
