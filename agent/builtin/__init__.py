@@ -27,6 +27,7 @@ from agent.builtin.dtypes import precision_of
 from agent.builtin.feedback import Feedback, _knobs_of, parse_header, read_history, variant_order
 from agent.builtin.kernels import KernelGroup
 from agent.builtin.plan import Plan, classify_graph, make_plan
+from agent.builtin.rng import isolated_rng
 from agent.builtin.search import lineage
 from agent.builtin.trace import Traced, trace_task
 from typing import TYPE_CHECKING
@@ -283,7 +284,7 @@ def _replay(spec: TaskSpec, numerics: Optional[Numerics]):
             rendered = gen.render(Knobs(matmul="ieee"))
             # a channels-last candidate is the rewritten graph's: its groups hold that graph's nodes
             owner = gen.other(rendered.header["knobs"]["layout"]) or gen
-            with torch.random.fork_rng(devices=[]):     # the models are built under the sandbox's seeds
+            with isolated_rng():     # the models are built under the sandbox's seeds, one thread at a time
                 verdict = replay.check(owner.traced, rendered, owner.infos, numerics)
     except Exception as exc:  # noqa: BLE001 - the replay is advice; the sandbox judges anyway
         verdict = replay.Verdict(notes=[f"replay: could not run ({type(exc).__name__}: {str(exc)[:200]})"])

@@ -42,6 +42,7 @@ from torch.fx import Node
 from agent.builtin import conv, pool
 from agent.builtin.ops import ModuleAttr
 from agent.builtin.plan import resolve_alias
+from agent.builtin.rng import isolated_rng
 
 # activations summed over every node of a CPU trace, above which the replay is not run (its
 # forwards would cost seconds each on a small CPU)
@@ -321,7 +322,7 @@ def _forward(model, ext, setup, wide, seed, flatten_outputs, make_inputs):
     inputs = make_inputs(setup.task, seed, "cpu", setup.numerics)
     if wide:
         inputs = [x.double() if torch.is_tensor(x) and x.is_floating_point() else x for x in inputs]
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+    with torch.no_grad(), isolated_rng():
         out = model(*inputs)
     outs = [o.detach() if torch.is_tensor(o) else o for o in flatten_outputs(out)]
     return outs, {k: v.detach().clone() for k, v in model.state_dict().items()}

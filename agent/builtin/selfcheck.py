@@ -58,8 +58,11 @@ def check_source(task_path: str, device: str, source: str, seeds: tuple[int, ...
     t0 = time.perf_counter()
     exec(compile(source, "candidate.py", "exec"), ns)
     report["build_s"] = round(time.perf_counter() - t0, 2)
-    ref = make_model(task.Model, task, seeds[0], device, numerics)
-    new = make_model(ns["ModelNew"], task, seeds[0], device, numerics)
+    from agent.builtin.rng import isolated_rng
+
+    with isolated_rng():        # both draw the same weights, whatever other threads do
+        ref = make_model(task.Model, task, seeds[0], device, numerics)
+        new = make_model(ns["ModelNew"], task, seeds[0], device, numerics)
     # the float64 copy of the reference (same state, run on the same, already cast, inputs)
     use64 = numerics.fp64_check and (numerics.precision != "fp32" or numerics.math != "strict")
     ref64 = copy.deepcopy(ref).double() if use64 else None

@@ -32,6 +32,7 @@ from torch.fx import GraphModule, Node, symbolic_trace
 from torch.fx.passes.shape_prop import ShapeProp
 
 from agent.builtin.dtypes import cast_model, cast_values, precision_of
+from agent.builtin.rng import isolated_rng
 from sandbox.tasks import TaskSpec, load_task, with_device_sizes
 
 
@@ -82,7 +83,7 @@ def _trace(spec: TaskSpec, device: str, numerics: Any = None) -> Traced:
     for how in ("meta", "cpu"):
         use = dev_spec if how == "meta" else with_device_sizes(spec, "cpu")
         try:
-            with torch.random.fork_rng(devices=[]):
+            with isolated_rng():
                 traced = _trace_with(use, device, how, numerics)
             if traced.shapes and use.overrides != dev_spec.overrides:
                 raise ValueError("the trace specialised on the input shapes of the CPU sizes, which are "
