@@ -84,14 +84,17 @@ def prebuild(sources: dict[str, str], ext_dir: Path) -> None:
         print(f"  built {name}: exit {p.returncode}" + (f"\n{out[-2000:]}" if p.returncode else ""), flush=True)
 
 
-def _best_of_run(run_id: int, db: str | None, limit: int):
-    """The run's best clean candidates (``evals.run_data.best_clean``) from its store."""
+def _best_of_run(run_id: int, db: str | None, limit: int, only: list[str] | None = None):
+    """The run's best clean candidates (``evals.run_data.best_clean``) from its store; ``only``:
+    those tasks' (KernelBench names, ``level2/...``), wherever best_clean's order puts them."""
     from evals.run_data import best_clean, load_run
     from store import Store
 
     store = Store(db)
     with store.reader() as session:
-        picked = best_clean(load_run(session, run_id), limit)
+        data = load_run(session, run_id)
+        picked = ([r for r in best_clean(data, len(data.records)) if r.task in only] if only
+                  else best_clean(data, limit))
     store.close()
     if not picked:
         raise SystemExit(f"run {run_id} has no clean correct attempt to cross-check")
@@ -100,7 +103,9 @@ def _best_of_run(run_id: int, db: str | None, limit: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tasks", nargs="*", default=TASKS)
+    ap.add_argument("--tasks", nargs="*", default=None,
+                    help="KernelBench task names (default: the ten of issue #35's first check); with --run: "
+                         "only these tasks' best candidates")
     ap.add_argument("--sample", type=int, default=0, help="the builtin's sample of round 0 to check")
     ap.add_argument("--perf-trials", type=int, default=100, help="KernelBench's num_perf_trials")
     ap.add_argument("--json", default=None)
@@ -124,14 +129,15 @@ def main() -> None:
 
     numerics = Numerics()
     if args.run is not None:
-        picked = _best_of_run(args.run, args.db, args.best)
+        picked = _best_of_run(args.run, args.db, args.best, args.tasks)
         names = [r.task for r in picked]
         specs = [read_spec(p, name=n) for n, p in zip(names, kernelbench_paths(names))]
         sources = {r.task: r.source for r in picked}
         print(f"run {args.run}: the best clean attempt of {len(picked)} task(s): "
               + ", ".join(f"{r.task} #{r.attempt_id} ({r.speedup_eager:.2f}x)" for r in picked), flush=True)
     else:
-        specs = [read_spec(p, name=n) for n, p in zip(args.tasks, kernelbench_paths(args.tasks))]
+        tasks = args.tasks or TASKS
+        specs = [read_spec(p, name=n) for n, p in zip(tasks, kernelbench_paths(tasks))]
         sources = {s.name: propose(s, "cuda", 0, args.sample, [], numerics=numerics).source for s in specs}
     goal = 0.05 if args.run is not None else 0.03
     ext_dir = args.ext_dir
