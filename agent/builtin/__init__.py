@@ -102,7 +102,11 @@ class _Generator:
                         bad = g
                         break
                 if bad is None:
-                    break
+                    lone = _lone_small_groups(plan)
+                    if not lone:
+                        break
+                    excluded |= lone
+                    continue
                 excluded |= {n.name for n in bad.nodes}
             self._plans[key] = (plan, kgroups, excluded)
         return self._plans[key]
@@ -165,6 +169,30 @@ class _Generator:
             "tc3": tc,          # library GEMM nodes run as split-TF32 tensor-core GEMMs
             "uncovered": sorted({infos[n].op for n in infos if infos[n].kind == "other" and n not in inside}),
         }
+
+
+# A forward with at least LONE_MIN_CALLS groups of one elementwise operator each on at most
+# LONE_MAX_NUMEL elements (an unrolled recurrence: level3/34_VanillaRNNHidden's 256 tanh of
+# 8x256) keeps those operators on PyTorch: such a kernel fuses nothing, moves the same bytes and
+# launches as often as eager's, and pays the extension's host glue on every call (the H200:
+# 0.82x eager with kernel-per-tanh, 0.42x without vector loads; issue #39: no kernel that
+# loses to eager's for its part).
+LONE_MIN_CALLS = 16
+LONE_MAX_NUMEL = 1 << 16
+
+
+def _lone_small_groups(plan: Plan) -> set[str]:
+    """The nodes of ``plan``'s launch-bound lone groups where there are many of them (see above)."""
+    import math
+
+    lone = []
+    for g in plan.groups:
+        if len(g.nodes) != 1 or plan.infos[g.nodes[0]].kind != "ew":
+            continue
+        tm = g.nodes[0].meta.get("tensor_meta")
+        if hasattr(tm, "shape") and math.prod(int(d) for d in tm.shape) <= LONE_MAX_NUMEL:
+            lone.append(g.nodes[0].name)
+    return set(lone) if len(lone) >= LONE_MIN_CALLS else set()
 
 
 def default_matmul(precision: str) -> str:
