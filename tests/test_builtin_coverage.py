@@ -213,7 +213,7 @@ def _no_replay(monkeypatch) -> None:
 
     if hasattr(builtin, "replay_verdict") and importlib.util.find_spec("agent.builtin.replay") is not None:
         verdict = importlib.import_module("agent.builtin.replay").Verdict
-        monkeypatch.setattr(builtin, "replay_verdict", lambda spec, numerics=None: verdict())
+        monkeypatch.setattr(builtin, "replay_verdict", lambda spec, numerics=None, device="cpu": verdict())
 
 
 def _kernelbench_files(level: str) -> list[Path]:

@@ -482,3 +482,18 @@ def test_batchnorm_over_columns_matches_on_cuda(tmp_path):
         assert "_cols<int><<<" in cand.source
         report = check_source(str(path), "cuda", cand.source)
         assert report["ok"], report
+
+
+def test_an_unrolled_loop_of_lone_small_elementwise_ops_stays_on_pytorch():
+    """level3/34_VanillaRNNHidden on an H200: 256 lone tanh kernels (one per unrolled step, 8x256
+    each) made the candidate 0.82x eager; such a kernel fuses nothing and only adds host glue.
+    From LONE_MIN_CALLS of them on, they stay on PyTorch; a short loop keeps its kernels."""
+    from agent.builtin import LONE_MIN_CALLS, generate
+
+    path = Path(__file__).parent / "fixtures" / "builtin" / "rnn_loop.py"
+    for device in ("cuda", "cpu"):
+        many = generate(read_spec(path, name="fixtures/rnn_loop"), device)
+        assert many.choices["groups"] == [] and "_ext." not in many.source
+        assert {f"tanh_{i}" for i in range(1, 20)} <= set(many.choices["excluded"])
+        few = generate(read_spec(path, {"steps": LONE_MIN_CALLS - 1}, name="fixtures/rnn_loop"), device)
+        assert [g["ops"] for g in few.choices["groups"]][:1] == [["tanh"]]

@@ -154,7 +154,7 @@ def test_replayed_candidates_are_correct_in_the_sandbox(path):
 # measured on this branch: 40 of 50 (36-42 run their nn.LSTM/GRU in recurrent.py's kernels; 34 loops over
 # its input's size and is traced specialised on it; 29, 30, 33, 35 and 46-49 are untraceable; 6 and 32 have
 # nothing between library calls, 6 but its max pool: a kernel of pool.py's where the CUDA pools are on)
-LEVEL3_MIN_WITH_KERNELS = 40
+LEVEL3_MIN_WITH_KERNELS = 39   # 34_VanillaRNNHidden's 256 lone tanh stay on PyTorch (0.82x eager as kernels)
 
 
 @pytest.mark.kernelbench
@@ -182,7 +182,48 @@ def test_level3_sweep_traces_and_renders_every_task(capsys):
     assert len(with_kernels) >= LEVEL3_MIN_WITH_KERNELS, sorted(set(r[0] for r in rows) - with_kernels)
     assert {"43_MinGPTCausalAttention", "50_ReLUSelfAttention", "24_EfficientNetB2"} <= with_kernels
     assert {"36_LSTMHn", "38_LSTMBidirectional", "39_GRU", "42_GRUBidirectionalHidden"} <= with_kernels
-    assert "34_VanillaRNNHidden" in with_kernels
+    # its unrolled loop's 256 lone tanh kernels lost to eager on an H200 (0.82x): left to PyTorch
+    assert "34_VanillaRNNHidden" not in with_kernels
     from agent.builtin.pool import fused_on
 
     assert ("6_GoogleNetInceptionModule" in with_kernels) == fused_on("cuda")     # its max pool (pool.py)
+
+
+DEEP = FIXTURES / "deep_train_bn.py"
+
+
+def test_a_deep_training_stack_under_tf32_convolutions_keeps_its_batch_norms_on_pytorch():
+    """level3/10_ResNet101 on an H200: both candidates 'wrong everywhere' (9940 of 10000 logits off,
+    0.078), though their kernels are correct. Under cuDNN's default TF32 convolutions the reference
+    is 7.8% from its float64 run (the float64 rule is off) and 100 layers amplify a batch norm's
+    last-bit difference to the same size. The replay now rounds convolution operands to TF32 as
+    the target does, sees it, and leaves every rounding group to PyTorch; the candidate keeps the
+    reference's NCHW convolutions (no channels-last, no generated convolution)."""
+    from sandbox.numerics import Numerics
+
+    spec = _spec(DEEP)
+    cpu = replay_verdict(spec, Numerics(), "cpu")         # IEEE float32: the kernels pass
+    assert cpu.ran and not cpu.unverifiable and cpu.ref_fp64_rel_rms < 1e-4
+    strict = replay_verdict(spec, Numerics(math="strict"), "cuda")
+    assert strict.ran and not strict.unverifiable
+    tf32 = replay_verdict(spec, Numerics(), "cuda")
+    assert tf32.ran and tf32.unverifiable and tf32.ref_fp64_rel_rms > 1e-2
+    assert {f"body_{i}" for i in range(1, 99, 3)} <= tf32.excluded      # every batch norm
+    for sample in range(2):
+        cand = propose(spec, "cuda", 0, sample, [], Numerics())
+        assert not any("batch_norm" in g["ops"] for g in cand.choices["groups"])
+        assert "channels_last" not in cand.source and cand.choices["knobs"]["conv"] == "library"
+    # the CPU target (no TF32) keeps its batch-norm kernels
+    assert any("batch_norm" in g["ops"] for g in propose(spec, "cpu", 0, 0, [], Numerics()).choices["groups"])
+
+
+def test_a_task_too_large_for_the_replay_is_replayed_at_a_smaller_batch(monkeypatch):
+    from agent.builtin import replay
+
+    monkeypatch.setattr(replay, "MAX_ELEMENTS", 300_000)      # the fixture: 480k elements at batch 4, 280k at 2
+    verdict = replay_verdict(_spec(DEEP))
+    assert verdict.ran and any("batch_size=2" in n for n in verdict.notes)
+    monkeypatch.setattr(builtin, "_VERDICTS", {})
+    monkeypatch.setattr(replay, "MAX_REDUCED_ELEMENTS", 1_000)
+    verdict = replay_verdict(_spec(DEEP))
+    assert not verdict.ran and any("too large" in n for n in verdict.notes)

@@ -27,7 +27,6 @@ from agent.builtin.dtypes import precision_of
 from agent.builtin.feedback import Feedback, _knobs_of, parse_header, read_history, variant_order
 from agent.builtin.kernels import KernelGroup
 from agent.builtin.plan import Plan, classify_graph, make_plan
-from agent.builtin.rng import isolated_rng
 from agent.builtin.search import lineage
 from agent.builtin.trace import Traced, trace_task
 from typing import TYPE_CHECKING
@@ -103,7 +102,11 @@ class _Generator:
                         bad = g
                         break
                 if bad is None:
-                    break
+                    lone = _lone_small_groups(plan)
+                    if not lone:
+                        break
+                    excluded |= lone
+                    continue
                 excluded |= {n.name for n in bad.nodes}
             self._plans[key] = (plan, kgroups, excluded)
         return self._plans[key]
@@ -168,6 +171,30 @@ class _Generator:
         }
 
 
+# A forward with at least LONE_MIN_CALLS groups of one elementwise operator each on at most
+# LONE_MAX_NUMEL elements (an unrolled recurrence: level3/34_VanillaRNNHidden's 256 tanh of
+# 8x256) keeps those operators on PyTorch: such a kernel fuses nothing, moves the same bytes and
+# launches as often as eager's, and pays the extension's host glue on every call (the H200:
+# 0.82x eager with kernel-per-tanh, 0.42x without vector loads; issue #39: no kernel that
+# loses to eager's for its part).
+LONE_MIN_CALLS = 16
+LONE_MAX_NUMEL = 1 << 16
+
+
+def _lone_small_groups(plan: Plan) -> set[str]:
+    """The nodes of ``plan``'s launch-bound lone groups where there are many of them (see above)."""
+    import math
+
+    lone = []
+    for g in plan.groups:
+        if len(g.nodes) != 1 or plan.infos[g.nodes[0]].kind != "ew":
+            continue
+        tm = g.nodes[0].meta.get("tensor_meta")
+        if hasattr(tm, "shape") and math.prod(int(d) for d in tm.shape) <= LONE_MAX_NUMEL:
+            lone.append(g.nodes[0].name)
+    return set(lone) if len(lone) >= LONE_MIN_CALLS else set()
+
+
 def default_matmul(precision: str) -> str:
     """The ``matmul`` knob of a candidate that runs no split-TF32 GEMM: ``tc3`` (the default)
     under fp32, ``ieee`` (PyTorch's own GEMM, the only one) under fp16/bf16."""
@@ -214,9 +241,14 @@ def _propose_one(spec: TaskSpec, device: str, round: int, sample: int,
     traced = trace_task(spec, device, numerics)
     if not traced.ok:
         return _untraceable(traced, device, fb)
-    verdict = replay_verdict(spec, numerics)
+    verdict = replay_verdict(spec, numerics, device)
     fb.excluded |= verdict.excluded
     fb.notes.extend(verdict.notes)
+    # a reference that accepts only PyTorch's own bits, with convolutions that round in TF32 on
+    # the target: a channels-last or generated convolution rounds differently, and the reference
+    # amplifies it like any other rounding (level3/10_ResNet101: see docs/builtin_replay.md)
+    forbidden = {("layout", "nhwc"), ("conv", "direct")} if verdict.unverifiable and \
+        numerics is not None and "conv" in numerics.tf32_classes(device) else set()
     gen = _Generator(traced, device, fb, getattr(numerics, "math", None))
     picked: list[str] = []
     chosen: Optional[Rendered] = None
@@ -224,6 +256,8 @@ def _propose_one(spec: TaskSpec, device: str, round: int, sample: int,
     nchw_first = (device == "cpu" or (numerics is not None and "conv" in numerics.tf32_classes(device))) \
         and gen.other("nhwc") is not None
     for knobs in variant_order(fb, precision, nchw_first):
+        if set(knobs.as_dict().items()) & forbidden:
+            continue
         r = gen.render(knobs)
         h = body_hash(r.source)
         if h in fb.seen or h in picked or not r.has_kernel:
@@ -257,35 +291,67 @@ _VERDICTS: dict[tuple, Any] = {}
 _VERDICT_LOCK = threading.Lock()
 
 
-def replay_verdict(spec: TaskSpec, numerics: Optional[Numerics] = None):
-    """The plan replay's verdict on the task (``replay.check``; cached per task and numerics): the
-    default candidate, rendered from the CPU trace, with its kernels emulated in eager PyTorch
-    against the reference in training mode. Never raises: a replay that cannot run says so."""
-    key = (spec.key, spec.name, precision_of(numerics), getattr(numerics, "math", None))
+def replay_verdict(spec: TaskSpec, numerics: Optional[Numerics] = None, device: str = "cpu"):
+    """The plan replay's verdict on the task (``replay.check``; cached per task, numerics and
+    target ``device``): the default candidate, rendered from the CPU trace, with its kernels
+    emulated in eager PyTorch against the reference in training mode, with the target's TF32
+    rounding where it has one. Never raises: a replay that cannot run says so."""
+    tf32 = tuple(sorted(numerics.tf32_classes(device))) if numerics is not None else ()
+    key = (spec.key, spec.name, precision_of(numerics), getattr(numerics, "math", None), tf32)
     with _VERDICT_LOCK:            # the backend's samples run in threads: one replay per task
         if key not in _VERDICTS:
             if len(_VERDICTS) > 64:
                 _VERDICTS.clear()
-            _VERDICTS[key] = _replay(spec, numerics)
+            _VERDICTS[key] = _replay(spec, numerics, device)
         return _VERDICTS[key]
 
 
-def _replay(spec: TaskSpec, numerics: Optional[Numerics]):
+def _affordable_trace(spec: TaskSpec, numerics: Optional[Numerics]) -> tuple[Traced, Optional[str]]:
+    """The CPU trace the replay runs: the task's own CPU sizes, or, where those are too large for
+    it (``replay.affordable``) and the task has an integer ``batch_size``, the largest smaller
+    batch (from 2 down to 1) that fits and traces the same graph. The second value says which
+    batch, for the notes (None: the task's own sizes)."""
+    from agent.builtin import replay
+    from sandbox.tasks import load_task, with_device_sizes
+
+    traced = trace_task(spec, "cpu", numerics)
+    if not traced.ok or replay.affordable(traced):
+        return traced, None
+    try:
+        batch = load_task(with_device_sizes(spec, "cpu"), validate=False).namespace.get("batch_size")
+    except Exception:  # noqa: BLE001 - no smaller batch, then
+        batch = None
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch <= 1:
+        return traced, None
+    names = [n.name for n in traced.gm.graph.nodes]
+    for b in sorted({min(2, batch - 1), 1}, reverse=True):
+        small = TaskSpec(name=spec.name, path=spec.path, source=spec.source,
+                         overrides={**spec.overrides, "batch_size": b})
+        t = trace_task(small, "cpu", numerics)
+        if t.ok and replay.affordable(t, replay.MAX_REDUCED_ELEMENTS) and [n.name for n in t.gm.graph.nodes] == names:
+            return t, f"batch_size={b} (the task's {batch} is too large for the replay)"
+    return traced, None
+
+
+def _replay(spec: TaskSpec, numerics: Optional[Numerics], device: str = "cpu"):
     from agent.builtin import replay
 
     try:
-        traced = trace_task(spec, "cpu", numerics)
+        traced, resized = _affordable_trace(spec, numerics)
         if not traced.ok:
             verdict = replay.Verdict()
         else:
-            import torch
-
             gen = _Generator(traced, "cpu", Feedback(precision=traced.precision), getattr(numerics, "math", None))
             rendered = gen.render(Knobs(matmul="ieee"))
             # a channels-last candidate is the rewritten graph's: its groups hold that graph's nodes
             owner = gen.other(rendered.header["knobs"]["layout"]) or gen
-            with isolated_rng():     # the models are built under the sandbox's seeds, one thread at a time
-                verdict = replay.check(owner.traced, rendered, owner.infos, numerics)
+            # the models are built under the sandbox's seeds, each build and forward holding the
+            # process's generator (rng.isolated_rng, in replay._run/_reference), not the whole check:
+            # a big task's replay takes a minute, and other tasks' traces wait only between forwards
+            verdict = replay.check(owner.traced, rendered, owner.infos, numerics, device,
+                                   replay.MAX_REDUCED_ELEMENTS if resized else None)
+            if resized and verdict.ran:
+                verdict.notes.append(f"replay: run at {resized}")
     except Exception as exc:  # noqa: BLE001 - the replay is advice; the sandbox judges anyway
         verdict = replay.Verdict(notes=[f"replay: could not run ({type(exc).__name__}: {str(exc)[:200]})"])
     return verdict

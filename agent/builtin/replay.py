@@ -38,6 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.fx import Node
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from agent.builtin import conv, pool
 from agent.builtin.ops import ModuleAttr
@@ -47,6 +48,10 @@ from agent.builtin.rng import isolated_rng
 # activations summed over every node of a CPU trace, above which the replay is not run (its
 # forwards would cost seconds each on a small CPU)
 MAX_ELEMENTS = 32_000_000
+# the same, for a replay at a reduced batch (``agent.builtin._affordable_trace``): the largest
+# level-3 models (ResNet101 at batch 2: 45M parameters, 113M activation elements) take about a
+# minute and 1.8 GB on 2 cores, once per task
+MAX_REDUCED_ELEMENTS = 192_000_000
 MAX_GROUP_PROBES = 64
 _EXT_LINE = "_ext = _build()"
 
@@ -295,6 +300,50 @@ class _Setup:
     source: str
     groups: list[Any]
     infos: dict[Node, Any]
+    tf32: set[str] = field(default_factory=set)     # op classes the target runs in TF32
+
+
+# --------------------------------------------------------------------------------------
+# TF32 on the CPU: what cuDNN (convolutions) and cuBLAS (matmuls) do to float32 operands
+# --------------------------------------------------------------------------------------
+_TF32_OPS = {
+    "conv": ("convolution.default", "_convolution.default", "conv1d.default", "conv2d.default",
+             "conv3d.default", "conv_transpose1d.default", "conv_transpose2d.input",
+             "conv_transpose3d.input"),
+    "matmul": ("mm.default", "addmm.default", "bmm.default", "baddbmm.default", "matmul.default",
+               "linear.default"),
+}
+
+
+def to_tf32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (float32) rounded to TF32's 10-bit mantissa, to nearest (ties away), as tensor cores
+    read their operands; products and sums stay float32 (the CPU's)."""
+    bits = t.contiguous().view(torch.int32)
+    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+
+
+class _TF32(TorchDispatchMode):
+    """Float32 convolutions and/or matmuls (``classes``: ``Numerics.tf32_classes``) with their
+    tensor operands rounded to TF32 first: the target's rounding, on the CPU."""
+
+    def __init__(self, classes: set[str]):
+        super().__init__()
+        self.names = {n for c in classes for n in _TF32_OPS.get(c, ())}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = f"{func._opname}.{func._overloadname}"
+        if name in self.names:
+            def rnd(a: Any) -> Any:
+                return to_tf32(a) if torch.is_tensor(a) and a.dtype == torch.float32 else a
+            args = tuple(rnd(a) for a in args)
+        return func(*args, **kwargs)
+
+
+def _tf32_mode(setup: "_Setup", wide: bool):
+    import contextlib
+
+    return _TF32(setup.tf32) if setup.tf32 and not wide else contextlib.nullcontext()
 
 
 def _run(setup: _Setup, modes: dict[str, str], wide: bool, seed: int = 1) -> tuple[list[Any], dict[str, Any]]:
@@ -303,15 +352,17 @@ def _run(setup: _Setup, modes: dict[str, str], wide: bool, seed: int = 1) -> tup
 
     ext = _Emulated(setup.groups, setup.infos, modes)
     cls = _candidate_class(setup.source, ext)
-    model = make_model(cls, setup.task, seed, "cpu", setup.numerics)
-    return _forward(model, ext, setup, wide, seed, flatten_outputs, make_inputs)
+    with isolated_rng():        # seed, weights, inputs and forward with no other thread's draws between
+        model = make_model(cls, setup.task, seed, "cpu", setup.numerics)
+        return _forward(model, ext, setup, wide, seed, flatten_outputs, make_inputs)
 
 
 def _reference(setup: _Setup, wide: bool, seed: int = 1) -> tuple[list[Any], dict[str, Any]]:
     from sandbox.harness import flatten_outputs, make_inputs, make_model
 
-    model = make_model(setup.task.Model, setup.task, seed, "cpu", setup.numerics)
-    return _forward(model, None, setup, wide, seed, flatten_outputs, make_inputs)
+    with isolated_rng():
+        model = make_model(setup.task.Model, setup.task, seed, "cpu", setup.numerics)
+        return _forward(model, None, setup, wide, seed, flatten_outputs, make_inputs)
 
 
 def _forward(model, ext, setup, wide, seed, flatten_outputs, make_inputs):
@@ -322,7 +373,7 @@ def _forward(model, ext, setup, wide, seed, flatten_outputs, make_inputs):
     inputs = make_inputs(setup.task, seed, "cpu", setup.numerics)
     if wide:
         inputs = [x.double() if torch.is_tensor(x) and x.is_floating_point() else x for x in inputs]
-    with torch.no_grad(), isolated_rng():
+    with torch.no_grad(), isolated_rng(), _tf32_mode(setup, wide):
         out = model(*inputs)
     outs = [o.detach() if torch.is_tensor(o) else o for o in flatten_outputs(out)]
     return outs, {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -391,8 +442,9 @@ def _rel_rms(ref32: list[Any], ref64: list[Any]) -> Optional[float]:
     return worst
 
 
-def affordable(traced: Any) -> bool:
-    """Whether the replay's forwards are cheap enough at the CPU trace's sizes."""
+def affordable(traced: Any, limit: Optional[int] = None) -> bool:
+    """Whether the replay's forwards are cheap enough at the CPU trace's sizes (``limit``
+    elements, default ``MAX_ELEMENTS``)."""
     # parameters and buffers count too: the replay holds the models in float32 and float64 (a
     # level-2 GEMM's 67M weights took 4 GB and 17 s at published sizes)
     total = sum(t.numel() for t in (*traced.gm.parameters(), *traced.gm.buffers()))
@@ -400,11 +452,16 @@ def affordable(traced: Any) -> bool:
         tm = n.meta.get("tensor_meta")
         if hasattr(tm, "shape"):
             total += math.prod(int(s) for s in tm.shape)
-    return total <= MAX_ELEMENTS
+    return total <= (MAX_ELEMENTS if limit is None else limit)
 
 
-def check(traced: Any, rendered: Any, infos: dict[Node, Any], numerics: Any) -> Verdict:
-    """Both checks of the module docstring on a candidate rendered from the CPU trace ``traced``."""
+def check(traced: Any, rendered: Any, infos: dict[Node, Any], numerics: Any, device: str = "cpu",
+          limit: Optional[int] = None) -> Verdict:
+    """Both checks of the module docstring on a candidate rendered from the CPU trace ``traced``,
+    for a run on ``device``: where that device runs float32 convolutions or matmuls in TF32
+    (``Numerics.tf32_classes``: cuDNN convolutions under PyTorch's default math), the float32
+    forwards of the verifiability check round those operands to TF32 as the target does, for
+    the reference and the candidate alike (the candidate's library calls are the reference's)."""
     from sandbox.numerics import Numerics
     from sandbox.tasks import load_task
 
@@ -413,10 +470,11 @@ def check(traced: Any, rendered: Any, infos: dict[Node, Any], numerics: Any) -> 
     groups = list(rendered.groups)
     if not groups:
         return verdict
-    if not affordable(traced):
+    if not affordable(traced, limit):
         verdict.notes.append("replay: not run (the task's CPU sizes are too large for it)")
         return verdict
-    setup = _Setup(load_task(traced.spec), numerics, rendered.source, groups, infos)
+    setup = _Setup(load_task(traced.spec), numerics, rendered.source, groups, infos,
+                   set(numerics.tf32_classes(device)))
     # a group that calls another's kernel (codegen.share_kernels) is that kernel's: blamed with it
     shared = rendered.shared
     names = [c.kg.name for c in groups if c.kg.name not in shared]
