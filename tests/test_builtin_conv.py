@@ -149,14 +149,14 @@ def test_the_direct_convolutions_are_correct_in_the_cpu_sandbox():
 
 
 def test_a_wrong_halo_is_judged_incorrect():
-    """The clipped column range off by one (the first padded column read as data): wrong at the
-    borders only, and judged incorrect, so the test above can fail."""
+    """The staged rows' input range off by one (each row's first input column staged as a zero
+    of the padding): wrong at the borders only, and judged incorrect, so the test above can fail."""
     from sandbox.result import Status
 
     source = _candidate()
-    right = "I lo = off >= 0 ? 0 :"
+    right = "I jlo = ("
     assert source.count(right) == 6
-    result = _judge(source.replace(right, "I lo = off >= 0 ? 0 : -1 +"))
+    result = _judge(source.replace(right, "I jlo = 1 + ("))
     assert result.status is Status.incorrect, (result.status, result.error_message)
 
 
