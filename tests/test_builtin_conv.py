@@ -189,3 +189,32 @@ def test_the_replay_checks_the_direct_convolution(monkeypatch):
     monkeypatch.setattr(conv, "emulate", lambda info, x, w, b: real(info, x, w, None if b is None else 2 * b))
     verdict = replay.check(gen.traced, rendered, gen.infos, None)
     assert verdict.semantic and verdict.excluded, verdict.notes
+
+
+EDGES = Path(__file__).parent / "fixtures" / "builtin" / "conv_direct_edges.py"
+
+
+def test_the_cpu_blocking_edges_are_correct():
+    """Output widths that are not whole vectors (the dropped lanes), one and two whole vectors,
+    channel counts that are not whole channel blocks (the zero weights' channels never stored),
+    three stride phases with dilation: judged correct in the CPU sandbox and within float32
+    rounding of PyTorch."""
+    from builtin_candidate import reference_and_candidate
+    from sandbox.evaluate import evaluate
+    from sandbox.numerics import Numerics
+    from sandbox.result import EvalConfig, Status
+
+    spec = with_device_sizes(_spec(EDGES), "cpu")
+    cand = generate(spec, "cpu", DIRECT)
+    assert len(_conv_groups(cand)) == 5
+    cfg = EvalConfig(numerics=Numerics(), trials=2, warmup_runs=1, timed_runs=2, time_compile=False, profile=False)
+    result = evaluate(spec, cand.source, "cpu", cfg)
+    assert result.status is Status.correct, (result.status, result.error_message,
+                                             result.build.first_error if result.build else None)
+    task, ref, new = reference_and_candidate(spec, cand.source)
+    inputs = task.get_inputs()
+    with torch.no_grad():
+        want, got = ref(*inputs), new(*inputs)
+    assert [tuple(t.shape[-1:]) for t in want] == [(35,), (13,), (16,), (33,), (32,)]
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
