@@ -218,3 +218,12 @@ def test_the_cpu_blocking_edges_are_correct():
     assert [tuple(t.shape[-1:]) for t in want] == [(35,), (13,), (16,), (33,), (32,)]
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_the_direct_twin_comes_second_where_the_layout_changes_nothing():
+    """conv2d_bias_scale_sigmoid_groupnorm is not rewritten to channels-last (its convolution feeds
+    a group norm), yet its direct convolution is new code: round 0's second sample measures it."""
+    seed = Path(__file__).resolve().parents[1] / "tasks" / "seeds" / "conv2d_bias_scale_sigmoid_groupnorm.py"
+    samples = [propose(read_spec(seed), "cpu", 0, s, []).choices for s in range(2)]
+    assert [c["knobs"]["conv"] for c in samples] == ["library", "direct"]
+    assert len(_conv_groups_of(samples[1])) == 1
