@@ -149,14 +149,14 @@ def test_the_direct_convolutions_are_correct_in_the_cpu_sandbox():
 
 
 def test_a_wrong_halo_is_judged_incorrect():
-    """The clipped column range off by one (the first padded column read as data): wrong at the
-    borders only, and judged incorrect, so the test above can fail."""
+    """The staged rows' input range off by one (each row's first input column staged as a zero
+    of the padding): wrong at the borders only, and judged incorrect, so the test above can fail."""
     from sandbox.result import Status
 
     source = _candidate()
-    right = "I lo = off >= 0 ? 0 :"
+    right = "I jlo = ("
     assert source.count(right) == 6
-    result = _judge(source.replace(right, "I lo = off >= 0 ? 0 : -1 +"))
+    result = _judge(source.replace(right, "I jlo = 1 + ("))
     assert result.status is Status.incorrect, (result.status, result.error_message)
 
 
@@ -189,3 +189,41 @@ def test_the_replay_checks_the_direct_convolution(monkeypatch):
     monkeypatch.setattr(conv, "emulate", lambda info, x, w, b: real(info, x, w, None if b is None else 2 * b))
     verdict = replay.check(gen.traced, rendered, gen.infos, None)
     assert verdict.semantic and verdict.excluded, verdict.notes
+
+
+EDGES = Path(__file__).parent / "fixtures" / "builtin" / "conv_direct_edges.py"
+
+
+def test_the_cpu_blocking_edges_are_correct():
+    """Output widths that are not whole vectors (the dropped lanes), one and two whole vectors,
+    channel counts that are not whole channel blocks (the zero weights' channels never stored),
+    three stride phases with dilation: judged correct in the CPU sandbox and within float32
+    rounding of PyTorch."""
+    from builtin_candidate import reference_and_candidate
+    from sandbox.evaluate import evaluate
+    from sandbox.numerics import Numerics
+    from sandbox.result import EvalConfig, Status
+
+    spec = with_device_sizes(_spec(EDGES), "cpu")
+    cand = generate(spec, "cpu", DIRECT)
+    assert len(_conv_groups(cand)) == 5
+    cfg = EvalConfig(numerics=Numerics(), trials=2, warmup_runs=1, timed_runs=2, time_compile=False, profile=False)
+    result = evaluate(spec, cand.source, "cpu", cfg)
+    assert result.status is Status.correct, (result.status, result.error_message,
+                                             result.build.first_error if result.build else None)
+    task, ref, new = reference_and_candidate(spec, cand.source)
+    inputs = task.get_inputs()
+    with torch.no_grad():
+        want, got = ref(*inputs), new(*inputs)
+    assert [tuple(t.shape[-1:]) for t in want] == [(35,), (13,), (16,), (33,), (32,)]
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_the_direct_twin_comes_second_where_the_layout_changes_nothing():
+    """conv2d_bias_scale_sigmoid_groupnorm is not rewritten to channels-last (its convolution feeds
+    a group norm), yet its direct convolution is new code: round 0's second sample measures it."""
+    seed = Path(__file__).resolve().parents[1] / "tasks" / "seeds" / "conv2d_bias_scale_sigmoid_groupnorm.py"
+    samples = [propose(read_spec(seed), "cpu", 0, s, []).choices for s in range(2)]
+    assert [c["knobs"]["conv"] for c in samples] == ["library", "direct"]
+    assert len(_conv_groups_of(samples[1])) == 1
