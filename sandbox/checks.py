@@ -188,11 +188,7 @@ class CandidateChecks:
                 ct = cand.ask({**timed, "check_runs": check_runs, "sample": True}, cfg.run_timeout_s)
                 cand_wall = time.monotonic() - w0
                 if not ct.get("ok"):
-                    _raise_if_infra(ct, cand)
-                    result.status = Status.runtime_error
-                    result.error_type = ct.get("error_type")
-                    result.error_message = f"while timing: {ct.get('error_message')}"
-                    result.traceback = ct.get("traceback")
+                    _timing_failed(result, ct, cand)
                     return
                 result.candidate_time = Timing(**ct["timing"])
                 outs = cand.ask({"op": "timed_outputs"}, cfg.run_timeout_s)
@@ -312,11 +308,7 @@ class CandidateChecks:
                         c = cand.ask({**ask, "check_runs": mine, "sample": True}, cfg.run_timeout_s)
                         cand_wall += time.monotonic() - w0
                         if not c.get("ok"):
-                            _raise_if_infra(c, cand)
-                            result.status = Status.runtime_error
-                            result.error_type = c.get("error_type")
-                            result.error_message = f"while timing: {c.get('error_message')}"
-                            result.traceback = c.get("traceback")
+                            _timing_failed(result, c, cand)
                             return None
                         times["candidate"].append(Timing(**c["timing"]))
                         tampered += [t for t in c.get("tampered") or [] if t not in tampered]
@@ -540,3 +532,13 @@ def _raise_if_infra(reply: dict, cand: Any = None) -> None:
                or failures.candidate_oom(reply, getattr(cand, "device_share", 0)))
     if verdict is not None and verdict.infra:
         raise failures.InfraFailure(verdict.message, verdict.error_type)
+
+
+def _timing_failed(result: EvalResult, reply: dict, cand: Any) -> None:
+    """The candidate's timed runs failed: the harness's failure raises (``_raise_if_infra``), the
+    candidate's own is a ``runtime_error`` result that says so."""
+    _raise_if_infra(reply, cand)
+    result.status = Status.runtime_error
+    result.error_type = reply.get("error_type")
+    result.error_message = f"while timing: {reply.get('error_message')}"
+    result.traceback = reply.get("traceback")

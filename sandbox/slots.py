@@ -37,15 +37,21 @@ def cpu_timing_threads() -> int:
     with the same count). One by default: with torch's default (one per core) on a small host, a
     worker's threads wait on whatever else runs (another worker, a build), and a 0.12 ms forward was
     timed at medians of 5-24 ms on 2 cores; with one thread it stayed at 0.13-0.17 ms."""
-    raw = os.environ.get(CPU_THREADS_ENV, "").strip()
+    return _count_setting(CPU_THREADS_ENV, 1, "thread")
+
+
+def _count_setting(name: str, default: int, unit: str) -> int:
+    """A whole number of at least 1 from the environment variable ``name`` (``default`` where unset);
+    anything else is an error naming the variable."""
+    raw = os.environ.get(name, "").strip()
     if not raw:
-        return 1
+        return default
     try:
         n = int(raw)
     except ValueError:
-        raise ValueError(f"{CPU_THREADS_ENV}={raw!r}: give a whole number of threads (default 1)") from None
+        raise ValueError(f"{name}={raw!r}: give a whole number of {unit}s (default {default})") from None
     if n < 1:
-        raise ValueError(f"{CPU_THREADS_ENV}={raw!r}: give at least 1 thread")
+        raise ValueError(f"{name}={raw!r}: give at least 1 {unit}")
     return n
 
 
@@ -59,16 +65,7 @@ def cpu_timing_blocks() -> int:
     default (20 timed runs: 4 blocks of 5): an even count, so each side goes first in as many
     blocks as it goes second and a drift that is linear over two blocks cancels exactly; 1 gives
     the old sequence, each side's runs in one block."""
-    raw = os.environ.get(CPU_BLOCKS_ENV, "").strip()
-    if not raw:
-        return DEFAULT_CPU_BLOCKS
-    try:
-        n = int(raw)
-    except ValueError:
-        raise ValueError(f"{CPU_BLOCKS_ENV}={raw!r}: give a whole number of blocks (default {DEFAULT_CPU_BLOCKS})") from None
-    if n < 1:
-        raise ValueError(f"{CPU_BLOCKS_ENV}={raw!r}: give at least 1 block")
-    return n
+    return _count_setting(CPU_BLOCKS_ENV, DEFAULT_CPU_BLOCKS, "block")
 
 
 def cpu_timing_note(what: str = "reference and candidate", tail: str = "", blocks: bool = True) -> str:
