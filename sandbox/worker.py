@@ -25,7 +25,6 @@ Harness modules and the functions timing relies on are bound before candidate co
 """
 from __future__ import annotations
 
-import errno
 import os
 import secrets
 import sys
@@ -43,7 +42,7 @@ from sandbox.harness import flatten_outputs, is_plain_tensor, make_inputs, make_
 from sandbox.numerics import Numerics
 from sandbox.tasks import TaskSpec, exec_source, load_task
 from sandbox.worker_util import (_PREWARMED, DeviceTurns, _copies, _equal_nan, _exc_payload, _memory_held, _recv,
-                                 _save_to, _send, warm_up)
+                                 _save_to, _send, double_copy, run_fp64, save_outputs, warm_up)
 
 # Reference outputs precomputed for trials to come (each a full set of outputs on the device).
 MAX_PRECOMPUTED = 3
@@ -306,50 +305,15 @@ class Worker:
         return {"ok": True, "outputs": handoff.send(tensors, "file", self.exported, self._save_outputs, name)}
 
     def _save_outputs(self, tensors: list[torch.Tensor], name: str) -> Path:
-        """Into the outputs folder (memory-backed where it has room), else, where that file
-        system is full, into the worker's own working directory on disk."""
-        path = self.out_dir / name
-        try:
-            _save_to(tensors, path)
-            return path
-        except OSError as exc:
-            try:
-                path.unlink()
-            except OSError:
-                pass
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                raise
-            print(f"[kernelloop worker] {self.out_dir} is full ({exc}): outputs go to {Path.cwd()}",
-                  file=sys.stderr, flush=True)
-        path = Path.cwd() / name
-        _save_to(tensors, path)
-        return path
+        return save_outputs(tensors, self.out_dir, name)
 
     def _inputs64(self, inputs: list[Any]) -> list[Any]:
         if getattr(self, "model64", None) is None:
-            self.model64 = self._double_model()
+            self.model64 = double_copy(self.model)
         return [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
 
-    def _double_model(self) -> Any:
-        """A float64 copy of the reference model (same weights, same state), or the reason why not."""
-        import copy
-
-        try:
-            return copy.deepcopy(self.model).double()
-        except Exception as exc:  # noqa: BLE001 - the float64 check then does not apply
-            return f"the reference model could not be copied to float64 ({type(exc).__name__}: {exc})"[:300]
-
     def _run_fp64(self, inputs64: list[Any]) -> tuple[Any, Any]:
-        """The reference's outputs in float64 (the float64 check's yardstick), or (None, why not)."""
-        if isinstance(self.model64, str):
-            return None, self.model64
-        try:
-            with torch.no_grad():
-                out = self.model64(*inputs64)
-            clock.device_sync(self.device)
-        except Exception as exc:  # noqa: BLE001
-            return None, f"the reference did not run in float64 ({type(exc).__name__}: {exc})"[:300]
-        return [x.detach() if isinstance(x, torch.Tensor) else x for x in flatten_outputs(out)], None
+        return run_fp64(self.model64, inputs64, self.device)
 
     def compare(self, req: dict[str, Any]) -> dict[str, Any]:
         """The reference's kept outputs of trial ``index`` against the candidate's (``outputs``, as

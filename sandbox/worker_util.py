@@ -3,8 +3,10 @@ the functions they call are bound here at import, so a candidate that patches ``
 ``torch.equal`` later does not change what the harness calls."""
 from __future__ import annotations
 
+import errno
 import json
 import os
+import sys
 import traceback
 from pathlib import Path
 from typing import Any, Optional
@@ -12,6 +14,7 @@ from typing import Any, Optional
 import torch
 
 from hardware import clock
+from sandbox.harness import flatten_outputs
 
 # devices whose profiler was warmed up in this worker (before its candidate was known)
 _PREWARMED: dict[str, bool] = {}
@@ -160,3 +163,47 @@ def warm_up(init: dict[str, Any], turns: DeviceTurns) -> dict[str, Any]:
     return {"ok": True, "pid": os.getpid(), "seconds": round(time.monotonic() - t0, 3)}
 
 
+
+
+def save_outputs(tensors: list[torch.Tensor], out_dir: Path, name: str) -> Path:
+    """Into the outputs folder (memory-backed where it has room), else, where that file system is
+    full, into the worker's own working directory on disk."""
+    path = out_dir / name
+    try:
+        _save_to(tensors, path)
+        return path
+    except OSError as exc:
+        try:
+            path.unlink()
+        except OSError:
+            pass
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        print(f"[kernelloop worker] {out_dir} is full ({exc}): outputs go to {Path.cwd()}", file=sys.stderr, flush=True)
+    path = Path.cwd() / name
+    _save_to(tensors, path)
+    return path
+
+
+def double_copy(model: Any) -> Any:
+    """A float64 copy of the reference model (same weights, same state), or the reason why not."""
+    import copy
+
+    try:
+        return copy.deepcopy(model).double()
+    except Exception as exc:  # noqa: BLE001 - the float64 check then does not apply
+        return f"the reference model could not be copied to float64 ({type(exc).__name__}: {exc})"[:300]
+
+
+def run_fp64(model64: Any, inputs64: list[Any], device: str) -> tuple[Any, Any]:
+    """The reference's outputs in float64 (the float64 check's yardstick), or (None, why not);
+    ``model64``: ``double_copy``'s answer."""
+    if isinstance(model64, str):
+        return None, model64
+    try:
+        with torch.no_grad():
+            out = model64(*inputs64)
+        clock.device_sync(device)
+    except Exception as exc:  # noqa: BLE001
+        return None, f"the reference did not run in float64 ({type(exc).__name__}: {exc})"[:300]
+    return [x.detach() if isinstance(x, torch.Tensor) else x for x in flatten_outputs(out)], None
