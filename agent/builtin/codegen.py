@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -41,7 +41,9 @@ class Knobs:
     conv_tile: str = "4x8"     # the direct convolution's CUDA tile: output rows x channels per thread (conv.TILES)
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # the fields are strings, bools and ints: a shallow dict (``asdict`` deep-copies, and the
+        # proposer asks this of every one of the thousands of settings ``variant_order`` ranks)
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def _env() -> jinja2.Environment:

@@ -76,7 +76,7 @@ class Feedback:
 
     def knob_ok(self, k: Knobs) -> bool:
         items = frozenset(k.as_dict().items())
-        return items not in self.bad_combos and not (set(k.as_dict().items()) & self.bad_knobs)
+        return items not in self.bad_combos and not (items & self.bad_knobs)
 
 
 def _named_groups(att: AttemptView, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -338,4 +338,5 @@ def variant_order(fb: Feedback, precision: Optional[str] = None, nchw_first: boo
     if precision != "fp32":
         order = list(dict.fromkeys(replace(k, matmul="ieee") for k in order))
     good = [k for k in order if fb.knob_ok(k)]
-    return good + [k for k in order if k not in good]
+    kept = set(good)
+    return good + [k for k in order if k not in kept]
