@@ -171,8 +171,8 @@ class _Generator:
         }
 
 
-# A forward with at least LONE_MIN_CALLS groups of one elementwise operator each on at most
-# LONE_MAX_NUMEL elements (an unrolled recurrence: level3/34_VanillaRNNHidden's 256 tanh of
+# A forward with at least LONE_MIN_CALLS groups that are each the same one elementwise operator on
+# at most LONE_MAX_NUMEL elements (an unrolled recurrence: level3/34_VanillaRNNHidden's 256 tanh of
 # 8x256) keeps those operators on PyTorch: such a kernel fuses nothing, moves the same bytes and
 # launches as often as eager's, and pays the extension's host glue on every call (the H200:
 # 0.82x eager with kernel-per-tanh, 0.42x without vector loads; issue #39: no kernel that
@@ -185,14 +185,14 @@ def _lone_small_groups(plan: Plan) -> set[str]:
     """The nodes of ``plan``'s launch-bound lone groups where there are many of them (see above)."""
     import math
 
-    lone = []
+    lone: dict[str, list[str]] = {}        # by operator: a recurrence repeats one, a task's chain does not
     for g in plan.groups:
         if len(g.nodes) != 1 or plan.infos[g.nodes[0]].kind != "ew":
             continue
         tm = g.nodes[0].meta.get("tensor_meta")
         if hasattr(tm, "shape") and math.prod(int(d) for d in tm.shape) <= LONE_MAX_NUMEL:
-            lone.append(g.nodes[0].name)
-    return set(lone) if len(lone) >= LONE_MIN_CALLS else set()
+            lone.setdefault(plan.infos[g.nodes[0]].op, []).append(g.nodes[0].name)
+    return {name for names in lone.values() if len(names) >= LONE_MIN_CALLS for name in names}
 
 
 def default_matmul(precision: str) -> str:
