@@ -67,12 +67,16 @@ def test_a_layout_change_mid_timing_falls_back_to_allocations_of_its_own():
 def test_cpu_timing_records_page_faults_of_the_timed_calls():
     from sandbox.timing import time_runs
 
-    keep: list[torch.Tensor] = []
+    import mmap
 
-    def fresh_pages() -> torch.Tensor:          # touches 4 MiB of new memory on every call
-        t = torch.ones(1 << 20)
-        keep.append(t)
-        return t
+    keep: list[mmap.mmap] = []
+
+    def fresh_pages() -> torch.Tensor:
+        # touches 4 MiB of new memory on every call: an anonymous mapping of its own (malloc could
+        # serve torch.ones from heap pages an earlier test freed, faulting nothing: flaky in the suite)
+        mm = mmap.mmap(-1, 4 << 20)
+        keep.append(mm)
+        return torch.frombuffer(mm, dtype=torch.uint8).fill_(1)
 
     t = time_runs(fresh_pages, lambda i: (), "cpu", warmup=1, runs=5, flush_l2=False)
     assert t.page_faults is not None and t.page_faults >= 512     # 4 MiB / 4 KiB pages, at least half
