@@ -37,7 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from builtin_candidate import (compare_with_references, cuda_event_median_ms,  # noqa: E402
+from builtin_candidate import (compare_with_references, compiled_median_ms, cuda_event_median_ms,  # noqa: E402
                                flat_outputs, reference_and_candidate)
 
 from agent.builtin import Knobs, generate  # noqa: E402
@@ -95,14 +95,7 @@ def check(name: str, spec, sources: dict[str, str], reps: int, use_compile: bool
         torch.backends.cudnn.allow_tf32 = tf32
         default = flat_outputs(ref(*inputs))
         t_eager = cuda_event_median_ms(ref, inputs, reps)
-        t_comp = float("nan")
-        if use_compile:
-            try:
-                compiled = torch.compile(ref)
-                compiled(*inputs)
-                t_comp = cuda_event_median_ms(compiled, inputs, reps)
-            except Exception as exc:  # noqa: BLE001 - torch.compile's failure is reported, not fatal
-                print(f"  torch.compile failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        t_comp = compiled_median_ms(ref, inputs, reps) if use_compile else float("nan")
         print(f"{name:44s} eager {t_eager:.3f} ms, torch.compile {t_comp:.3f} ms", flush=True)
         for label, source in sources.items():
             _, _, new = reference_and_candidate(spec, source)

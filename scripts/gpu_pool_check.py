@@ -33,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from builtin_candidate import (compare_with_references, cuda_event_median_ms as _time,  # noqa: E402
+from builtin_candidate import (compare_with_references, compiled_median_ms, cuda_event_median_ms as _time,  # noqa: E402
                                flat_outputs as _flat, reference_and_candidate)
 
 from agent.builtin import Knobs, generate  # noqa: E402
@@ -84,13 +84,7 @@ def check(path: Path, name: str, layout: str, seen: set[str]) -> bool:
         torch.backends.cudnn.allow_tf32 = tf32
         ok, worst32, worst64, ref_err = compare_with_references(want, got, ref64)
         t_ref, t_new, t_lib = _time(ref, inputs), _time(new, inputs), _time(twin, inputs)
-        try:
-            compiled = torch.compile(ref)
-            compiled(*inputs)
-            t_comp = _time(compiled, inputs)
-        except Exception as exc:  # noqa: BLE001 - torch.compile's failure is reported, not fatal
-            print(f"  torch.compile failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-            t_comp = float("nan")
+        t_comp = compiled_median_ms(ref, inputs)
     print(f"{name:48s} {layout} kernels {_pools(cand)}: max |cand - ref32| {worst32:.2e}, |cand - ref64| "
           f"{worst64:.2e} (ref32 - ref64 {ref_err:.2e}) {'OK' if ok else 'FAIL'}; reference {t_ref:.3f} ms, "
           f"fused {t_new:.3f} ms ({t_ref / t_new:.2f}x), library pool {t_lib:.3f} ms ({t_ref / t_lib:.2f}x), "

@@ -41,6 +41,20 @@ def cuda_event_median_ms(fn, inputs, reps: int = 20, warmup: int = 3) -> float:
     return statistics.median(times[warmup:])
 
 
+def compiled_median_ms(model, inputs, reps: int = 20) -> float:
+    """``cuda_event_median_ms`` of ``torch.compile(model)`` after one call that compiles it; NaN
+    where torch.compile fails (its failure printed: the GPU check scripts report it, not fatal)."""
+    import torch
+
+    try:
+        compiled = torch.compile(model)
+        compiled(*inputs)
+        return cuda_event_median_ms(compiled, inputs, reps)
+    except Exception as exc:  # noqa: BLE001 - torch.compile's failure is reported, not fatal
+        print(f"  torch.compile failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        return float("nan")
+
+
 def compare_with_references(want: list, got: list, ref64: list) -> tuple[bool, float, float, float]:
     """(ok, max |candidate - float32 reference|, max |candidate - float64 reference|, max |float32
     reference - float64 reference|) over a forward's outputs. An output passes within 1e-4 absolute
