@@ -255,15 +255,7 @@ def _propose_one(spec: TaskSpec, device: str, round: int, sample: int,
     # (only where a convolution is rewritten to channels-last: elsewhere both layouts are one code)
     nchw_convs = device == "cpu" or (numerics is not None and "conv" in numerics.tf32_classes(device))
     nchw_first = nchw_convs and gen.other("nhwc") is not None
-    order = variant_order(fb, precision, nchw_first)
-    if fb.best is None and nchw_convs and not nchw_first and any(i.kind == "conv" for i in gen.infos_for("direct").values()):
-        # the layout changes nothing here (a convolution before a group norm, not rewritten to
-        # channels-last), yet the direct-convolution twin is new code: measured second in round 0,
-        # beside the library's convolution (two knobs from the default, two rounds never reach it)
-        direct = next((k for k in order if k.conv == "direct"), None)
-        if direct is not None:
-            order = [order[0], direct] + [k for k in order[1:] if k != direct]
-    for knobs in order:
+    for knobs in variant_order(fb, precision, nchw_first, direct_second=nchw_convs):
         if set(knobs.as_dict().items()) & forbidden:
             continue
         r = gen.render(knobs)

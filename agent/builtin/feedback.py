@@ -302,14 +302,19 @@ _PRIORITY = {"matmul": 0, "layout": 0, "conv": 0, "attention": 1, "recurrent": 1
              "vec": 3, "reduce": 4, "fusion": 5}
 
 
-def variant_order(fb: Feedback, precision: Optional[str] = None, nchw_first: bool = False) -> list[Knobs]:
+def variant_order(fb: Feedback, precision: Optional[str] = None, nchw_first: bool = False,
+                  direct_second: bool = False) -> list[Knobs]:
     """Knob settings to try, best first: around the fastest correct attempt, else the default
     order. Under fp16/bf16 (``precision``, else the feedback's) every setting has
     ``matmul="ieee"``: there is no split-TF32 GEMM to try.
 
     ``nchw_first``: the convolutions' own layout (``nchw``) comes first, its direct-convolution
     twin second (where the task has a small-K convolution; else it is the first again, skipped)
-    and channels-last third. ``_propose_one`` asks for it on cuda where convolutions may run in TF32: a
+    and channels-last third. ``direct_second`` (convolutions keep NCHW, yet no layout rewrite
+    exists: a convolution before a group norm), with no best yet: the first direct setting second,
+    beside the first setting still to try (two knobs from the default, two rounds would not reach
+    it). Where a task has no small-K convolution the twin renders the first's code and is skipped
+    as seen. ``_propose_one`` asks for it on cuda where convolutions may run in TF32: a
     channels-last convolution is another cuDNN algorithm with its own TF32 rounding, and where
     the reference's NCHW one is not TF32 at all (level2/71_Conv2d_Divide_LeakyReLU on an H100:
     8 input channels) the channels-last candidate's 1e-3 differences fail the 1e-4 tolerance,
@@ -339,4 +344,9 @@ def variant_order(fb: Feedback, precision: Optional[str] = None, nchw_first: boo
         order = list(dict.fromkeys(replace(k, matmul="ieee") for k in order))
     good = [k for k in order if fb.knob_ok(k)]
     kept = set(good)
-    return good + [k for k in order if k not in kept]
+    order = good + [k for k in order if k not in kept]
+    if direct_second and not nchw_first and not (fb.best is not None and _knobs_of(fb.best)):
+        direct = next((k for k in order if k.conv == "direct"), None)
+        if direct is not None:
+            order = [order[0], direct] + [k for k in order[1:] if k != direct]
+    return order
