@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 from sandbox import failures
 from sandbox.backends import backend_for
+from sandbox.blocks import block_burst, block_plan
 from sandbox.compare import fp64_verdict
 from sandbox.phases import Stages
 from sandbox.process import WorkerProcess, worker_pids
@@ -20,32 +21,6 @@ from sandbox.result import EvalConfig, EvalResult, FlagKind, KernelStat, OutputC
 
 # cpu's interleaved blocks: warm-up runs before every block after the first (the first has the config's)
 BLOCK_WARMUP = 1
-# Blocks whose eager/candidate ratios (block medians) differ by more than this factor met a burst of
-# load that one side's whole block took: ``contended``. On the idle-but-drifting 2-core host the A/A
-# check's single evaluations ranged 0.84-1.08x with 4 blocks; a burst read one seed 4.11x (two eager
-# blocks at 5.7-6.1 ms against 1.15-1.17 ms).
-BLOCK_RATIO_SPREAD = 2.5
-
-
-def block_burst(candidate: list[Timing], eager: list[Timing]) -> Optional[str]:
-    """Why the blocks' eager/candidate ratios disagree past ``BLOCK_RATIO_SPREAD``, or None."""
-    ratios = [e.median_ms / c.median_ms for c, e in zip(candidate, eager) if c.median_ms > 0]
-    if len(ratios) < 2 or min(ratios) <= 0 or max(ratios) / min(ratios) <= BLOCK_RATIO_SPREAD:
-        return None
-    return ("a burst of load took one side's whole block: the blocks' eager/candidate ratios ranged "
-            f"{min(ratios):.2f}-{max(ratios):.2f} (eager blocks {', '.join(f'{e.median_ms:.3g}' for e in eager)} ms, "
-            f"candidate blocks {', '.join(f'{c.median_ms:.3g}' for c in candidate)} ms)")
-
-
-def block_plan(runs: int, blocks: int) -> list[tuple[int, int]]:
-    """``runs`` timed runs in ``blocks`` blocks as even as can be: (first run, runs) per block."""
-    blocks = max(1, min(blocks, runs))
-    plan, off = [], 0
-    for b in range(blocks):
-        n = runs // blocks + (1 if b < runs % blocks else 0)
-        plan.append((off, n))
-        off += n
-    return plan
 
 
 def block_timing(blocks: list[Timing]) -> Timing:

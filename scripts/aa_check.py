@@ -63,10 +63,10 @@ def main() -> int:
             nb = r.candidate_time.blocks or 1
             if nb > 1:
                 # the other estimator: the median of the per-block ratios (block b of each side)
-                from sandbox.checks import block_plan
+                from sandbox.blocks import split_blocks
 
-                per = [statistics.median(r.eager_time.samples_ms[o:o + n]) / statistics.median(r.candidate_time.samples_ms[o:o + n])
-                       for o, n in block_plan(r.candidate_time.runs, nb)]
+                per = [statistics.median(e) / statistics.median(c)
+                       for c, e in zip(split_blocks(r.candidate_time), split_blocks(r.eager_time))]
                 pair_ratios[blocks].append(statistics.median(per))
                 pair = f"; median of block ratios {pair_ratios[blocks][-1]:.3f}x"
             print(f"evaluation {k} [{r.candidate_time.convention}]: eager {r.eager_time.median_ms:.4f} ms, candidate "

@@ -7,10 +7,13 @@ the sum of a group of kernels' shares, the ratio of two stored runtimes).
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Iterable
 
 from agent.critic.patterns import classify, pattern_numbers
+from sandbox.blocks import leave_one_out, split_blocks
 from sandbox.intervals import relative_spread, speedup_interval
 
 
@@ -48,6 +51,29 @@ def _timing(ev: Evidence, timing: Any, where: str) -> None:
     for name in ("median_ms", "iqr_ms", "mean_ms", "min_ms", "max_ms"):
         ev.add(getattr(timing, name, None), "time", f"{where}.{name}")
     ev.add(getattr(timing, "runs", None), "plain", f"{where}.runs")
+
+
+def _blocks(ev: Evidence, result: Any, where: str) -> None:
+    """``cpu``'s interleaved blocks (``sandbox.blocks``): each side's block medians, the block pairs'
+    eager/candidate ratios and the speedup with each pair left out (the burst flag quotes them)."""
+    per_side = {name: split_blocks(getattr(result, name)) for name in ("candidate_time", "eager_time", "compile_time")
+                if getattr(result, name) is not None}
+    for name, blocks in per_side.items():
+        for i, b in enumerate(blocks or []):
+            # quoted as a list ("eager blocks 1.55, 1.34, 1.34 ms"): all but the last without the unit
+            ev.add(statistics.median(b), "time", f"{where}: {name} block {i + 1} median")
+            ev.add(statistics.median(b), "plain", f"{where}: {name} block {i + 1} median (in a list of ms)")
+    cand, eager = per_side.get("candidate_time"), per_side.get("eager_time")
+    if not cand or not eager or len(cand) != len(eager):
+        return
+    c_med = [statistics.median(b) for b in cand]
+    for i, (c, e) in enumerate(zip(c_med, (statistics.median(b) for b in eager))):
+        if c > 0:
+            ev.add(e / c, "plain", f"{where}: block {i + 1} eager/candidate ratio")
+    as_timing = [SimpleNamespace(median_ms=statistics.median(b), runs=len(b), samples_ms=b) for b in cand], \
+        [SimpleNamespace(median_ms=statistics.median(b), runs=len(b), samples_ms=b) for b in eager]
+    for i, r in enumerate(leave_one_out(*as_timing)):
+        ev.add(r, "ratio", f"{where}: speedup_eager without block {i + 1}")
 
 
 def is_annotation(k: Any, profile: list[Any]) -> bool:
@@ -104,6 +130,7 @@ def result_evidence(result: Any, label: str) -> Evidence:
             ev.add(rel * 100.0, "percent", f"{w}: {t_name}.iqr_ms / median_ms")
         if t is not None:
             ev.add(getattr(t, "host_load", None), "plain", f"{w}: {t_name}.host_load")
+    _blocks(ev, result, w)
     for base_name in ("eager_time", "compile_time"):
         iv = speedup_interval(getattr(result, base_name), result.candidate_time)
         if iv is not None:
