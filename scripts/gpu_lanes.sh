@@ -12,6 +12,12 @@
 # `named TASK...` (KernelBench task names -> paths, e.g. `named level3/1_MLP`) and `box SECONDS CMD...`
 # (CMD itself gets SIGINT after SECONDS, so `optimize` stops cleanly and its store stays whole: box every
 # long step; the lane's own limit, LANE_S + 40 s, is a last resort that reaches only the lane's shell).
+# A whole level split over the lanes: `share level2` lists lane i's tasks of the level (every N-th
+# file in task-number order from the i-th, N the number of lanes: $LANE and $LANES), and `suite ARGS`
+# runs `optimize` on them, resuming the lane's last run where the call carried its store back in
+# ($STORES/lane_i.db, e.g. .gpu-store/l2; SUITE=level2 by default):
+#
+#   STORES=.gpu-store/l2 bash scripts/gpu_lanes.sh 'box 520 suite --rounds 2' 'box 520 suite --rounds 2' ...
 # Write nothing through `| tail`: the lane's file keeps everything and its tail is printed at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,12 +33,15 @@ for cmd in "$@"; do
   mkdir -p "$OUT/lane_$i"
   (
     export CUDA_VISIBLE_DEVICES=$i OUT="$OUT/lane_$i" KERNELLOOP_DB=/tmp/lane_$i.db PYTHONUNBUFFERED=1 MAX_JOBS=16
-    export KERNELLOOP_KERNELBENCH=$PWD/.kb
+    export KERNELLOOP_KERNELBENCH=$PWD/.kb LANE=$i LANES=$#
+    [ -n "${STORES:-}" ] && [ -f "$STORES/lane_$i.db" ] && cp "$STORES/lane_$i.db" /tmp/lane_$i.db
     echo "lane $i (GPU $i, cores $((16 * i))-$((16 * i + 15))): $cmd"
     timeout --kill-after=10 $(( ${LANE_S:-540} + 40 )) taskset -c $((16 * i))-$((16 * i + 15)) bash -c "
       source scripts/gpu_env.sh
       box() { local t=\$1; shift; timeout --signal=INT --kill-after=30 \"\$t\" \"\$@\"; echo \"[exit \$? after: \$*]\"; }
       named() { python3 -c 'import sys; from evals.kernelbench import kernelbench_paths as p; print(\" \".join(map(str, p(sys.argv[1:]))))' \"\$@\"; }
+      share() { ls .kb/\$1/*.py | sort -V | awk -v i=\$LANE -v n=\$LANES '(NR - 1) % n == i'; }
+      suite() { local r=\$(last_run); python3 -m kernelloop.cli optimize \$(share \${SUITE:-level2}) --model builtin \${r:+--resume \$r} \"\$@\"; }
       $cmd"
     echo "[lane $i exit $?]"
     # a consistent copy, the write-ahead log's pages included (a store cut off mid-run may have them there)
