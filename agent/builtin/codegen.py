@@ -17,7 +17,7 @@ from agent.builtin.dtypes import at_type, c_type
 from agent.builtin.gemm import TcGemm, tc3_gemms
 from agent.builtin.kernels import LANES, KernelGroup
 from agent.builtin.layout import forward_statement, uses_to_channels_last
-from agent.builtin.ops import c_float
+from agent.builtin.c_expr import c_float
 from agent.builtin.plan import Plan
 from agent.builtin.pysource import fmt, pytorch_statement, var
 from agent.builtin.trace import Traced

@@ -23,7 +23,8 @@ from typing import Any, Optional, Union
 from torch.fx import Node
 
 from agent.builtin.dtypes import c_type, is_half, value_dtype
-from agent.builtin.ops import ModuleAttr, OpInfo, c_float, ew_expr, shape_of
+from agent.builtin.c_expr import c_float, ew_expr
+from agent.builtin.ops import ModuleAttr, OpInfo, shape_of
 from agent.builtin.plan import Group, Plan
 
 LANES = ("x", "y", "z", "w")
