@@ -227,3 +227,23 @@ def test_the_direct_twin_comes_second_where_the_layout_changes_nothing():
     samples = [propose(read_spec(seed), "cpu", 0, s, []).choices for s in range(2)]
     assert [c["knobs"]["conv"] for c in samples] == ["library", "direct"]
     assert len(_conv_groups_of(samples[1])) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", TILES)
+def test_the_cuda_direct_convolutions_are_correct_on_a_gpu(tile):
+    """The CUDA kernels (templates/cuda_conv.cu.j2), every tile, judged by the sandbox on a GPU: the
+    six convolutions of the fixture (bias or not, stride 2 / padding 1, dilation 2, a prologue whose
+    f(0) is not 0, 3-D), each one kernel with its chains, every output checked."""
+    from sandbox.evaluate import evaluate
+    from sandbox.numerics import Numerics
+    from sandbox.result import EvalConfig, Status
+
+    spec = with_device_sizes(_spec(), "cuda")
+    cand = generate(spec, "cuda", Knobs(layout="nchw", conv="direct", conv_tile=tile))
+    assert len(_conv_groups(cand)) == 6
+    cfg = EvalConfig(numerics=Numerics(), trials=2, warmup_runs=1, timed_runs=2, time_compile=False, profile=False)
+    result = evaluate(spec, cand.source, "cuda", cfg)
+    assert result.status is Status.correct, (result.status, result.error_message,
+                                             result.build.first_error if result.build else None)
+    assert all(o.mismatched == 0 for t in result.trials for o in t.outputs)

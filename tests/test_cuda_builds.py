@@ -57,6 +57,30 @@ def test_builtin_candidate_builds(sandbox, path, knobs):
         assert "__global__" in cand.source, detail
 
 
+BUILTIN_FIXTURES = ROOT / "tests" / "fixtures" / "builtin"
+
+
+@pytest.mark.parametrize("variant", ["conv:4x16", "conv:2x16", "conv:4x8", "conv:8x8", "pool:nchw", "pool:nhwc"])
+def test_builtin_conv_and_pool_kernels_build(sandbox, variant):
+    """The direct convolution in every CUDA tile (conv_direct.py: stride, dilation, 3-D, a prologue)
+    and the fused pools in both layouts (conv_pool.py): templates cuda_conv / cuda_pool compile."""
+    from agent.builtin import generate
+    from agent.builtin.codegen import Knobs
+    from agent.builtin.conv import TILES
+
+    kind, value = variant.split(":")
+    if kind == "conv":
+        assert value in TILES
+        spec = read_spec(BUILTIN_FIXTURES / "conv_direct.py", name="fixtures/conv_direct")
+        cand = generate(spec, "cuda", Knobs(layout="nchw", conv="direct", conv_tile=value))
+    else:
+        spec = read_spec(BUILTIN_FIXTURES / "conv_pool.py", name="fixtures/conv_pool")
+        cand = generate(spec, "cuda", Knobs(layout=value))
+    assert any(g["kind"] == kind for g in cand.choices["groups"]), cand.choices["groups"]
+    check = sandbox.build_only(spec, cand.source)
+    assert check.ok, f"{variant}: {check.status} {check.error_message}\n{(check.build.log if check.build else '')[-3000:]}"
+
+
 @pytest.mark.parametrize("fx", CRITIC_CUDA, ids=[fx["name"] for fx in CRITIC_CUDA])
 def test_critic_cuda_fixture_builds_as_the_manifest_says(sandbox, fx):
     spec = read_spec(ROOT / fx["task"])
