@@ -210,8 +210,14 @@ def test_a_resume_of_a_task_whose_rounds_are_all_stored_says_only_that_it_finish
     assert asked == 0
     lines = [line for line in result.output.splitlines() if line.startswith(f"{TASK_NAME}: ")]
     assert len(lines) == 1 and "started" not in lines[0], lines
+    # the clean count is the store's: a contended timing (a loaded CI host) leaves the correct attempt unclean
+    from sandbox.result import EvalResult
+
+    stored = [EvalResult.model_validate(json.loads(r)) for (r,) in query(db, "SELECT result FROM evaluations")]
+    clean = sum(1 for r in stored if r.correct and r.clean)
+    assert clean <= 1
     assert lines[0].startswith(f"{TASK_NAME}: finished (2 round(s) done, 2 of them stored before this --resume); "
-                               "1 of 4 attempt(s) correct (1 clean) so far"), lines
+                               f"1 of 4 attempt(s) correct ({clean} clean) so far"), lines
     text = flat(result.output)
     assert "correct:theverdict;clean:correctwithnodisqualifyingflag" in text
 
