@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from sandbox.cuda_split import split_cuda
 from sandbox.lite_headers import LEAN_BINDING, MINIMAL_TORCH_PRELUDE
 from sandbox.pyglue import GLUE_ERROR_MARK, RAW_BINDING, RAW_NOTE
 
@@ -30,6 +31,8 @@ _MISSING_TORCH_NAME_RE = re.compile(r'namespace "(?:torch|at|c10)[\w:]*" has no 
                                     r"|no match for .operator")
 
 MINIMAL_NOTE = "CUDA sources built with minimal ATen headers in place of torch's"
+SPLIT_NOTE = ("CUDA sources split: the kernels built by nvcc without torch's headers, their torch wrappers "
+              "as C++ with launch stubs (sandbox.cuda_split)")
 LEAN_NOTE = "C++ bindings built with the lean binding header in place of <torch/extension.h>"
 TYPES_NOTE = "CUDA sources built with <torch/types.h> in place of <torch/extension.h>"
 OWN_NOTE = "the candidate's own headers"
@@ -69,14 +72,26 @@ def _lean_try(note: str, cuda: list[str], cpp: list[str], lite_dirs: tuple[str, 
 
 
 def _with_raw(tries: list[HeaderTry], glue: Optional[list[str]], device: str) -> list[HeaderTry]:
-    """``tries`` with the raw binding's twin of the first (where that uses the lean binding header)
-    before it: ``glue`` is the glue library's link flags, None where the raw binding cannot serve."""
-    first = tries[0]
-    if glue is None or not first.lean_binding:
+    """``tries`` with the raw binding's twin of each try that uses the lean binding header before
+    it: ``glue`` is the glue library's link flags, None where the raw binding cannot serve."""
+    if glue is None:
         return tries
-    raw = HeaderTry(first.note if first.note != LEAN_NOTE else RAW_NOTE, first.cuda, True,
-                    (f"#include <{RAW_BINDING[device]}>",), first.include_paths, first.cpp, tuple(glue))
-    return [raw, *tries]
+    out = []
+    for t in tries:
+        if t.lean_binding:
+            out.append(HeaderTry(t.note if t.note != LEAN_NOTE else RAW_NOTE, t.cuda, True,
+                                 (f"#include <{RAW_BINDING[device]}>",), t.include_paths, t.cpp, tuple(glue)))
+        out.append(t)
+    return out
+
+
+def _split_try(cuda: list[str], cpp: list[str], lite_dirs: tuple[str, ...]) -> Optional[HeaderTry]:
+    """The CUDA sources split (``sandbox.cuda_split``): kernels without torch through nvcc, the
+    wrappers in the C++ file with the lean binding header; None where a source does not split."""
+    splits = [split_cuda(s) for s in cuda]
+    if not splits or any(sp is None for sp in splits):
+        return None
+    return _lean_try(SPLIT_NOTE, [sp.device for sp in splits], [sp.host for sp in splits] + cpp, lite_dirs, "cuda")
 
 
 def header_tries(cuda: list[str], no_implicit_headers: bool, lite_dirs: tuple[str, ...] = (),
@@ -88,6 +103,9 @@ def header_tries(cuda: list[str], no_implicit_headers: bool, lite_dirs: tuple[st
     compiler): on a 2-core host a one-kernel candidate took 98 s with ``torch/extension.h``,
     45 s with ``torch/types.h`` and about half that with the minimal ATen headers. So:
 
+    0. where the sources split (``sandbox.cuda_split``: kernels launched from torch wrappers, the
+       C++ file on the lean binding header), the kernels through nvcc without torch and the
+       wrappers in the C++ file; any failure goes on to 1;
     1. the minimal prelude (``MINIMAL_TORCH_PRELUDE``) in place of every torch header, its
        factory headers lightened where ``lite_dirs`` are given (``sandbox.lite_headers``, and
        the directory of its precompiled lean binding header): then the C++ file too starts
@@ -99,7 +117,7 @@ def header_tries(cuda: list[str], no_implicit_headers: bool, lite_dirs: tuple[st
 
     Sources that bind to Python themselves are built as they are (the bindings that
     ``load_inline`` generates live in the C++ file, which keeps ``torch/extension.h``). With
-    ``glue`` (``_with_raw``), the first try's twin with the raw binding goes before it.
+    ``glue`` (``_with_raw``), each lean try's twin with the raw binding goes before it.
     """
     own = HeaderTry("", cuda, no_implicit_headers)
     if any(_PYTHON_USE_RE.search(s) for s in cuda):
@@ -107,13 +125,15 @@ def header_tries(cuda: list[str], no_implicit_headers: bool, lite_dirs: tuple[st
     minimal = ["#include <cuda.h>", "#include <cuda_runtime.h>", MINIMAL_TORCH_PRELUDE] + [
         _TORCH_INCLUDE_RE.sub("", s) for s in cuda]
     # no implicit headers for the CUDA sources means none for the C++ side either: it keeps its own
+    split = None
     if lite_dirs and cpp is not None:
         first = _lean_try(MINIMAL_NOTE, minimal, cpp, lite_dirs, "cuda")
+        split = _split_try(cuda, cpp, lite_dirs)
     elif no_implicit_headers:
         first = HeaderTry(MINIMAL_NOTE, minimal, True, (), tuple(lite_dirs))
     else:
         first = HeaderTry(MINIMAL_NOTE, minimal, True, ("#include <torch/extension.h>",), tuple(lite_dirs))
-    tries = [first]
+    tries = [*([split] if split else []), first]
     if any(EXTENSION_INCLUDE_RE.search(s) for s in cuda):
         tries.append(HeaderTry(TYPES_NOTE, [EXTENSION_INCLUDE_RE.sub("#include <torch/types.h>", s) for s in cuda],
                                no_implicit_headers))
