@@ -9,6 +9,7 @@ failing candidate into a passing one or back.
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -31,6 +32,7 @@ _MISSING_TORCH_NAME_RE = re.compile(r'namespace "(?:torch|at|c10)[\w:]*" has no 
                                     r"|no match for .operator")
 
 MINIMAL_NOTE = "CUDA sources built with minimal ATen headers in place of torch's"
+CUDA_SPLIT_ENV = "KERNELLOOP_CUDA_SPLIT"
 SPLIT_NOTE = ("CUDA sources split: the kernels built by nvcc without torch's headers, their torch wrappers "
               "as C++ with launch stubs (sandbox.cuda_split)")
 LEAN_NOTE = "C++ bindings built with the lean binding header in place of <torch/extension.h>"
@@ -85,9 +87,19 @@ def _with_raw(tries: list[HeaderTry], glue: Optional[list[str]], device: str) ->
     return out
 
 
+def split_enabled() -> bool:
+    """``KERNELLOOP_CUDA_SPLIT=1``: KernelBench-style sources are built split first. Off by default
+    until a GPU has judged split builds (``tests/test_cuda_split.py -m gpu``): nvcc has built and
+    linked them (``tests/test_cuda_builds.py``), no GPU has run one yet."""
+    return os.environ.get(CUDA_SPLIT_ENV, "0") == "1"
+
+
 def _split_try(cuda: list[str], cpp: list[str], lite_dirs: tuple[str, ...]) -> Optional[HeaderTry]:
     """The CUDA sources split (``sandbox.cuda_split``): kernels without torch through nvcc, the
-    wrappers in the C++ file with the lean binding header; None where a source does not split."""
+    wrappers in the C++ file with the lean binding header; None where a source does not split
+    or the split is off (``split_enabled``)."""
+    if not split_enabled():
+        return None
     splits = [split_cuda(s) for s in cuda]
     if not splits or any(sp is None for sp in splits):
         return None
@@ -103,9 +115,10 @@ def header_tries(cuda: list[str], no_implicit_headers: bool, lite_dirs: tuple[st
     compiler): on a 2-core host a one-kernel candidate took 98 s with ``torch/extension.h``,
     45 s with ``torch/types.h`` and about half that with the minimal ATen headers. So:
 
-    0. where the sources split (``sandbox.cuda_split``: kernels launched from torch wrappers, the
-       C++ file on the lean binding header), the kernels through nvcc without torch and the
-       wrappers in the C++ file; any failure goes on to 1;
+    0. with ``KERNELLOOP_CUDA_SPLIT=1`` (``split_enabled``), where the sources split
+       (``sandbox.cuda_split``: kernels launched from torch wrappers, the C++ file on the lean
+       binding header), the kernels through nvcc without torch and the wrappers in the C++ file;
+       any failure goes on to 1;
     1. the minimal prelude (``MINIMAL_TORCH_PRELUDE``) in place of every torch header, its
        factory headers lightened where ``lite_dirs`` are given (``sandbox.lite_headers``, and
        the directory of its precompiled lean binding header): then the C++ file too starts

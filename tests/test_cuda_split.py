@@ -110,7 +110,12 @@ def test_items_keep_literals_and_drop_comments():
     assert parsed[1].text == "struct S { int a; } s;" and '"}"' in parsed[2].text
 
 
-def test_the_split_is_the_first_try_and_any_failure_goes_to_the_minimal_headers():
+def test_the_split_is_the_first_try_and_any_failure_goes_to_the_minimal_headers(monkeypatch):
+    from sandbox.header_tries import CUDA_SPLIT_ENV
+
+    monkeypatch.setenv(CUDA_SPLIT_ENV, "0")              # off by default: no split try
+    assert SPLIT_NOTE not in [t.note for t in header_tries([KB], False, ("/lite",), ["int g();"], ["-l:g.so"])]
+    monkeypatch.setenv(CUDA_SPLIT_ENV, "1")
     tries = header_tries([KB], False, ("/lite",), ["torch::Tensor fused_cuda(torch::Tensor x, double scale);"],
                          ["-l:g.so"])
     assert [(t.note, t.raw) for t in tries[:4]] == [(SPLIT_NOTE, True), (SPLIT_NOTE, False), (MINIMAL_NOTE, True),
@@ -126,7 +131,7 @@ def test_the_split_is_the_first_try_and_any_failure_goes_to_the_minimal_headers(
 
 
 @pytest.mark.gpu
-def test_a_split_candidate_is_judged_correct_on_a_gpu():
+def test_a_split_candidate_is_judged_correct_on_a_gpu(monkeypatch):
     """The adversarial suite's honest CUDA candidate (a KernelBench-style wrapper in the .cu file)
     built split and judged by the sandbox on a GPU: the stubs launch the kernels as written."""
     from sandbox.evaluate import evaluate
@@ -134,6 +139,9 @@ def test_a_split_candidate_is_judged_correct_on_a_gpu():
     from sandbox.result import EvalConfig, Status
     from sandbox.tasks import read_spec
 
+    from sandbox.header_tries import CUDA_SPLIT_ENV
+
+    monkeypatch.setenv(CUDA_SPLIT_ENV, "1")              # the sandbox's build workers start after this
     root = Path(__file__).parent / "adversarial"
     spec = read_spec(root / "task_small.py", name="adversarial/task_small")
     cfg = EvalConfig(numerics=Numerics(), trials=2, warmup_runs=1, timed_runs=3, time_compile=False, profile=True)
