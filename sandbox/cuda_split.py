@@ -13,8 +13,9 @@ The split is made only where the text is plainly of that shape; ``split_cuda`` r
 anything else (and the build goes on with the whole file through nvcc):
 
 * conditional preprocessing (``#if``/``#ifdef``), namespaces, ``extern "C"`` blocks at the top level;
-* templated kernels launched from host code, kernels named by host code other than in a launch
-  (``cudaFuncSetAttribute(k, ...)``), a launch of something that is not a kernel of the file;
+* templated or overloaded kernels launched from host code, kernels named by host code other than
+  in a launch (``cudaFuncSetAttribute(k, ...)``), a launch of something that is not a kernel of the
+  file;
 * device code (kernels, ``__device__`` functions and variables) that names torch (``torch::``,
   ``at::``, ``c10::``, ``AT_``/``TORCH_`` macros), or that comes after host code it might use.
 
@@ -291,6 +292,8 @@ def split_cuda(source: str) -> Optional[Split]:
             device.append(it.text)
             if re.search(r"\b__global__\b", head) and it.kind == "block":
                 k = _kernel(it)
+                if k is not None and k.name in kernels:
+                    return None          # overloaded kernels: a stub could take the other's arguments
                 if k is not None:
                     kernels[k.name] = k
                     device.append(f"void {STUB_PREFIX}{k.name}({_stub_params(k)}) {{\n"

@@ -95,6 +95,9 @@ def test_a_wrapper_may_share_its_kernels_name():
      "torch::Tensor f(torch::Tensor x) { k<<<1, 1>>>(x.data_ptr<float>()); return x; }"),
     ("a launch of something not a kernel of the file",
      "__global__ void k(float* y) { }\ntorch::Tensor f(torch::Tensor x) { other<<<1, 1>>>(x.data_ptr<float>()); return x; }"),
+    ("overloaded kernels (a stub could take the other's arguments)",
+     "__global__ void k(float* y, float a) { }\n__global__ void k(float* y, int a) { }\n"
+     "torch::Tensor f(torch::Tensor x) { k<<<1, 1>>>(x.data_ptr<float>(), 2); return x; }"),
     ("no launch from host code", "__global__ void k(float* y) { }\ntorch::Tensor f(torch::Tensor x) { return x; }"),
     ("unbalanced braces", "__global__ void k(float* y) { \ntorch::Tensor f(torch::Tensor x) { return x; }"),
     ("a kernel with a defaulted parameter", "__global__ void k(float* y, int n = 4) { }\n"
