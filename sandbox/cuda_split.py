@@ -305,7 +305,9 @@ def split_cuda(source: str) -> Optional[Split]:
                 device.append(it.text)
             host.append(it.text)
             continue
-        is_type = re.match(r"\s*(?:typedef\b|using\s+\w+\s*=|(?:struct|class|union|enum)\b)", head)
+        is_type = re.match(r"\s*(?:typedef\b|using\s+\w+\s*=|(?:template\s*<[^{;]*>\s*)?(?:struct|class|union)\b"
+                           r"|enum\b)", head) and (it.kind == "decl" or "(" not in head.split("{")[0]
+                                                   or re.match(r"\s*(?:typedef|using)\b", head))
         is_const = re.match(r"\s*(?:static\s+)?(?:constexpr|const)\b", head) and "(" not in head.split("=")[0]
         if is_type or is_const:
             device.append(it.text)

@@ -35,6 +35,7 @@ MINIMAL_NOTE = "CUDA sources built with minimal ATen headers in place of torch's
 CUDA_SPLIT_ENV = "KERNELLOOP_CUDA_SPLIT"
 SPLIT_NOTE = ("CUDA sources split: the kernels built by nvcc without torch's headers, their torch wrappers "
               "as C++ with launch stubs (sandbox.cuda_split)")
+SPLIT_FULL_NOTE = "CUDA sources split, the wrappers' C++ file on <torch/extension.h> (precompiled)"
 LEAN_NOTE = "C++ bindings built with the lean binding header in place of <torch/extension.h>"
 TYPES_NOTE = "CUDA sources built with <torch/types.h> in place of <torch/extension.h>"
 OWN_NOTE = "the candidate's own headers"
@@ -106,6 +107,12 @@ def _split_try(cuda: list[str], cpp: list[str], lite_dirs: tuple[str, ...]) -> O
     return _lean_try(SPLIT_NOTE, [sp.device for sp in splits], [sp.host for sp in splits] + cpp, lite_dirs, "cuda")
 
 
+def _split_full_try(split: HeaderTry) -> HeaderTry:
+    """``split`` with the wrappers' C++ file on torch's whole ``torch/extension.h`` (its precompiled
+    header), for wrappers that call torch beyond the lean binding's minimal headers (``torch::matmul``)."""
+    return HeaderTry(SPLIT_FULL_NOTE, split.cuda, True, ("#include <torch/extension.h>",), (), split.cpp)
+
+
 def header_tries(cuda: list[str], no_implicit_headers: bool, lite_dirs: tuple[str, ...] = (),
                  cpp: Optional[list[str]] = None, glue: Optional[list[str]] = None) -> list[HeaderTry]:
     """How to build CUDA sources that use torch, fastest first.
@@ -118,7 +125,8 @@ def header_tries(cuda: list[str], no_implicit_headers: bool, lite_dirs: tuple[st
     0. with ``KERNELLOOP_CUDA_SPLIT=1`` (``split_enabled``), where the sources split
        (``sandbox.cuda_split``: kernels launched from torch wrappers, the C++ file on the lean
        binding header), the kernels through nvcc without torch and the wrappers in the C++ file;
-       any failure goes on to 1;
+       where that lacks a torch name, the same with the C++ file on ``torch/extension.h``; any
+       other failure goes on to 1;
     1. the minimal prelude (``MINIMAL_TORCH_PRELUDE``) in place of every torch header, its
        factory headers lightened where ``lite_dirs`` are given (``sandbox.lite_headers``, and
        the directory of its precompiled lean binding header): then the C++ file too starts
@@ -146,7 +154,7 @@ def header_tries(cuda: list[str], no_implicit_headers: bool, lite_dirs: tuple[st
         first = HeaderTry(MINIMAL_NOTE, minimal, True, (), tuple(lite_dirs))
     else:
         first = HeaderTry(MINIMAL_NOTE, minimal, True, ("#include <torch/extension.h>",), tuple(lite_dirs))
-    tries = [*([split] if split else []), first]
+    tries = [*([split, _split_full_try(split)] if split else []), first]
     if any(EXTENSION_INCLUDE_RE.search(s) for s in cuda):
         tries.append(HeaderTry(TYPES_NOTE, [EXTENSION_INCLUDE_RE.sub("#include <torch/types.h>", s) for s in cuda],
                                no_implicit_headers))
@@ -176,4 +184,8 @@ def next_try(tries: list[HeaderTry], failed: int, error: str) -> Optional[int]:
     if tries[failed].note == MINIMAL_NOTE and tries[failed + 1].note == TYPES_NOTE \
             and not _MISSING_TORCH_NAME_RE.search(error):
         return len(tries) - 1
+    if tries[failed].note == SPLIT_NOTE and tries[failed + 1].note == SPLIT_FULL_NOTE \
+            and not _MISSING_TORCH_NAME_RE.search(error):
+        # not a torch name the wrappers lack: the whole file, whose own build decides
+        return next((i for i in range(failed + 1, len(tries)) if tries[i].note == MINIMAL_NOTE), failed + 1)
     return failed + 1

@@ -167,33 +167,34 @@ class ModelNew(nn.Module):
 '''
 
 
-@pytest.mark.parametrize("extra, expected", [
-    ("", ["{split}"]),                        # tensors, factories, TORCH_CHECK: the kernels apart from the wrapper
-    ("y = torch::matmul(y, y.t());",          # an op the minimal headers lack
-     ["not {split}: tried {minimal}", "not {minimal}: tried {types}", "{types}"]),
-    ("y = torch::nn::functional::relu(y);",
-     ["not {split}: tried {minimal}", "not {minimal}: tried {types}", "not {types}: tried {own}"]),
-    ("y = y + undeclared_name;",              # a real error: straight to its own headers
+@pytest.mark.parametrize("extra, whole, split", [
+    # tensors, factories, TORCH_CHECK: minimal headers; split, the kernels apart from the wrapper
+    ("", ["{minimal}"], ["{split}"]),
+    # an op the minimal headers lack: torch/types.h; split, the wrappers' C++ file on torch/extension.h
+    ("y = torch::matmul(y, y.t());", ["not {minimal}: tried {types}", "{types}"],
+     ["not {split}: tried {split_full}", "{split_full}"]),
+    ("y = torch::nn::functional::relu(y);", ["not {minimal}: tried {types}", "not {types}: tried {own}"],
+     ["not {split}: tried {split_full}", "{split_full}"]),
+    # a real error: straight to its own headers, which decide the verdict
+    ("y = y + undeclared_name;", ["not {minimal}: tried {own}"],
      ["not {split}: tried {minimal}", "not {minimal}: tried {own}"]),
 ])
-def test_kernelbench_style_source_builds_with_the_lightest_headers_that_work(sandbox, extra, expected):
+def test_kernelbench_style_source_builds_with_the_lightest_headers_that_work(sandbox, extra, whole, split):
+    """Run with KERNELLOOP_CUDA_SPLIT=1 too (nvcc_check.sh does): the split tries come first."""
     import uuid
 
-    from sandbox.header_tries import MINIMAL_NOTE, OWN_NOTE, SPLIT_NOTE, TYPES_NOTE
+    from sandbox.build import PREFIX_NOTE
+    from sandbox.header_tries import (MINIMAL_NOTE, OWN_NOTE, SPLIT_FULL_NOTE, SPLIT_NOTE, TYPES_NOTE,
+                                      split_enabled)
+    from sandbox.pyglue import RAW_NOTE
 
-    from sandbox.header_tries import split_enabled
-
-    words = {"split": SPLIT_NOTE, "minimal": MINIMAL_NOTE, "types": TYPES_NOTE, "own": OWN_NOTE}
-    if not split_enabled():          # KERNELLOOP_CUDA_SPLIT=1 (nvcc_check.sh runs this file both ways)
-        expected = [e for e in expected if "{split}" not in e] or ["{minimal}"]
-    want = [e.format(**words) for e in expected]
+    words = {"split": SPLIT_NOTE, "split_full": SPLIT_FULL_NOTE, "minimal": MINIMAL_NOTE, "types": TYPES_NOTE,
+             "own": OWN_NOTE}
+    want = [e.format(**words) for e in (split if split_enabled() else whole)]
     spec = SMALL_TASK
     source = KERNELBENCH_STYLE.replace("EXTRA", extra).replace("SALT", uuid.uuid4().hex)
     check = sandbox.build_only(spec, source)
     # the tries' own notes (the binding and precompiled-header notes beside them are other tests')
-    from sandbox.build import PREFIX_NOTE
-    from sandbox.pyglue import RAW_NOTE
-
     assert [n for n in check.build.notes if n not in (PREFIX_NOTE, RAW_NOTE)] == want, check.build.notes
     if "undeclared_name" in extra:
         assert check.status is Status.compile_error and "undeclared_name" in check.build.first_error, check

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sandbox.cuda_split import STUB_PREFIX, items, split_cuda
-from sandbox.header_tries import MINIMAL_NOTE, SPLIT_NOTE, header_tries
+from sandbox.header_tries import MINIMAL_NOTE, SPLIT_FULL_NOTE, SPLIT_NOTE, header_tries
 
 KB = r'''
 #include <torch/extension.h>
@@ -67,6 +67,18 @@ def test_two_and_three_part_launch_configurations_get_the_defaults():
     assert f"{STUB_PREFIX}k(dim3(2, 2), dim3(8, 8), 128, 0, x.data_ptr<float>(), 4)" in host
 
 
+def test_types_and_constants_go_to_both_sides():
+    src = ("template <int N> struct Tile { float v[N]; };\ntypedef float real;\nusing idx = long;\n"
+           "static const int W = 4;\nenum class Mode { A, B };\n"
+           "__global__ void k(float* y, Tile<4> t, real s, idx n) { y[0] = t.v[0] * s + W; }\n"
+           "torch::Tensor f(torch::Tensor x) { Tile<4> t{}; k<<<1, 1>>>(x.data_ptr<float>(), t, 2.f, 3); return x; }\n")
+    sp = split_cuda(src)
+    for decl in ("template <int N> struct Tile", "typedef float real;", "using idx = long;", "static const int W = 4;",
+                 "enum class Mode"):
+        assert decl in sp.device and decl in sp.host, decl
+    assert "torch::Tensor f(" in sp.host and "torch::Tensor f(" not in sp.device
+
+
 def test_a_wrapper_may_share_its_kernels_name():
     """KernelBench's and the bench's wrappers often overload their kernel's name."""
     src = ("__global__ void scale_add(const float* x, float* y, long n) { }\n"
@@ -121,14 +133,20 @@ def test_the_split_is_the_first_try_and_any_failure_goes_to_the_minimal_headers(
     monkeypatch.setenv(CUDA_SPLIT_ENV, "1")
     tries = header_tries([KB], False, ("/lite",), ["torch::Tensor fused_cuda(torch::Tensor x, double scale);"],
                          ["-l:g.so"])
-    assert [(t.note, t.raw) for t in tries[:4]] == [(SPLIT_NOTE, True), (SPLIT_NOTE, False), (MINIMAL_NOTE, True),
-                                                    (MINIMAL_NOTE, False)]
+    assert [(t.note, t.raw) for t in tries[:5]] == [(SPLIT_NOTE, True), (SPLIT_NOTE, False), (SPLIT_FULL_NOTE, False),
+                                                    (MINIMAL_NOTE, True), (MINIMAL_NOTE, False)]
+    full = tries[2]
+    assert full.cuda == tries[0].cuda and full.cpp == tries[0].cpp and full.cpp_prefix == ("#include <torch/extension.h>",)
     split = tries[0]
     assert len(split.cuda) == 1 and "torch" not in split.cuda[0].replace("TORCH_CHECK", "")
     assert not any("torch/extension.h" in c for c in split.cpp) and "fused_cuda(" in split.cpp[0]
     assert split.cpp[-1] == "torch::Tensor fused_cuda(torch::Tensor x, double scale);"
     from sandbox.header_tries import next_try
-    assert next_try(tries, 0, "error: 'matmul' is not a member of 'torch'") == 2          # split -> minimal
+    # a torch name the lean binding's headers lack: the split on torch/extension.h; any other error:
+    # the whole file with the minimal headers (whose failure goes on to the candidate's own)
+    assert next_try(tries, 0, "error: 'matmul' is not a member of 'torch'") == 2
+    assert next_try(tries, 0, "error: 'j' was not declared in this scope") == 3
+    assert next_try(tries, 2, "error: 'j' was not declared in this scope") == 3
     # without the lean binding's directory (no lighter headers) there is no split
     assert SPLIT_NOTE not in [t.note for t in header_tries([KB], False)]
 
