@@ -83,7 +83,7 @@ def block_burst(candidate: Sequence[Any], eager: Sequence[Any]) -> Optional[str]
     c_all = [x for b in candidate for x in _runs(b)]
     e_all = [x for b in eager for x in _runs(b)]
     loo = leave_one_out(candidate, eager)
-    if statistics.median(c_all) <= 0 or not loo or min(loo) <= 0:
+    if min(statistics.median(c_all), statistics.median(e_all)) <= 0 or not loo or min(loo) <= 0:
         return None
     whole = statistics.median(e_all) / statistics.median(c_all)
     k = max(range(len(loo)), key=lambda i: abs(math.log(loo[i] / whole)))
