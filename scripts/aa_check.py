@@ -36,6 +36,7 @@ def main() -> int:
                          "meet the same host; default: KERNELLOOP_CPU_BLOCKS or its default (4)")
     args = ap.parse_args()
 
+    from sandbox.blocks import split_blocks
     from sandbox.evaluate import Sandbox
     from sandbox.result import EvalConfig
     from sandbox.tasks import read_spec, with_device_sizes
@@ -60,13 +61,10 @@ def main() -> int:
             if r.candidate_time.page_faults is not None and r.eager_time.page_faults is not None:
                 faults = (f" (page faults per timed call: eager {r.eager_time.page_faults:g}, "
                           f"candidate {r.candidate_time.page_faults:g})")
-            nb = r.candidate_time.blocks or 1
-            if nb > 1:
+            cand_blocks, eager_blocks = split_blocks(r.candidate_time), split_blocks(r.eager_time)
+            if cand_blocks and eager_blocks:       # several blocks, every run's sample kept
                 # the other estimator: the median of the per-block ratios (block b of each side)
-                from sandbox.blocks import split_blocks
-
-                per = [statistics.median(e) / statistics.median(c)
-                       for c, e in zip(split_blocks(r.candidate_time), split_blocks(r.eager_time))]
+                per = [statistics.median(e) / statistics.median(c) for c, e in zip(cand_blocks, eager_blocks)]
                 pair_ratios[blocks].append(statistics.median(per))
                 pair = f"; median of block ratios {pair_ratios[blocks][-1]:.3f}x"
             print(f"evaluation {k} [{r.candidate_time.convention}]: eager {r.eager_time.median_ms:.4f} ms, candidate "
