@@ -52,24 +52,29 @@ def split_blocks(timing: Any) -> Optional[list[list[float]]]:
     return [samples[off:off + n] for off, n in block_plan(timing.runs, blocks)]
 
 
-def _runs(block: Any) -> list[float]:
-    """One block's runs: its samples, or its median repeated where they were not kept."""
+def block_runs(block: Any) -> list[float]:
+    """One block ``Timing``'s runs: its samples, or its median repeated where they were not kept."""
     s = list(getattr(block, "samples_ms", None) or [])
     return s if len(s) == block.runs else [block.median_ms] * block.runs
 
 
-def block_ratios(candidate: Sequence[Any], eager: Sequence[Any]) -> list[float]:
-    """Each block pair's eager/candidate ratio of medians."""
-    return [e.median_ms / c.median_ms for c, e in zip(candidate, eager) if c.median_ms > 0]
-
-
-def leave_one_out(candidate: Sequence[Any], eager: Sequence[Any]) -> list[float]:
-    """The speedup (median of eager runs / median of candidate runs) with block pair k left out, per k."""
-    c_runs, e_runs = [_runs(b) for b in candidate], [_runs(b) for b in eager]
+def block_ratios(candidate: Sequence[Sequence[float]], eager: Sequence[Sequence[float]]) -> list[float]:
+    """Each block pair's eager/candidate ratio of medians (each block given as its runs)."""
     out = []
-    for k in range(min(len(c_runs), len(e_runs))):
-        c = [x for i, b in enumerate(c_runs) if i != k for x in b]
-        e = [x for i, b in enumerate(e_runs) if i != k for x in b]
+    for c, e in zip(candidate, eager):
+        cm = statistics.median(c)
+        if cm > 0:
+            out.append(statistics.median(e) / cm)
+    return out
+
+
+def leave_one_out(candidate: Sequence[Sequence[float]], eager: Sequence[Sequence[float]]) -> list[float]:
+    """The speedup (median of eager runs / median of candidate runs) with block pair k left out, per k
+    (each block given as its runs)."""
+    out = []
+    for k in range(min(len(candidate), len(eager))):
+        c = [x for i, b in enumerate(candidate) if i != k for x in b]
+        e = [x for i, b in enumerate(eager) if i != k for x in b]
         if c and e and statistics.median(c) > 0:
             out.append(statistics.median(e) / statistics.median(c))
     return out
@@ -77,12 +82,13 @@ def leave_one_out(candidate: Sequence[Any], eager: Sequence[Any]) -> list[float]
 
 def block_burst(candidate: Sequence[Any], eager: Sequence[Any]) -> Optional[str]:
     """Why a burst that one side's block met reached the speedup (the module's rule), or None."""
-    ratios = block_ratios(candidate, eager)
+    c_runs, e_runs = [block_runs(b) for b in candidate], [block_runs(b) for b in eager]
+    ratios = block_ratios(c_runs, e_runs)
     if len(ratios) < 2 or min(ratios) <= 0 or max(ratios) / min(ratios) <= RATIO_SPREAD:
         return None
-    c_all = [x for b in candidate for x in _runs(b)]
-    e_all = [x for b in eager for x in _runs(b)]
-    loo = leave_one_out(candidate, eager)
+    c_all = [x for b in c_runs for x in b]
+    e_all = [x for b in e_runs for x in b]
+    loo = leave_one_out(c_runs, e_runs)
     if min(statistics.median(c_all), statistics.median(e_all)) <= 0 or not loo or min(loo) <= 0:
         return None
     whole = statistics.median(e_all) / statistics.median(c_all)

@@ -9,11 +9,10 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any, Iterable
 
 from agent.critic.patterns import classify, pattern_numbers
-from sandbox.blocks import leave_one_out, split_blocks
+from sandbox.blocks import block_ratios, leave_one_out, split_blocks
 from sandbox.intervals import relative_spread, speedup_interval
 
 
@@ -66,13 +65,9 @@ def _blocks(ev: Evidence, result: Any, where: str) -> None:
     cand, eager = per_side.get("candidate_time"), per_side.get("eager_time")
     if not cand or not eager or len(cand) != len(eager):
         return
-    c_med = [statistics.median(b) for b in cand]
-    for i, (c, e) in enumerate(zip(c_med, (statistics.median(b) for b in eager))):
-        if c > 0:
-            ev.add(e / c, "plain", f"{where}: block {i + 1} eager/candidate ratio")
-    as_timing = [SimpleNamespace(median_ms=statistics.median(b), runs=len(b), samples_ms=b) for b in cand], \
-        [SimpleNamespace(median_ms=statistics.median(b), runs=len(b), samples_ms=b) for b in eager]
-    for i, r in enumerate(leave_one_out(*as_timing)):
+    for i, r in enumerate(block_ratios(cand, eager)):
+        ev.add(r, "plain", f"{where}: block {i + 1} eager/candidate ratio")
+    for i, r in enumerate(leave_one_out(cand, eager)):
         ev.add(r, "ratio", f"{where}: speedup_eager without block {i + 1}")
 
 
