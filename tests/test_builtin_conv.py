@@ -123,13 +123,10 @@ def _conv_groups_of(choices: dict) -> list[dict]:
     return [g for g in choices["groups"] if g["kind"] == "conv"]
 
 
-def _judge(source: str):
-    from sandbox.evaluate import evaluate
-    from sandbox.numerics import Numerics
-    from sandbox.result import EvalConfig
+def _judge(source: str, device: str = "cpu"):
+    from builtin_candidate import judge
 
-    cfg = EvalConfig(numerics=Numerics(), trials=2, warmup_runs=1, timed_runs=2, time_compile=False, profile=False)
-    return evaluate(with_device_sizes(_spec(), "cpu"), source, "cpu", cfg)
+    return judge(_spec(), source, device)
 
 
 def _candidate() -> str:
@@ -235,15 +232,11 @@ def test_the_cuda_direct_convolutions_are_correct_on_a_gpu(tile):
     """The CUDA kernels (templates/cuda_conv.cu.j2), every tile, judged by the sandbox on a GPU: the
     six convolutions of the fixture (bias or not, stride 2 / padding 1, dilation 2, a prologue whose
     f(0) is not 0, 3-D), each one kernel with its chains, every output checked."""
-    from sandbox.evaluate import evaluate
-    from sandbox.numerics import Numerics
-    from sandbox.result import EvalConfig, Status
+    from sandbox.result import Status
 
-    spec = with_device_sizes(_spec(), "cuda")
-    cand = generate(spec, "cuda", Knobs(layout="nchw", conv="direct", conv_tile=tile))
+    cand = generate(with_device_sizes(_spec(), "cuda"), "cuda", Knobs(layout="nchw", conv="direct", conv_tile=tile))
     assert len(_conv_groups(cand)) == 6
-    cfg = EvalConfig(numerics=Numerics(), trials=2, warmup_runs=1, timed_runs=2, time_compile=False, profile=False)
-    result = evaluate(spec, cand.source, "cuda", cfg)
+    result = _judge(cand.source, "cuda")
     assert result.status is Status.correct, (result.status, result.error_message,
                                              result.build.first_error if result.build else None)
     assert all(o.mismatched == 0 for t in result.trials for o in t.outputs)

@@ -156,13 +156,10 @@ def test_the_replay_checks_the_pool_kernels(monkeypatch):
     assert len(verdict.semantic) == 1 and len(verdict.excluded) >= 1, verdict.notes
 
 
-def _judge(source: str):
-    from sandbox.evaluate import evaluate
-    from sandbox.numerics import Numerics
-    from sandbox.result import EvalConfig
+def _judge(source: str, device: str = "cpu"):
+    from builtin_candidate import judge
 
-    cfg = EvalConfig(numerics=Numerics(), trials=2, warmup_runs=1, timed_runs=2, time_compile=False, profile=False)
-    return evaluate(with_device_sizes(_spec(), "cpu"), source, "cpu", cfg)
+    return judge(_spec(), source, device)
 
 
 def _candidate(layout: str) -> str:
@@ -235,15 +232,11 @@ def test_the_pool_kernels_are_correct_in_bfloat16():
 def test_the_cuda_pool_kernels_are_correct_on_a_gpu(layout):
     """The CUDA pooling kernels (templates/cuda_pool.cu.j2) in both layouts, judged by the sandbox on
     a GPU: the fixture's three pools, each one kernel with its chains, every output checked."""
-    from sandbox.evaluate import evaluate
-    from sandbox.numerics import Numerics
-    from sandbox.result import EvalConfig, Status
+    from sandbox.result import Status
 
-    spec = with_device_sizes(_spec(), "cuda")
-    cand = generate(spec, "cuda", Knobs(layout=layout))
+    cand = generate(with_device_sizes(_spec(), "cuda"), "cuda", Knobs(layout=layout))
     assert len(_pool_groups(cand)) == 3
-    cfg = EvalConfig(numerics=Numerics(), trials=2, warmup_runs=1, timed_runs=2, time_compile=False, profile=False)
-    result = evaluate(spec, cand.source, "cuda", cfg)
+    result = _judge(cand.source, "cuda")
     assert result.status is Status.correct, (result.status, result.error_message,
                                              result.build.first_error if result.build else None)
     assert all(o.mismatched == 0 for t in result.trials for o in t.outputs)

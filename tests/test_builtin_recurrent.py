@@ -129,13 +129,10 @@ def test_the_replay_checks_the_kernels_and_catches_a_wrong_one(monkeypatch):
     assert verdict.excluded == {"gru1", "gru2"}
 
 
-def _judge(source: str):
-    from sandbox.evaluate import evaluate
-    from sandbox.numerics import Numerics
-    from sandbox.result import EvalConfig
+def _judge(source: str, device: str = "cpu"):
+    from builtin_candidate import judge
 
-    cfg = EvalConfig(numerics=Numerics(), trials=2, warmup_runs=1, timed_runs=2, time_compile=False, profile=False)
-    return evaluate(with_device_sizes(_spec(MIX), "cpu"), source, "cpu", cfg)
+    return judge(_spec(MIX), source, device)
 
 
 def test_the_recurrent_kernels_are_correct_in_the_cpu_sandbox():
