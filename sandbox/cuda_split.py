@@ -28,6 +28,8 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from sandbox.cpp_text import matching, skip_comment, skip_literal
+
 # includes that only the host side (the torch wrapper) may read, and those only device code needs
 _HOST_INCLUDE_RE = re.compile(r'#\s*include\s*[<"](?:torch/|ATen/|c10/|pybind11/|Python\.h)')
 _DEVICE_INCLUDE_RE = re.compile(r'#\s*include\s*[<"](?:cub/|thrust/|cooperative_groups|mma\.h|cuda/|cute/|cutlass/'
@@ -63,14 +65,6 @@ class Split:
     kernels: tuple[str, ...]
 
 
-def _skip_literal(src: str, i: int) -> int:
-    """The index after the string or character literal starting at ``src[i]``."""
-    quote, i = src[i], i + 1
-    while i < len(src) and src[i] != quote:
-        i += 2 if src[i] == "\\" else 1
-    return i + 1
-
-
 def items(src: str) -> Optional[list[Item]]:
     """The top-level items of a C++/CUDA source, comments dropped: preprocessor lines, declarations
     ending with ``;`` and definitions ending with a brace group (and a ``;`` after it, if any); None
@@ -81,17 +75,15 @@ def items(src: str) -> Optional[list[Item]]:
     at_line_start = True
     while i < n:
         c = src[i]
-        if c == "/" and src.startswith("//", i):
-            j = src.find("\n", i)
-            i = n if j < 0 else j
-            continue
-        if c == "/" and src.startswith("/*", i):
-            j = src.find("*/", i + 2)
-            if j < 0:
-                return None
-            buf.append(" ")
-            i = j + 2
-            continue
+        if c == "/":
+            j = skip_comment(src, i)
+            if j is not None:
+                if j < 0:
+                    return None
+                if src.startswith("/*", i):
+                    buf.append(" ")
+                i = j
+                continue
         if c == "#" and at_line_start and depth == 0 and not "".join(buf).strip():
             j = i
             while True:
@@ -107,7 +99,7 @@ def items(src: str) -> Optional[list[Item]]:
         if c == "R" and src.startswith('R"', i) and (i == 0 or not (src[i - 1].isalnum() or src[i - 1] == "_")):
             return None
         if c in "\"'":
-            j = _skip_literal(src, i)
+            j = skip_literal(src, i)
             buf.append(src[i:j])
             i = j
             at_line_start = False
@@ -194,28 +186,6 @@ def _kernel(item: Item) -> Optional[Kernel]:
     return Kernel(name, params, ", ".join(names))
 
 
-def _close(text: str, i: int, open_: str, close: str) -> int:
-    """The index after the ``close`` that matches the ``open_`` at ``text[i]``; -1 if none."""
-    depth = 0
-    while i < len(text):
-        c = text[i]
-        if c in "\"'":
-            i = _skip_literal(text, i)
-            continue
-        if text.startswith(open_, i):
-            depth += 1
-            i += len(open_)
-            continue
-        if text.startswith(close, i):
-            depth -= 1
-            i += len(close)
-            if depth == 0:
-                return i
-            continue
-        i += 1
-    return -1
-
-
 def _rewrite_launches(text: str, kernels: dict[str, Kernel]) -> Optional[str]:
     """``text`` with each ``k<<<cfg>>>(args)`` replaced by ``kl_launch_k(grid, block, smem, stream,
     args)``; None where a launch is of something else or does not parse."""
@@ -227,7 +197,7 @@ def _rewrite_launches(text: str, kernels: dict[str, Kernel]) -> Optional[str]:
         if m.group(2) or name not in kernels:
             return None
         cfg_start = m.end() - 3
-        cfg_end = _close(text, cfg_start, "<<<", ">>>")
+        cfg_end = matching(text, cfg_start, "<<<", ">>>")
         if cfg_end < 0:
             return None
         cfg = _split_top_level(text[cfg_start + 3:cfg_end - 3])
@@ -238,7 +208,7 @@ def _rewrite_launches(text: str, kernels: dict[str, Kernel]) -> Optional[str]:
             j += 1
         if j >= len(text) or text[j] != "(":
             return None
-        args_end = _close(text, j, "(", ")")
+        args_end = matching(text, j, "(", ")")
         if args_end < 0:
             return None
         args = text[j + 1:args_end - 1].strip()

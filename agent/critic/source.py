@@ -12,6 +12,7 @@ from typing import Optional
 
 from kernelloop import pyast
 from sandbox.anticheat import dotted_name
+from sandbox.cpp_text import matching
 
 # ======================================================================================
 
@@ -67,33 +68,8 @@ def _lang(code: str) -> str:
 
 def _match_brace(text: str, open_at: int) -> int:
     """Index just past the brace that closes the one at ``open_at`` (or len(text))."""
-    depth = 0
-    i = open_at
-    n = len(text)
-    while i < n:
-        c = text[i]
-        if c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        elif c == "/" and text.startswith("//", i):
-            j = text.find("\n", i)
-            i = n if j < 0 else j
-            continue
-        elif c == "/" and text.startswith("/*", i):
-            j = text.find("*/", i + 2)
-            i = n if j < 0 else j + 2
-            continue
-        elif c in "\"'":
-            j = i + 1
-            while j < n and text[j] != c:
-                j += 2 if text[j] == "\\" else 1
-            i = j + 1
-            continue
-        i += 1
-    return n
+    end = matching(text, open_at)
+    return len(text) if end < 0 else end
 
 
 _FUNC = re.compile(r"(?P<name>[A-Za-z_]\w*)\s*\((?P<params>[^;{}]*?)\)\s*(?:const\s*)?(?:noexcept\s*)?\{")
