@@ -388,8 +388,9 @@ class HookedBuilder:
                 from torch.utils import cpp_extension as ce
 
                 module = ce._import_module_from_library(ext_name, str(directory), is_python_module)
+                # how it was built (the marker keeps the first build's notes: split, lighter headers, binding)
                 self.records.append(BuildRecord(ext_name, name, str(directory), time.perf_counter() - t0, True, True,
-                                                "", bool(cuda), declared))
+                                                "", bool(cuda), declared, marker.read_text().splitlines()))
                 return ExtensionProxy(module, ext_name, self.counter) if is_python_module else module
             # Lighter torch headers first where the CUDA sources use torch (see header_tries);
             # the candidate's own headers decide the verdict wherever the lighter ones fail.
@@ -472,7 +473,7 @@ class HookedBuilder:
                     if attempt.raw and attempt.note != RAW_NOTE:
                         notes.append(RAW_NOTE)
                     i = None
-            marker.touch()
+            marker.write_text("".join(f"{n}\n" for n in notes))
         self.records.append(BuildRecord(ext_name, name, str(directory), time.perf_counter() - t0, cached, True,
                                         "", bool(cuda), declared, notes))
         if not is_python_module:

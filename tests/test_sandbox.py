@@ -245,6 +245,20 @@ def test_first_compiler_error_maps_to_the_candidate_line(tmp_path):
 
 
 # ------------------------------------------------------------------ real builds and runs
+def test_a_cached_build_keeps_how_it_was_built(tmp_path, monkeypatch):
+    """A cache hit reports the first build's notes (lighter headers, the split, the binding), so a
+    stored evaluation says how its extension was built whichever evaluation built it."""
+    from sandbox.evaluate import evaluate
+
+    monkeypatch.setenv("KERNELLOOP_CACHE", str(tmp_path))       # a cold cache: the first build is real
+    spec = read_spec(TASK, name="adversarial/task_small")
+    src = (ADV / "cpu" / "honest.py").read_text()
+    cfg = EvalConfig(trials=1, warmup_runs=1, timed_runs=2, time_compile=False)
+    first, second = evaluate(spec, src, "cpu", cfg), evaluate(spec, src, "cpu", cfg)
+    assert not first.build.cached and first.build.notes, first.build
+    assert second.build.cached and second.build.notes == first.build.notes
+
+
 def test_identical_candidate_is_a_cache_hit(sandbox):
     spec = read_spec(TASK, name="adversarial/task_small")
     src = (ADV / "cpu" / "honest.py").read_text()
