@@ -8,7 +8,7 @@
 #
 #   bash scripts/nvcc_check.sh                 # pytest -m nvcc
 #   BENCH=1 bash scripts/nvcc_check.sh         # and scripts/bench_build.py --device cuda --arch 9.0a
-#   (KERNELLOOP_CUDA_SPLIT=1 in front of bench_build.py: KernelBench-style sources built split)
+#   (KERNELLOOP_CUDA_SPLIT=0 in front of bench_build.py: KernelBench-style sources built whole)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -43,8 +43,8 @@ export KERNELLOOP_CACHE=${KERNELLOOP_CACHE:-$(mktemp -d -t kl-nvcc-XXXXXX)}
 python3 -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda)'
 "$CUDA_HOME/bin/nvcc" --version | tail -1
 python3 -m pytest -q -m nvcc tests/test_cuda_builds.py "$@"
-# the KernelBench-style sources again with the split build on (sandbox/cuda_split.py; off by default)
-KERNELLOOP_CUDA_SPLIT=1 python3 -m pytest -q -m nvcc tests/test_cuda_builds.py -k "kernelbench_style or adversarial" "$@"
+# the KernelBench-style sources again with the split build off (sandbox/cuda_split.py; on by default)
+KERNELLOOP_CUDA_SPLIT=0 python3 -m pytest -q -m nvcc tests/test_cuda_builds.py -k "kernelbench_style or adversarial" "$@"
 if [ "${BENCH:-0}" = 1 ]; then
   python3 scripts/bench_build.py --device cuda --arch 9.0a --n "${BENCH_N:-3}"
 fi

@@ -181,7 +181,7 @@ class ModelNew(nn.Module):
      ["not {split}: tried {minimal}", "not {minimal}: tried {own}"]),
 ])
 def test_kernelbench_style_source_builds_with_the_lightest_headers_that_work(sandbox, extra, whole, split):
-    """Run with KERNELLOOP_CUDA_SPLIT=1 too (nvcc_check.sh does): the split tries come first."""
+    """Run with KERNELLOOP_CUDA_SPLIT=0 too (nvcc_check.sh does): the split tries come first unless it is off."""
     import uuid
 
     from sandbox.build import PREFIX_NOTE
