@@ -44,15 +44,10 @@ from agent.builtin.ops import ModuleAttr, OpInfo, shape_of
 CONV_MODES = ("library", "direct")
 CUDA_CONV_ENV = "KERNELLOOP_CUDA_CONV"
 MAX_K = {2: 128, 3: 128}            # C_in * prod(kernel) at most this: fp32 FMAs beat cuDNN's traffic
-# conv_tile -> (output rows per thread, output channels per thread, warps along the rows, slide): a
-# block is 32 output columns (one warp, consecutive x: coalesced stores) x rows_per_thread *
-# warp_rows rows x channels_per_thread * channel groups channels, about 256 threads. A thread's rows
-# are every warp_rows-th of the block's; a sliding tile ("s...") gives it consecutive rows instead,
-# so an input row shared by several of them (row j's ky-th tap is row j+1's (ky-1)-th) is read from
-# shared memory once per input channel into registers and used for each: (rows + kh - 1) * kw loads
-# where the other tiles make rows * kh * kw.
-TILES = {"4x16": (4, 16, 2, False), "2x16": (2, 16, 4, False), "4x8": (4, 8, 4, False), "8x8": (8, 8, 2, False),
-         "s4x8": (4, 8, 4, True), "s8x8": (8, 8, 2, True), "s4x16": (4, 16, 2, True)}
+# conv_tile -> (output rows per thread, output channels per thread, warps along the rows): a block
+# is 32 output columns (one warp, consecutive x: coalesced stores) x rows_per_thread * warp_rows
+# rows x channels_per_thread * channel groups channels, about 256 threads
+TILES = {"4x16": (4, 16, 2), "2x16": (2, 16, 4), "4x8": (4, 8, 4), "8x8": (8, 8, 2)}
 DEFAULT_TILE = "4x8"          # fastest on 15 of 17 level-2 tasks on an H200 (session q, gpu_conv_check)
 THREADS = 256
 MAX_SHARED_BYTES = 160 * 1024      # staged input tile + weights (dynamic shared memory, sm_80+)
@@ -83,10 +78,10 @@ def _tuple(v: Any, dims: int) -> Optional[tuple[int, ...]]:
 def tile_shape(tile: str, out_channels: int) -> dict[str, int]:
     """The CUDA block of ``tile`` for ``out_channels``: rows/channels per thread, warp rows,
     channel groups (fewer where the convolution has fewer channels), the block's tile sizes."""
-    py, ct, wy, slide = TILES[tile]
+    py, ct, wy = TILES[tile]
     cg = max(1, min(-(-out_channels // ct), THREADS // (32 * wy)))
     return {"py": py, "ct": ct, "wy": wy, "cg": cg, "th": py * wy, "tw": 32, "cob": cg * ct,
-            "threads": 32 * wy * cg, "slide": slide}
+            "threads": 32 * wy * cg}
 
 
 def shared_floats(params: dict[str, Any], tile: str) -> tuple[int, int]:
