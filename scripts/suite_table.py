@@ -1,0 +1,136 @@
+"""One per-task table over a suite optimised in several runs or stores (lanes of a GPU host).
+
+A level run in lanes (``scripts/gpu_lanes.sh``) leaves one store per lane, and a call that
+resumes a lane or hands out a lane's remaining tasks adds runs to it. This reads every run given
+(``STORE[:RUN,...]``; every optimisation run of the store where no run is named), keeps each
+task's evaluations from all of them, and prints in markdown:
+
+* per task: its best clean attempt vs eager and vs torch.compile (each the fastest clean attempt
+  against that baseline, as ``report`` counts it), floor fraction, and the best vs compile after
+  each round;
+* per kind of task (GEMM/Matmul, Conv2d, Conv3d, ConvTranspose, other) and over all: tasks, clean
+  tasks, geomeans vs eager and vs compile, tasks faster than compile, the slowest vs compile;
+* the geomean vs compile of the best after each round (a task's best so far: it never falls, so
+  the table shows what each round added).
+
+Numerics and device are each run's own; runs that differ in either are refused.
+
+    python scripts/suite_table.py .gpu-store/l2/lane_0.db .gpu-store/l2/lane_1.db:1 ... [--md out.md]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from evals.metrics import AttemptRecord, compute_metrics  # noqa: E402
+from evals.run_data import load_run  # noqa: E402
+from sandbox.numerics import numerics_of_run_config  # noqa: E402
+from store.db import Store  # noqa: E402
+
+KINDS = (("ConvTranspose", ("ConvTranspose",)), ("Conv3d", ("Conv3d", "Conv3D")), ("Conv2d", ("Conv2d", "Conv2D")),
+         ("GEMM/Matmul", ("Gemm", "Matmul", "BMM", "GEMM")))
+
+
+def kind_of(task: str) -> str:
+    name = task.rsplit("/", 1)[-1]
+    for kind, words in KINDS:
+        if any(w in name for w in words):
+            return kind
+    return "other"
+
+
+def _natural(name: str) -> list:
+    """``level2/9_...`` before ``level2/10_...``."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def geomean(xs: list[float]) -> Optional[float]:
+    xs = [x for x in xs if x and x > 0]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+
+
+def _fmt(x: Optional[float], unit: str = "x") -> str:
+    return "-" if x is None else f"{x:.2f}{unit}"
+
+
+def read(specs: list[str]) -> tuple[list[AttemptRecord], set[tuple[str, str]]]:
+    """Every attempt record of the runs named, and the (device, numerics) pairs they ran under."""
+    records: list[AttemptRecord] = []
+    seen: set[tuple[str, str]] = set()
+    for spec in specs:
+        path, _, runs = spec.partition(":")
+        store = Store(path, upgrade=False)
+        with store.session() as s:
+            from store.models import Run
+            ids = [int(r) for r in runs.split(",")] if runs else \
+                [r.id for r in s.query(Run).filter(Run.kind == "optimize").order_by(Run.id)]
+            for rid in ids:
+                data = load_run(s, rid)
+                numerics, _ = numerics_of_run_config(data.run.get("config"))
+                seen.add((f"{data.run['device']} {data.run['device_name']}", numerics.label))
+                records += data.records
+    return records, seen
+
+
+def table(records: list[AttemptRecord]) -> str:
+    metrics = compute_metrics(records)
+    rounds = sorted({r.round for r in records})
+    lines = ["| task | kind | best vs eager | best vs compile | floor % | " + " | ".join(f"r{r} vs compile" for r in rounds) + " |",
+             "|---|---|---|---|---|" + "---|" * len(rounds)]
+    by_round: dict[int, dict[str, float]] = {r: {} for r in rounds}
+    kinds: dict[str, list] = {}
+    for t in sorted(metrics.per_task, key=lambda t: (kind_of(t.task), _natural(t.task))):
+        clean = [r for r in records if r.task == t.task and r.correct and r.speedup_compile]
+        so_far: list[str] = []
+        best: Optional[float] = None
+        for rnd in rounds:
+            here = [r.speedup_compile for r in clean if r.round == rnd]
+            best = max([best or 0.0] + here) or None
+            so_far.append(_fmt(best))
+            if best:
+                by_round[rnd][t.task] = best
+        floor = t.best_eager.floor_fraction if t.best_eager else None
+        lines.append(f"| {t.task} | {kind_of(t.task)} | {_fmt(t.speedup('eager'))} | {_fmt(t.speedup('compile'))} | "
+                     f"{'-' if floor is None else f'{100 * floor:.1f}'} | " + " | ".join(so_far) + " |")
+        kinds.setdefault(kind_of(t.task), []).append(t)
+    out = ["\n".join(lines), "", "| kind | tasks | clean | geomean vs eager | geomean vs compile | faster than compile | slowest vs compile |",
+           "|---|---|---|---|---|---|---|"]
+    for kind, ts in sorted(kinds.items()) + [("all", metrics.per_task)]:
+        comp = [t.speedup("compile") for t in ts if t.speedup("compile")]
+        worst = min(((t.speedup("compile"), t.task) for t in ts if t.speedup("compile")), default=None)
+        out.append(f"| {kind} | {len(ts)} | {sum(t.correct for t in ts)} | {_fmt(geomean([t.speedup('eager') for t in ts if t.speedup('eager')]))} | "
+                   f"{_fmt(geomean(comp))} | {sum(c > 1.0 for c in comp)} of {len(comp)} | "
+                   f"{'-' if worst is None else f'{worst[0]:.2f}x ({worst[1].rsplit(chr(47), 1)[-1]})'} |")
+    first = set(by_round[rounds[0]]) if rounds else set()
+    out += ["", "best so far after each round, geomean vs compile over the tasks with a clean attempt by then: "
+            + ", ".join(f"round {r} {_fmt(geomean(list(v.values())))} ({len(v)} tasks)" for r, v in by_round.items()),
+            f"the same over the {len(first)} tasks clean in round {rounds[0] if rounds else '-'} (one set throughout): "
+            + ", ".join(f"round {r} {_fmt(geomean([v[t] for t in first]))}" for r, v in by_round.items())]
+    return "\n".join(out)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("stores", nargs="+", help="STORE[:RUN,...] (SQLite file or URL; runs: every optimisation run)")
+    ap.add_argument("--md", type=Path, default=None, help="also write the table here")
+    args = ap.parse_args(argv)
+    records, seen = read(args.stores)
+    if len(seen) > 1:
+        print(f"the runs differ in device or numerics: {sorted(seen)}", file=sys.stderr)
+        return 2
+    text = (f"device and numerics: {', '.join(' / '.join(s) for s in seen)}\n\n" if seen else "") + table(records)
+    print(text)
+    if args.md:
+        args.md.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

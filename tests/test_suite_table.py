@@ -1,0 +1,53 @@
+"""scripts/suite_table.py: one per-task table over several runs and stores (a suite run in lanes)."""
+from __future__ import annotations
+
+import sqlite3
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+from fixture_store import build_fixture_store  # noqa: E402
+from suite_table import geomean, kind_of, main, read, table  # noqa: E402
+
+
+def _row(text: str, task: str) -> list[str]:
+    line = next(l for l in text.splitlines() if l.startswith(f"| {task} |"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_a_suite_table_takes_each_tasks_best_and_its_best_after_each_round(tmp_path):
+    info = build_fixture_store(tmp_path)
+    try:
+        records, seen = read([f"{info.db_path}:{info.run_a}"])
+    finally:
+        info.store.close()
+    assert len(seen) == 1
+    text = table(records)
+    # matmul: round 0 a compile error, round 1 1.5x compile, round 2 (its child) 1.875x
+    assert _row(text, "level1/matmul")[1:] == ["other", "2.50x", "1.88x", "62.5", "-", "1.50x", "1.88x"]
+    # relu: its round-1 attempt is incorrect, so round 0's best stays
+    assert _row(text, "level1/relu")[2:4] == ["0.80x", "0.50x"]
+    # conv_gn's only correct attempt is flagged fallback: no clean best, no speedup
+    assert _row(text, "level2/conv_gn")[2:4] == ["-", "-"]
+    kinds = {l.split("|")[1].strip(): l for l in text.splitlines() if l.startswith("| ") and "tasks" not in l}
+    assert kinds["all"].split("|")[2].strip() == "4"                     # four tasks
+    assert kinds["all"].split("|")[3].strip() == "3"                     # three with a clean kernel
+    assert f"{geomean([2.5, 0.8, 1.2]):.2f}x" in kinds["all"]           # the geomean vs eager of those three
+
+
+def test_kinds_and_the_refusal_of_mixed_runs(tmp_path, capsys):
+    assert kind_of("level2/72_ConvTranspose3d_BatchNorm_AvgPool_AvgPool") == "ConvTranspose"
+    assert kind_of("level2/1_Conv2D_ReLU_BiasAdd") == "Conv2d"
+    assert kind_of("level2/28_BMM_InstanceNorm_Sum_ResidualAdd_Multiply") == "GEMM/Matmul"
+    info = build_fixture_store(tmp_path)
+    info.store.close()
+    out = tmp_path / "table.md"
+    assert main([f"{info.db_path}:{info.run_a}", "--md", str(out)]) == 0
+    assert "| level1/matmul |" in out.read_text() and "| all | 4 | 3 |" in out.read_text()
+    # a run on another device is not pooled into one table
+    with sqlite3.connect(info.db_path) as db:
+        db.execute("update runs set device_name = 'another GPU' where id = ?", (info.run_b,))
+    assert main([str(info.db_path)]) == 2
+    assert "differ in device or numerics" in capsys.readouterr().err
