@@ -81,6 +81,21 @@ def test_builtin_conv_and_pool_kernels_build(sandbox, variant):
     assert check.ok, f"{variant}: {check.status} {check.error_message}\n{(check.build.log if check.build else '')[-3000:]}"
 
 
+def test_builtin_split_norm_kernels_build(sandbox, monkeypatch):
+    """The norms of norm_split.py with their statistics split over blocks (KERNELLOOP_CUDA_NORM_SPLIT=1,
+    cuda_norm.cu.j2's _part/_fin): BatchNorm with running buffers, GroupNorm, LayerNorm, InstanceNorm."""
+    from agent.builtin import generate
+    from agent.builtin.codegen import Knobs
+    from agent.builtin.kernels import NORM_SPLIT_ENV
+
+    monkeypatch.setenv(NORM_SPLIT_ENV, "1")
+    spec = read_spec(BUILTIN_FIXTURES / "norm_split.py", name="fixtures/norm_split")
+    cand = generate(spec, "cuda", Knobs(layout="nchw"))
+    assert cand.source.count("_fin<int><<<") == 4
+    check = sandbox.build_only(spec, cand.source)
+    assert check.ok, f"{check.status} {check.error_message}\n{(check.build.log if check.build else '')[-3000:]}"
+
+
 @pytest.mark.parametrize("fx", CRITIC_CUDA, ids=[fx["name"] for fx in CRITIC_CUDA])
 def test_critic_cuda_fixture_builds_as_the_manifest_says(sandbox, fx):
     spec = read_spec(ROOT / fx["task"])

@@ -17,6 +17,7 @@ One ``KernelGroup`` describes everything the templates need for one group:
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -29,6 +30,16 @@ from agent.builtin.plan import Group, Plan
 
 LANES = ("x", "y", "z", "w")
 Value = Union[Node, ModuleAttr]
+NORM_SPLIT_ENV = "KERNELLOOP_CUDA_NORM_SPLIT"
+
+
+def norm_split_on() -> bool:
+    """Whether a CUDA norm kernel splits each row's statistics over several blocks where rows are
+    fewer than the SMs (``cuda_norm.cu.j2``'s ``_part``/``_fin``): ``KERNELLOOP_CUDA_NORM_SPLIT=1``.
+    Off until a GPU has judged it (session s built it with nvcc only). The need, measured in
+    session s: a BatchNorm row is a channel, so level2/72's 16 channels ran its norm kernel in 16
+    blocks on 132 SMs, 10.95 of the candidate's 14.88 ms (eager: 11.9 ms in all)."""
+    return os.environ.get(NORM_SPLIT_ENV, "0") == "1"
 
 
 @dataclass
