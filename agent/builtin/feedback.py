@@ -329,8 +329,8 @@ def variant_order(fb: Feedback, precision: Optional[str] = None, nchw_first: boo
         def key(k: Knobs) -> tuple:
             d = k.as_dict()
             diff = [name for name in d if d[name] != base.get(name)]
-            # measured losses last, measured wins and (where the library dominates the profile)
-            # the changes that move work between library and kernels first (search.py)
+            # measured losses last; then measured wins, untried structural changes (GEMM mode,
+            # layout, convolution) and the profile's order first (search.neighbour_key)
             lost, rank = neighbour_key({n: d[n] for n in diff}, fb.search)
             return (lost, len(diff), rank, sorted(_PRIORITY[n] for n in diff), _ALL_INDEX[k])
 
