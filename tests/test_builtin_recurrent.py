@@ -180,3 +180,36 @@ def test_the_recurrent_kernels_are_correct_on_cuda():
     result = evaluate(spec, cand.source, "cuda", cfg)
     assert result.status is Status.correct, (result.status, result.error_message,
                                              result.build.first_error if result.build else None)
+
+
+def test_parameters_left_to_their_defaults_are_traced_with_them():
+    """A forward whose optional initial states get_inputs() leaves to None, drawn inside it with
+    torch.randn (level3/35_LSTM): traced with the defaults, the draws kept on PyTorch in the
+    reference's order, the LSTM one kernel; judged correct in the CPU sandbox; the candidate
+    refuses states it was not generated for."""
+    import torch
+
+    from builtin_candidate import judge
+    from sandbox.result import Status
+
+    spec = read_spec(FIXTURES / "default_states.py", name="fixtures/default_states")
+    cand = generate(spec, "cpu")
+    assert [g["kind"] for g in cand.choices["groups"]] == ["recurrent"]
+    assert cand.choices["library"].count("randn") == 2 and cand.choices["uncovered"] == []
+    assert "def forward(self, x, h0=None, c0=None):" in cand.source
+    result = judge(spec, cand.source, "cpu")
+    assert result.status is Status.correct and result.clean, (result.status, result.error_message, result.flags)
+    ns: dict = {}
+    exec(compile(cand.source, "default_states_candidate.py", "exec"), ns)
+    model = ns["ModelNew"](8, 16, 2, 5)
+    with pytest.raises(ValueError, match="h0 has been specialized"):
+        model(torch.randn(3, 7, 8), torch.zeros(2, 3, 16))
+
+
+@pytest.mark.kernelbench
+def test_kernelbench_35_lstm_gets_its_recurrent_kernel():
+    from evals.kernelbench import kernelbench_paths
+
+    path, = kernelbench_paths(["level3/35_LSTM"])
+    cand = generate(read_spec(path, name="level3/35_LSTM"), "cuda")
+    assert [g["kind"] for g in cand.choices["groups"]] == ["recurrent"] and "fallback" not in cand.choices

@@ -62,6 +62,16 @@ PLUMB_FUNCTIONS: set[Any] = {operator.getitem, getattr, torch.flatten, torch.res
                              torch.unsqueeze, torch.permute, torch.transpose, torch.cat, torch.stack,
                              torch.chunk, torch.split, torch.narrow}
 PLUMB_MODULES: tuple[type, ...] = (nn.Flatten, nn.Unflatten)
+# random draws the forward makes itself (level3/35_LSTM's initial states): PyTorch's own calls, so
+# the candidate draws the same numbers from the same generator state, in the reference's order
+RANDOM_FUNCTIONS: set[Any] = {torch.randn, torch.rand, torch.randint, torch.randn_like, torch.rand_like,
+                              torch.randint_like, torch.normal}
+LIBRARY_FUNCTIONS |= RANDOM_FUNCTIONS
+# the check ``symbolic_trace(concrete_args=...)`` leaves for a parameter traced with its default
+# (trace._defaults_left); pysource writes it as a plain ``if ... raise``
+ASSERT_DEFAULT = getattr(getattr(torch.fx, "_symbolic_trace", None), "_assert_is_none", None)
+if ASSERT_DEFAULT is not None:
+    PLUMB_FUNCTIONS.add(ASSERT_DEFAULT)
 
 
 @dataclass

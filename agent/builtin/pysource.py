@@ -19,6 +19,7 @@ import torch
 from torch.fx import Node
 from torch.fx.node import _get_qualified_name
 
+from agent.builtin.ops import ASSERT_DEFAULT
 from kernelloop import pyast
 from sandbox.tasks import TaskSpec
 
@@ -250,6 +251,10 @@ def pytorch_statement(node: Node, constants: dict[str, torch.Tensor]) -> str:
             return f"{lhs} = {fmt(node.args[0])} {_INFIX[t]} {fmt(node.args[1])}"
         if t in _UNARY and len(node.args) == 1 and not node.kwargs:
             return f"{lhs} = {_UNARY[t]}{fmt(node.args[0])}"
+        if t is ASSERT_DEFAULT and t is not None and len(node.args) == 2:
+            # a parameter traced with its default None (trace._defaults_left): any other value is refused
+            return (f"if {fmt(node.args[0])} is not None: raise ValueError({node.args[1]!r} + ': the candidate "
+                    "was generated for the forward as get_inputs() calls it')")
         if t is operator.getitem and len(node.args) == 2:
             idx = node.args[1]
             inner = ", ".join(fmt(i) if not isinstance(i, slice) else _slice(i) for i in idx) \

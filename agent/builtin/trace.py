@@ -20,6 +20,7 @@ parameters and buffers and the floating-point inputs in float16 or bfloat16 unde
 from __future__ import annotations
 
 import inspect
+import re
 import operator
 import threading
 from dataclasses import dataclass, field
@@ -185,20 +186,52 @@ def _symbolic_trace(model: nn.Module, inputs: list) -> tuple[GraphModule, dict[s
     that slices a buffer by a traced size, ``self.bias[:, :, :T, :T]`` in minGPT's causal
     attention, indexes a real tensor with a proxy otherwise); where that fails too, with the
     inputs' shapes answered concretely (``_ShapeTracer``). Returns the graph module and the
-    shapes of the inputs it specialised on (empty but for the last way)."""
+    shapes of the inputs it specialised on (empty but for the last way).
+
+    Every way traces the forward as ``get_inputs()`` calls it: a parameter that the inputs leave
+    to its default (level3/35_LSTM's ``h0=None``, then drawn with ``torch.randn`` in forward) is
+    traced with that default (``concrete_args``: the ``if h0 is None`` branch the reference takes;
+    the graph keeps the parameter, asserting it is the default)."""
+    concrete = _defaults_left(model, inputs)
     try:
-        return symbolic_trace(model), {}
+        return _forward_names(symbolic_trace(model, concrete_args=concrete), concrete), {}
     except Exception:  # noqa: BLE001 - the next way, or its own error
         pass
     try:
         tracer = torch.fx.Tracer()
         tracer.proxy_buffer_attributes = True
-        graph = tracer.trace(model)
-        return GraphModule(tracer.root, graph, type(model).__name__), {}
+        graph = tracer.trace(model, concrete_args=concrete)
+        return _forward_names(GraphModule(tracer.root, graph, type(model).__name__), concrete), {}
     except Exception:  # noqa: BLE001 - the last way, or its own error
         shaped = _ShapeTracer(model, inputs)
-        graph = shaped.trace(model)
-        return GraphModule(shaped.root, graph, type(model).__name__), shaped.used
+        graph = shaped.trace(model, concrete_args=concrete)
+        return _forward_names(GraphModule(shaped.root, graph, type(model).__name__), concrete), shaped.used
+
+
+def _forward_names(gm: GraphModule, concrete: Optional[dict[str, Any]]) -> GraphModule:
+    """The forward's own parameter names on the placeholders of parameters traced with their
+    defaults (the tracer names them ``h0_1``), so the candidate's forward takes ``h0=None`` as the
+    reference's does."""
+    if concrete:
+        taken = {str(n.target) for n in gm.graph.nodes if n.op == "placeholder"}
+        for n in gm.graph.nodes:
+            base = re.sub(r"_\d+$", "", str(n.target))
+            if n.op == "placeholder" and n.target not in concrete and base in concrete and base not in taken:
+                n.target = base
+                taken.add(base)
+        gm.recompile()
+    return gm
+
+
+def _defaults_left(model: nn.Module, inputs: list) -> Optional[dict[str, Any]]:
+    """The forward's positional parameters past the inputs given, with their defaults (None where
+    there are none, or where a parameter past them has no default: tracing then fails as before)."""
+    params = [p for p in inspect.signature(model.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    left = params[len(inputs):]
+    if not left or any(p.default is inspect.Parameter.empty for p in left):
+        return None
+    return {p.name: p.default for p in left}
 
 
 class _ShapedProxy(torch.fx.Proxy):
