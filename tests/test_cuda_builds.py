@@ -81,17 +81,20 @@ def test_builtin_conv_and_pool_kernels_build(sandbox, variant):
     assert check.ok, f"{variant}: {check.status} {check.error_message}\n{(check.build.log if check.build else '')[-3000:]}"
 
 
-def test_builtin_split_norm_kernels_build(sandbox, monkeypatch):
-    """The norms of norm_split.py with their statistics split over blocks (KERNELLOOP_CUDA_NORM_SPLIT=1,
-    cuda_norm.cu.j2's _part/_fin): BatchNorm with running buffers, GroupNorm, LayerNorm, InstanceNorm."""
+@pytest.mark.parametrize("name,kernels", [("norm_split", 4), ("reduce_split", 3)])
+def test_builtin_split_reduction_kernels_build(sandbox, monkeypatch, name, kernels):
+    """Long reductions with few outputs split over blocks (KERNELLOOP_CUDA_SPLIT_REDUCE=1): the norms
+    of norm_split.py (cuda_norm.cu.j2's _part/_fin: BatchNorm with running buffers, GroupNorm,
+    LayerNorm, InstanceNorm) and the column reductions of reduce_split.py (cuda_reduce.cu.j2's
+    _colpart/_colfin: sum, max, logsumexp)."""
     from agent.builtin import generate
     from agent.builtin.codegen import Knobs
-    from agent.builtin.kernels import NORM_SPLIT_ENV
+    from agent.builtin.kernels import SPLIT_REDUCE_ENV
 
-    monkeypatch.setenv(NORM_SPLIT_ENV, "1")
-    spec = read_spec(BUILTIN_FIXTURES / "norm_split.py", name="fixtures/norm_split")
+    monkeypatch.setenv(SPLIT_REDUCE_ENV, "1")
+    spec = read_spec(BUILTIN_FIXTURES / f"{name}.py", name=f"fixtures/{name}")
     cand = generate(spec, "cuda", Knobs(layout="nchw"))
-    assert cand.source.count("_fin<int><<<") == 4
+    assert cand.source.count("fin<int><<<") == kernels
     check = sandbox.build_only(spec, cand.source)
     assert check.ok, f"{check.status} {check.error_message}\n{(check.build.log if check.build else '')[-3000:]}"
 

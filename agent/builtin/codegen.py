@@ -15,7 +15,7 @@ from agent.builtin import pysource
 from agent.builtin.conv import shared_floats, tile_shape
 from agent.builtin.dtypes import at_type, c_type
 from agent.builtin.gemm import TcGemm, tc3_gemms
-from agent.builtin.kernels import LANES, KernelGroup, norm_split_on
+from agent.builtin.kernels import LANES, KernelGroup, split_reduce_on
 from agent.builtin.layout import forward_statement, uses_to_channels_last
 from agent.builtin.c_expr import c_float
 from agent.builtin.plan import Plan
@@ -136,7 +136,7 @@ class GroupCode:
         eps = c_float(kg.core_info.params["eps"]) if kg.kind == "norm" else "0.f"
         source = render(template, g=self, op=kg.op, vec=self.knobs.vec, block=self.knobs.block,
                         twopass=self.knobs.reduce == "twopass", lanes=LANES, eps=eps,
-                        split_rows=kg.kind == "norm" and self.device == "cuda" and norm_split_on(),
+                        split_rows=self.device == "cuda" and split_reduce_on(),
                         blocks_per_sm=max(2048 // self.knobs.block, 1) * 2,
                         chunk=self.knobs.block * 32, tile=max(self.knobs.block // 4, 16),
                         pool=kg.core_info.params if kg.kind == "pool" else None,

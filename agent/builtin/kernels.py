@@ -30,16 +30,22 @@ from agent.builtin.plan import Group, Plan
 
 LANES = ("x", "y", "z", "w")
 Value = Union[Node, ModuleAttr]
-NORM_SPLIT_ENV = "KERNELLOOP_CUDA_NORM_SPLIT"
+SPLIT_REDUCE_ENV = "KERNELLOOP_CUDA_SPLIT_REDUCE"
 
 
-def norm_split_on() -> bool:
-    """Whether a CUDA norm kernel splits each row's statistics over several blocks where rows are
-    fewer than the SMs (``cuda_norm.cu.j2``'s ``_part``/``_fin``): ``KERNELLOOP_CUDA_NORM_SPLIT=1``.
-    Off until a GPU has judged it (session s built it with nvcc only). The need, measured in
-    session s: a BatchNorm row is a channel, so level2/72's 16 channels ran its norm kernel in 16
-    blocks on 132 SMs, 10.95 of the candidate's 14.88 ms (eager: 11.9 ms in all)."""
-    return os.environ.get(NORM_SPLIT_ENV, "0") == "1"
+def split_reduce_on() -> bool:
+    """Whether long reductions with few outputs are split over several blocks on cuda, each block
+    a chunk, its partial results merged in chunk order by a second kernel:
+    ``KERNELLOOP_CUDA_SPLIT_REDUCE=1``. Off until a GPU has judged it (session s built it with nvcc
+    only). Two places, each measured in session s's profiles:
+
+    * a norm's statistics where rows are fewer than the SMs (``cuda_norm.cu.j2``'s
+      ``_part``/``_fin``): a BatchNorm row is a channel, so level2/72's 16 channels ran its norm
+      kernel in 16 blocks on 132 SMs, 10.95 of the candidate's 14.88 ms (eager: 11.9 ms in all);
+    * a column reduction with few outputs (``cuda_reduce.cu.j2``'s ``_colpart``/``_colfin``): a
+      global average pool over a channels-last view is 2048 outputs of 65536 elements each in
+      level2/44, one thread per output, 8 blocks: 12.1 ms against 0.14 ms for the NCHW row kernel."""
+    return os.environ.get(SPLIT_REDUCE_ENV, "0") == "1"
 
 
 @dataclass

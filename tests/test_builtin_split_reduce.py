@@ -1,0 +1,124 @@
+"""Long reductions with few outputs split over blocks on cuda (``kernels.split_reduce_on``,
+``KERNELLOOP_CUDA_SPLIT_REDUCE=1``): a norm's statistics where rows are fewer than the SMs
+(cuda_norm.cu.j2's _part/_fin) and column reductions with few outputs (cuda_reduce.cu.j2's
+_colpart/_colfin). Rendered only where switched on; judged on a GPU (the GPU tests) and built by
+nvcc (tests/test_cuda_builds.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agent.builtin import Knobs, generate
+from agent.builtin.kernels import SPLIT_REDUCE_ENV
+from sandbox.tasks import read_spec, with_device_sizes
+
+FIXTURES = Path(__file__).parent / "fixtures" / "builtin"
+
+
+def _spec(name: str = "norm_split"):
+    return read_spec(FIXTURES / f"{name}.py", name=f"fixtures/{name}")
+
+
+def _kinds(cand) -> list[str]:
+    return [g["kind"] for g in cand.choices["groups"]]
+
+
+def test_the_split_norm_kernels_render_only_where_switched_on_and_one_pass(monkeypatch):
+    monkeypatch.delenv(SPLIT_REDUCE_ENV, raising=False)
+    off = generate(_spec(), "cuda", Knobs(layout="nchw"))
+    assert _kinds(off) == ["norm"] * 4 and "_part" not in off.source          # off by default
+    monkeypatch.setenv(SPLIT_REDUCE_ENV, "1")
+    on = generate(_spec(), "cuda", Knobs(layout="nchw"))
+    assert on.choices["groups"] == off.choices["groups"]                      # the same groups, more kernels
+    for g in on.choices["groups"]:
+        name = g["name"]
+        assert f"{name}_part<int><<<" in on.source and f"{name}_fin<int><<<" in on.source
+        assert f"{name}_block<int><<<" in on.source                           # many rows: the block kernel still
+    # the running buffers are updated once per row, by the first chunk's block
+    assert "if (update && blockIdx.y == 0)" in on.source
+    compile(on.source, "cuda_candidate.py", "exec")
+    # two-pass statistics (reduce=twopass) keep one block per row
+    assert "_part" not in generate(_spec(), "cuda", Knobs(layout="nchw", reduce="twopass")).source
+    # the CPU target has its own kernels: unchanged
+    assert "_part" not in generate(_spec(), "cpu").source
+
+
+def test_the_split_column_reductions_render_for_sum_max_and_logsumexp(monkeypatch):
+    spec = _spec("reduce_split")
+    monkeypatch.delenv(SPLIT_REDUCE_ENV, raising=False)
+    off = generate(spec, "cuda")
+    assert _kinds(off) == ["reduce"] * 3 and "_colpart" not in off.source
+    monkeypatch.setenv(SPLIT_REDUCE_ENV, "1")
+    on = generate(spec, "cuda")
+    assert on.choices["groups"] == off.choices["groups"]
+    for g in on.choices["groups"]:
+        assert f"{g['name']}_colpart<int><<<" in on.source and f"{g['name']}_colfin<int><<<" in on.source
+    assert on.source.count("kl_lse_merge(m, s, w[0], w[1]);") == 1               # logsumexp merges (m, s) pairs
+    # two-pass logsumexp keeps the one-thread-per-output column kernel
+    two = generate(spec, "cuda", Knobs(reduce="twopass"))
+    assert two.source.count("_colpart<int><<<") == 2
+
+
+@pytest.mark.parametrize("name", ["norm_split", "reduce_split"])
+def test_the_fixtures_are_judged_correct_on_the_cpu(name):
+    """The fixtures themselves (prologues, the norms or reductions, epilogues) through the CPU sandbox."""
+    from builtin_candidate import judge
+    from sandbox.result import Status
+
+    spec = _spec(name)
+    result = judge(spec, generate(spec, "cpu").source, "cpu")
+    assert result.status is Status.correct, (result.status, result.error_message, result.flags)
+    assert all(o.mismatched == 0 for t in result.trials for o in t.outputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["norm_split", "reduce_split"])
+@pytest.mark.parametrize("split", ["0", "1"])
+def test_split_reductions_are_correct_on_a_gpu(monkeypatch, split, name):
+    """The norms' rows (4-8, fewer than the SMs) and the column reductions (16 outputs) split into
+    chunks or not, judged by the sandbox on a GPU: every output against the reference."""
+    from builtin_candidate import judge
+    from sandbox.result import Status
+
+    monkeypatch.setenv(SPLIT_REDUCE_ENV, split)
+    spec = with_device_sizes(_spec(name), "cuda")
+    cand = generate(spec, "cuda", Knobs(layout="nchw"))
+    assert ("part<int><<<" in cand.source) == (split == "1")
+    result = judge(spec, cand.source, "cuda")
+    assert result.status is Status.correct, (result.status, result.error_message, result.flags)
+    assert all(o.mismatched == 0 for t in result.trials for o in t.outputs)
+
+
+@pytest.mark.gpu
+def test_split_batch_norm_updates_its_running_buffers_and_reads_them_in_eval_mode(monkeypatch):
+    """The sandbox compares outputs only: BatchNorm's running buffers after two training-mode
+    forwards (updated once per row, by chunk 0's block) and an eval-mode forward (the running
+    statistics, no partials) are compared here, in one process."""
+    import torch
+
+    from sandbox.tasks import load_task
+
+    monkeypatch.setenv(SPLIT_REDUCE_ENV, "1")
+    spec = _spec()
+    cand = generate(spec, "cuda", Knobs(layout="nchw"))
+    ns: dict = {}
+    exec(compile(cand.source, "norm_split_candidate.py", "exec"), ns)
+    task = load_task(spec)
+    torch.manual_seed(0)
+    ref = task.Model(*task.get_init_inputs()).cuda()
+    torch.manual_seed(0)
+    new = ns["ModelNew"](*task.get_init_inputs()).cuda()
+    with torch.no_grad():
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            x = task.get_inputs()[0].cuda()
+            torch.testing.assert_close(new(x), ref(x), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(new.bn.running_mean, ref.bn.running_mean, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(new.bn.running_var, ref.bn.running_var, atol=1e-5, rtol=1e-4)
+        assert int(new.bn.num_batches_tracked) == int(ref.bn.num_batches_tracked) == 2
+        ref.eval()
+        new.eval()
+        torch.manual_seed(3)
+        x = task.get_inputs()[0].cuda()
+        torch.testing.assert_close(new(x), ref(x), atol=1e-4, rtol=1e-4)
