@@ -20,7 +20,6 @@ Numerics and device are each run's own; runs that differ in either are refused.
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from evals.metrics import AttemptRecord, compute_metrics  # noqa: E402
+from evals.metrics import AttemptRecord, compute_metrics, geomean  # noqa: E402
 from evals.run_data import load_run  # noqa: E402
 from sandbox.numerics import numerics_of_run_config  # noqa: E402
 from store.db import Store  # noqa: E402
@@ -49,11 +48,6 @@ def kind_of(task: str) -> str:
 def _natural(name: str) -> list:
     """``level2/9_...`` before ``level2/10_...``."""
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
-
-
-def geomean(xs: list[float]) -> Optional[float]:
-    xs = [x for x in xs if x and x > 0]
-    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
 
 
 def _fmt(x: Optional[float], unit: str = "x") -> str:

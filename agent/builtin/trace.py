@@ -223,12 +223,16 @@ def _forward_names(gm: GraphModule, concrete: Optional[dict[str, Any]]) -> Graph
     return gm
 
 
+def _positional(model: nn.Module) -> list[inspect.Parameter]:
+    """The forward's parameters that ``get_inputs()``'s values fill by position."""
+    return [p for p in inspect.signature(model.forward).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
 def _defaults_left(model: nn.Module, inputs: list) -> Optional[dict[str, Any]]:
     """The forward's positional parameters past the inputs given, with their defaults (None where
     there are none, or where a parameter past them has no default: tracing then fails as before)."""
-    params = [p for p in inspect.signature(model.forward).parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    left = params[len(inputs):]
+    left = _positional(model)[len(inputs):]
     if not left or any(p.default is inspect.Parameter.empty for p in left):
         return None
     return {p.name: p.default for p in left}
@@ -280,9 +284,7 @@ class _ShapeTracer(torch.fx.Tracer):
 
     def __init__(self, model: nn.Module, inputs: list):
         super().__init__()
-        params = [p for p in inspect.signature(model.forward).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        self.sizes = {p.name: v.shape for p, v in zip(params, inputs) if isinstance(v, torch.Tensor)}
+        self.sizes = {p.name: v.shape for p, v in zip(_positional(model), inputs) if isinstance(v, torch.Tensor)}
         self.used: dict[str, tuple[int, ...]] = {}
 
     def proxy(self, node: Node) -> torch.fx.Proxy:
