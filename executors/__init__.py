@@ -2,8 +2,9 @@
 found by name through a registry, so ``--executor NAME`` picks one and a new one is a module:
 
 * ``local`` (the default): the sandbox on this host, as always (``sandbox.evaluate.Sandbox``);
-* ``ray``: builds as Ray tasks on CPU resources, each evaluation slot a Ray actor holding one
-  GPU (or one CPU slot) around an unchanged Sandbox (``executors.ray_executor``).
+* ``ray``: each evaluation slot a Ray actor holding one GPU (or one CPU slot) around an unchanged
+  Sandbox, which builds its candidates (or Ray tasks on CPU resources do, ``KERNELLOOP_RAY_BUILDS=tasks``)
+  (``executors.ray_executor``).
 
 Executor modules are imported only when named, so ``local`` never imports Ray.
 """

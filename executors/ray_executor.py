@@ -1,8 +1,14 @@
 """The ``ray`` executor: one run's evaluations spread over a Ray cluster.
 
-* Builds run as Ray tasks on CPU resources (``build_on_node``), placed on the node of the slot
-  that will evaluate the candidate (soft node affinity), so the build lands in the cache that
-  slot's workers read; Ray re-runs a build whose worker or node died (``max_retries``).
+* Builds run where the candidate will be evaluated (``KERNELLOOP_RAY_BUILDS=slot``, the default):
+  the slot's own ``Sandbox`` builds it, as the local executor does (warm build workers, the
+  task's reference started while it builds), on its share of the node's cores (the node's CPUs
+  over its GPUs). With ``KERNELLOOP_RAY_BUILDS=tasks`` builds are Ray tasks on CPU resources
+  (``build_on_node``) instead, placed on the node of the slot that will evaluate the candidate
+  (soft node affinity), so the build lands in the cache that slot's workers read; Ray re-runs a
+  build whose worker or node died (``max_retries``). That spreads builds over CPU-only nodes, at
+  a cost measured on two H200s (session p): 0.61x the local executor's rate, its first verdict
+  at +49 s against +25 s and each candidate waiting longer for a warm worker.
 * Each evaluation slot is a Ray actor (``EvaluationSlot``) holding one GPU (``num_gpus=1``) or,
   on the CPU target, one CPU, around an unchanged ``Sandbox`` with its reference workers. Ray
   restarts a lost slot wherever its resources are free (``max_restarts=-1``).
@@ -41,6 +47,17 @@ SLOT_WAIT_S = float(os.environ.get("KERNELLOOP_RAY_SLOT_WAIT_S", "900"))
 # Evaluations one slot actor runs at once (its Sandbox pipelines them: builds and loads
 # overlap with the device-held checks of others; the device itself is held by one at a time).
 SLOT_CONCURRENCY = int(os.environ.get("KERNELLOOP_RAY_SLOT_CONCURRENCY", "16"))
+BUILD_PLACES = ("slot", "tasks")
+
+
+def build_place(value: Optional[str] = None) -> str:
+    """Where candidates build (``slot``: in the evaluating slot's sandbox; ``tasks``: as Ray tasks),
+    from ``value`` or ``KERNELLOOP_RAY_BUILDS``; anything else is an error naming the setting."""
+    raw = (value if value is not None else os.environ.get("KERNELLOOP_RAY_BUILDS", "slot")).strip().lower() or "slot"
+    if raw not in BUILD_PLACES:
+        raise ExecutorError(f"KERNELLOOP_RAY_BUILDS={raw!r}: use 'slot' (build where the candidate is evaluated) "
+                            "or 'tasks' (builds as Ray tasks on any node's CPUs)")
+    return raw
 
 
 def lost_slot_errors() -> tuple[type[BaseException], ...]:
@@ -89,12 +106,14 @@ class RayExecutor:
     def __init__(self, device: str, config: EvalConfig, *, store: Any = None, address: Optional[str] = None,
                  slots: Optional[int] = None, build_cpus: Optional[float] = None,
                  warm_workers: Optional[int] = None, precompute: Optional[bool] = None,
-                 node_env: Optional[dict[str, str]] = None, footprints: Any = None, **_ignored: Any):
+                 node_env: Optional[dict[str, str]] = None, footprints: Any = None, builds: Optional[str] = None,
+                 **_ignored: Any):
         try:
             import ray
         except ImportError:
             raise ExecutorError("--executor ray needs Ray: pip install 'ray>=2.40' (scripts/setup.sh installs it)") from None
         self._ray = ray
+        self.builds = build_place(builds)
         self.device, self.config, self.store = device, config, store
         self._footprints = footprints      # a FootprintBook read where there is no store (a benchmark's)
         self._owns_ray = not ray.is_initialized()
@@ -121,7 +140,8 @@ class RayExecutor:
             num_gpus=1 if device == "cuda" else 0, num_cpus=0 if device == "cuda" else 1,
             runtime_env=self._runtime_env)
         self._build_task = ray.remote(num_cpus=self.build_cpus, max_retries=3, retry_exceptions=False)(build_on_node)
-        actors = [actor_cls.remote(device, config.model_dump_json(), warm_workers, precompute) for _ in range(count)]
+        actors = [actor_cls.remote(device, config.model_dump_json(), warm_workers, precompute, self.builds == "slot")
+                  for _ in range(count)]
         try:
             described = [json.loads(d) for d in ray.get([a.describe.remote() for a in actors], timeout=SLOT_WAIT_S)]
         except Exception as exc:  # noqa: BLE001 - GetTimeoutError, a slot that cannot start
@@ -140,7 +160,9 @@ class RayExecutor:
         self._facts = first["facts"]
         self.slots = [RaySlot(i, a, d["node"]) for i, (a, d) in enumerate(zip(actors, described))]
         self._books: dict[str, Any] = {}
-        self.events("slots", nodes=[s.node for s in self.slots], device_name=self.device_name)
+        # where builds run and on how many cores, on record beside the slots (a run's rate depends on it)
+        self.events("slots", nodes=[s.node for s in self.slots], device_name=self.device_name, builds=self.builds,
+                    build_plans=[[d["build_slots"], d["build_jobs"]] for d in described])
 
     # ---------------------------------------------------------------- cluster
     def _slot_count(self, device: str) -> int:
@@ -257,10 +279,12 @@ class RayExecutor:
                 lost.append(f"SlotLost: {exc}")
                 return self._lost_result(spec, source, lost, t0)
             try:
-                # the slot starts the task's reference while the build runs (Sandbox.prepare, as the
-                # local executor does): in session o's bench its candidates waited 16.6 s (median) for it after their build
-                slot.actor.prepare.options(concurrency_group="control").remote(data, self._known_footprint(spec))
-                build = self._build(slot, spec, source)
+                build = None        # builds = slot: the slot's sandbox builds it (and prepares the task meanwhile)
+                if self.builds == "tasks":
+                    # the slot starts the task's reference while the build runs (Sandbox.prepare, as the local
+                    # executor does): in session o's bench its candidates waited 16.6 s (median) for it after their build
+                    slot.actor.prepare.options(concurrency_group="control").remote(data, self._known_footprint(spec))
+                    build = self._build(slot, spec, source)
                 self.events("evaluate", task=spec.name, slot=slot.index, node=slot.node,
                             candidate=sha256_text(source)[:12])
                 reply = json.loads(self._ray.get(slot.actor.evaluate.remote(data, source, build,

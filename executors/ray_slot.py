@@ -162,20 +162,45 @@ class RelayedFootprints:
 
 # --------------------------------------------------------------------------- the slot actor
 
+def slot_cores(device: str, node: str) -> Optional[int]:
+    """The cores one slot's builds may use: its node's CPU resources over the node's GPUs (each
+    GPU is a slot), at most the cores this process may run on. Without Ray's view of the node, or
+    on the CPU target (whose slots hold a CPU each and build on the cores they see), None: the
+    sandbox sizes its builds on the cores it sees."""
+    if device != "cuda" or not node:
+        return None
+    import ray
+
+    from sandbox.slots import usable_cores
+
+    for n in ray.nodes():
+        if n.get("NodeID") == node and n.get("Alive", True):
+            res = n.get("Resources") or {}
+            cpus, gpus = float(res.get("CPU", 0)), float(res.get("GPU", 0))
+            if cpus >= 1 and gpus >= 1:
+                return max(1, min(usable_cores(), int(cpus // gpus)))
+    return None
+
+
 class EvaluationSlot:
     """One evaluation slot: a Sandbox that sees one GPU (Ray sets CUDA_VISIBLE_DEVICES for the
     actor's ``num_gpus=1``) or, on the CPU target, the node's CPU; its reference workers live as
     long as the actor. Methods answer JSON text."""
 
-    def __init__(self, device: str, config_json: str, warm_workers: Optional[int], precompute: Optional[bool]):
+    def __init__(self, device: str, config_json: str, warm_workers: Optional[int], precompute: Optional[bool],
+                 builds_here: bool = False):
+        """``builds_here``: candidates build in this slot's sandbox, on its share of the node's cores
+        (``slot_cores``) rather than as Ray tasks."""
         self.relay = RelayedFootprints()
-        self.sandbox = SlotSandbox(device, EvalConfig.model_validate_json(config_json), footprints=self.relay.book,
-                                   warm_workers=warm_workers, precompute=precompute)
         self.node = node_id()
+        cores = slot_cores(device, self.node) if builds_here else None
+        self.sandbox = SlotSandbox(device, EvalConfig.model_validate_json(config_json), footprints=self.relay.book,
+                                   warm_workers=warm_workers, precompute=precompute, cores=cores)
 
     def describe(self) -> str:
         sb = self.sandbox
         return json.dumps({"node": self.node, "host": socket.gethostname(), "pid": os.getpid(),
+                           "build_slots": sb.build_slots, "build_jobs": sb.build_jobs,
                            "device_name": sb.device_name, "torch_version": sb.torch_version, "arch": sb.arch,
                            "gpus": [g for g in sb.slots if g is not None], "facts": self._facts()})
 

@@ -89,13 +89,14 @@ class Sandbox:
                  arch: Optional[str] = None, footprints: Optional[FootprintBook] = None,
                  memory_budgets: Optional[dict[str, int]] = None, warm_workers: Optional[int] = None,
                  precompute: Optional[bool] = None, prepare: Optional[bool] = None,
-                 timing_blocks: Optional[int] = None):
+                 timing_blocks: Optional[int] = None, cores: Optional[int] = None):
         """``footprints`` and ``memory_budgets``: what tasks need and what may be used
         (``sandbox.admission``); ``warm_workers``: candidate workers kept started per slot (``sandbox.pool``; None: the
         default, 0: each candidate's worker starts when its candidate is ready, as it used to);
         ``precompute``: trial 0's reference outputs computed while the candidate loads (None: when
         workers are kept warm); ``prepare``: a task's footprint measured and its reference started
-        while its first candidate builds (``Sandbox.prepare``; None: when workers are kept warm)."""
+        while its first candidate builds (``Sandbox.prepare``; None: when workers are kept warm); ``cores``:
+        the cores its builds may use (None: those this process may run on; a Ray slot passes its share)."""
         self.device = device
         # Resolved here, where the GPUs are visible, and handed to every worker (build workers
         # run with the GPU hidden); one list for all slots, so every build is a cache hit for all.
@@ -106,7 +107,7 @@ class Sandbox:
         self.config = config or EvalConfig()
         # what candidates are written in: the cascade asks it, never which one it is
         self.backend = backend_for(self.config.backend, device)
-        self.build_slots, self.build_jobs = build_plan(usable_cores(), build_slots)
+        self.build_slots, self.build_jobs = build_plan(cores or usable_cores(), build_slots)
         self._build_sem = threading.Semaphore(self.build_slots)
         self.slots: list[Optional[str]] = (gpus or visible_gpus() or [None]) if device == "cuda" else [None]
         self._slot_locks = [SlotLock() for _ in self.slots]
