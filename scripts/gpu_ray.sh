@@ -12,7 +12,7 @@
 #                                    # evaluated exactly once (python -m executors.audit)
 # .whl-ray (about 42 MB), .whl and .kb fit one call together; install stays a stage of its own.
 # On a host with several GPUs, WORKERS=2 (issue 36) starts two worker nodes, each its own `ray start`
-# owning half the GPUs (CUDA_VISIBLE_DEVICES) and half the cores; the local executor it is compared with
+# owning half the GPUs (CUDA_VISIBLE_DEVICES) and half the cores (taskset); the local executor it is compared with
 # sees the same GPUs and cores (GPUS=2,3 to use some of them only). `faults` then kills the last worker node only.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,7 +59,9 @@ PER_GPUS=$((NGPU / WORKERS)); PER_CPUS=$((CPUS / WORKERS))
 start_worker() {    # start_worker [I]: worker node I (default the last) owns the I-th PER_GPUS of the GPUs and PER_CPUS cores
   local i=${1:-$((WORKERS - 1))}
   local gpus; gpus=$(IFS=,; echo "${GPU_IDS[*]:$((i * PER_GPUS)):$PER_GPUS}")
-  CUDA_VISIBLE_DEVICES=$gpus $RAY start --address="$RAY_ADDRESS" --num-cpus="$PER_CPUS" --num-gpus="$PER_GPUS" \
+  # pinned to its own cores, as a separate machine's would be (its slots size their builds on them)
+  CUDA_VISIBLE_DEVICES=$gpus taskset -c $((i * PER_CPUS))-$(((i + 1) * PER_CPUS - 1)) \
+    $RAY start --address="$RAY_ADDRESS" --num-cpus="$PER_CPUS" --num-gpus="$PER_GPUS" \
     --resources="{\"${WORKER_MARK}_$i\": 1}" --disable-usage-stats >>"$OUT/ray_worker.log" 2>&1 \
     || { tail -20 "$OUT/ray_worker.log"; exit 1; }
   echo "worker node $i: GPUs $gpus, $PER_CPUS cores"
@@ -90,7 +92,8 @@ case "$stage" in
     # one footprint store for both: the first run measures each task's footprint before its mode (timed
     # apart), the second reads them, so neither rate carries that step
     rm -f /tmp/ray-bench-footprints.db
-    common=(--device cuda --tasks "${TASKS:-6}" --candidates "${CANDIDATES:-4}" --modes pipelined --db /tmp/ray-bench-footprints.db)
+    common=(--device cuda --tasks "${TASKS:-6}" --candidates "${CANDIDATES:-4}" --modes pipelined --db /tmp/ray-bench-footprints.db
+            ${MAX_S:+--max-seconds $MAX_S} ${PARALLEL:+--parallel $PARALLEL})
     # Ray first: it runs on the colder host (the inductor cache is shared and warms for the second).
     box ${BENCH_S:-270} python3 scripts/bench_kernelbench.py "${common[@]}" --executor ray --json "$OUT/bench_ray.json" 2>&1 \
       | grep -v USDT | tee "$OUT/bench_ray.txt" | tail -8
