@@ -17,7 +17,7 @@ from executors import ExecutorError
 from executors import ray_slot
 from executors.ray_executor import EventLog, RayExecutor, RaySlot, build_place
 from executors.ray_slot import EvaluationSlot, slot_cores
-from sandbox.evaluate import Sandbox
+from sandbox.evaluate import REFERENCE_AFFINITY, Sandbox
 from sandbox.result import EvalConfig, EvalResult, Status
 from sandbox.slots import build_plan, usable_cores
 from sandbox.tasks import TaskSpec
@@ -152,3 +152,16 @@ def test_the_driver_leaves_the_build_to_the_slot_or_sends_it_to_a_build_task():
     assert _driver("tasks", calls).evaluate(SPEC, "src").status == Status.correct
     assert [name for name, _ in calls] == ["prepare", "build", "evaluate"]   # the reference starts while it builds
     assert calls[2][1][1:3] == ("src", json.dumps({"ok": True}))
+
+
+def test_a_tasks_evaluations_follow_its_reference_until_its_slot_is_that_much_busier():
+    """As the local sandbox's GPUs: a task's candidates go to the slot already running its
+    reference until that slot has ``REFERENCE_AFFINITY`` more in flight than the least-loaded
+    one (each slot would start its own reference otherwise); a new task goes to the least loaded."""
+    ex = _driver("slot", [])
+    ex.slots = [RaySlot(0, None, "n1"), RaySlot(1, None, "n2")]
+    picked = [ex._pick(SPEC).index for _ in range(REFERENCE_AFFINITY + 1)]
+    assert picked == [0] * (REFERENCE_AFFINITY + 1)             # slot 1 idle, but without the reference
+    assert ex._pick(SPEC).index == 1                             # now that much busier: the other slot
+    other = TaskSpec(name="other", path="other.py", source="x = 1\n")
+    assert ex._pick(other).index == 1                            # least loaded (5 against 1)
