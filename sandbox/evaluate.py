@@ -43,7 +43,7 @@ from sandbox.checks import CandidateChecks
 from sandbox.footprint import FootprintBook, human_bytes
 from hardware.probe import cpu_model
 from sandbox.phases import Stages, phase
-from sandbox.pool import BUILD_WARM_MESSAGE, BuildPause, DeviceGate, SlotLock, WarmPool
+from sandbox.pool import BUILD_WARM_MESSAGE, BuildPause, DeviceGate, SlotLock, WarmPool, gate_account
 from sandbox.quiet import TimingHistory
 from sandbox.process import WorkerDied, WorkerProcess, WorkerTimeout, kill_all_workers
 from sandbox.reference import Precomputed, ReferenceWorker
@@ -134,11 +134,13 @@ class Sandbox:
         self._gates = [DeviceGate(quiet=self._build_pause.paused if device == "cpu" else None) for _ in self.slots]
         self.handoff = handoff.mode(device)     # how candidates' outputs reach the reference (a bad setting fails here)
         self._pool = WarmPool(self._spawn_candidate, {"device": device, "profile": self.config.profile},
-                              warm, background=self._device_work, turns=device == "cuda") if warm > 0 else None
+                              warm, background=lambda slot: self._device_work(slot, "warm-up"),
+                              turns=device == "cuda") if warm > 0 else None
         # build workers started ahead too (torch's import, 1.5-3 s of every build): one per build slot
         # (on the CPU target their warm-ups, torch's import, wait while a timing is held, as candidates' do)
         self._build_pool = (WarmPool(self._spawn_build, BUILD_WARM_MESSAGE, self.build_slots,
-                                     **({"background": self._device_work} if device == "cpu" else {}))
+                                     **({"background": lambda slot: self._device_work(slot, "build warm-up")}
+                                        if device == "cpu" else {}))
                             if warm > 0 else None)
         self.precompute = (warm > 0) if precompute is None else precompute
         self.prepare_ahead = (warm > 0) if prepare is None else prepare
@@ -148,13 +150,17 @@ class Sandbox:
         self._history = TimingHistory()     # running medians of reference timings (sandbox.quiet)
 
     # ---------------------------------------------------------------- helpers
-    def _device_work(self, slot: int) -> Any:
-        """Held around the harness's own device work on ``slot`` (a reference starting, a
-        candidate loading, a warm worker's warm-up): it waits while a candidate or reference is
+    def _device_work(self, slot: int, kind: str = "other") -> Any:
+        """Held around the harness's own device work of ``kind`` on ``slot`` (a reference starting,
+        a candidate loading, a warm worker's warm-up): it waits while a candidate or reference is
         timed there. On an H100 such work beside a timed window showed in NVML as another
         process's SM use (1-3%) and flagged honest candidates ``contended``; on the CPU target it
         shares the timed runs' cores."""
-        return self._gates[slot].background()
+        return self._gates[slot].background(kind=kind)
+
+    @property
+    def gate_account(self) -> dict[str, dict[str, float]]:
+        return gate_account(self._gates)
 
     def _slot_env(self, slot: int) -> dict[str, str]:
         if self.cpu_threads is not None:
@@ -182,12 +188,12 @@ class Sandbox:
         return self._spawn_candidate(slot)
 
     @property
-    def pool_stats(self) -> dict[str, int]:
-        return dict(self._pool.stats) if self._pool is not None else {}
+    def pool_stats(self) -> dict[str, Any]:
+        return self._pool.summary() if self._pool is not None else {}
 
     @property
-    def build_pool_stats(self) -> dict[str, int]:
-        return dict(self._build_pool.stats) if self._build_pool is not None else {}
+    def build_pool_stats(self) -> dict[str, Any]:
+        return self._build_pool.summary() if self._build_pool is not None else {}
 
     def reference(self, spec: TaskSpec, slot: int = 0) -> ReferenceWorker:
         with self._refs_lock:
@@ -197,6 +203,17 @@ class Sandbox:
                     spec, self.device, self.init_seed, warm_compile=self.config.time_compile,
                     env=self._slot_env(slot), numerics=self.config.numerics)
             return ref
+
+    def _starting(self, ref: ReferenceWorker, slot: int) -> Any:
+        """Held around ``ref.ensure()``: the slot's gate where the reference must start (its model
+        and warm-up compile run on the device). On cuda its process and imports come first, off the
+        gate (``ReferenceWorker.spawn``): they held back the slot's timings for 3-5 s of each start.
+        On the CPU target they stay under it: imports share the timed runs' cores."""
+        if not ref.needs_start():
+            return contextlib.nullcontext()
+        if self.device == "cuda":
+            ref.spawn()
+        return self._device_work(slot, "reference start")
 
     def _pick_slot(self, spec: Optional[TaskSpec] = None) -> int:
         """The least-loaded slot, where a slot running the task's reference counts
@@ -257,7 +274,7 @@ class Sandbox:
                 with ref.lock:
                     self._check_aborted()
                     if ref.needs_start():
-                        with self._device_work(slot):
+                        with self._starting(ref, slot):
                             ref.ensure()
             finally:
                 self.memory.leave(token)
@@ -489,7 +506,7 @@ class Sandbox:
             self._check_aborted()
             # a reference starting runs on the device (its model, a warm-up compile); one running
             # already needs nothing, and need not wait for another candidate's timing
-            with self._device_work(slot) if ref.needs_start() else contextlib.nullcontext():
+            with self._starting(ref, slot):
                 ref.ensure()
         result.device_name = ref.device_name or result.device_name
         self._check_aborted()
@@ -511,7 +528,7 @@ class Sandbox:
             loading = Stages(result)
             try:
                 loading.enter("load_wait")
-                with self._device_work(slot):
+                with self._device_work(slot, "candidate load"):
                     loading.enter("load")
                     loaded = self._load_candidate(spec, source, result, cand)
             finally:

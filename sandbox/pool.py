@@ -66,6 +66,8 @@ class WarmPool:
         self._idle: dict[int, list[_Warm]] = {}
         self._closed = False
         self.stats = {"started": 0, "taken_ready": 0, "taken_warming": 0, "taken_cold": 0, "replaced": 0}
+        self._ready_s: list[float] = []     # each warm-up, spawn to ready (imports and device turns included)
+        self._own_s: list[float] = []       # each warm-up as its worker timed it (after its imports)
 
     # ---------------------------------------------------------------- filling
     def prime(self, slot: int) -> None:
@@ -80,7 +82,18 @@ class WarmPool:
         for w in fresh:
             threading.Thread(target=self._start, args=(slot, w), daemon=True, name="warm-worker").start()
 
+    def summary(self) -> dict[str, Any]:
+        """``stats``, and the median seconds of a warm-up from its spawn to ready and as its worker
+        timed it: where the two differ, the warm-up waited (for cores, imports, device turns)."""
+        import statistics
+
+        with self._lock:
+            ready, own = list(self._ready_s), list(self._own_s)
+        return {**self.stats, **({"ready_median_s": round(statistics.median(ready), 2)} if ready else {}),
+                **({"own_median_s": round(statistics.median(own), 2)} if own else {})}
+
     def _start(self, slot: int, w: _Warm) -> None:
+        spawned = time.monotonic()
         try:
             if self._closed:
                 raise WorkerDied("the pool is closed", None)
@@ -101,6 +114,10 @@ class WarmPool:
             if not reply.get("ok"):
                 w.error = str(reply.get("error_message") or "warm-up failed")
             w.seconds = reply.get("seconds")
+            with self._lock:
+                self._ready_s.append(time.monotonic() - spawned)
+                if w.seconds is not None:
+                    self._own_s.append(float(w.seconds))
         except (WorkerDied, WorkerTimeout, OSError) as exc:
             w.error = f"{type(exc).__name__}: {exc}"
         finally:
@@ -241,11 +258,21 @@ class DeviceGate:
         self._background = 0
         self._timing = 0
         self._quiet = quiet         # a context held inside every timing (the CPU target: builds paused)
+        # per kind of hold ("timing", or the background work's kind): how many, seconds waited to
+        # enter, seconds held; a slow run shows which work held its timings back, and which waited
+        self.account: dict[str, dict[str, float]] = {}
 
-    def background(self, abandon: Optional[threading.Event] = None) -> "_Held":
-        """Held for background work; where ``abandon`` is set while it still waits (``wake``),
-        it is not entered (``entered`` False)."""
-        return _Held(self, timing=False, abandon=abandon)
+    def background(self, abandon: Optional[threading.Event] = None, kind: str = "other") -> "_Held":
+        """Held for background work of ``kind`` (accounted under that name); where ``abandon``
+        is set while it still waits (``wake``), it is not entered (``entered`` False)."""
+        return _Held(self, timing=False, abandon=abandon, kind=kind)
+
+    def _count(self, kind: str, waited: float, held: float) -> None:
+        with self._cond:
+            row = self.account.setdefault(kind, {"n": 0, "wait_s": 0.0, "held_s": 0.0})
+            row["n"] += 1
+            row["wait_s"] += waited
+            row["held_s"] += held
 
     def wake(self) -> None:
         """Waiters look at their ``abandon`` events again."""
@@ -293,6 +320,19 @@ class DeviceGate:
             self._cond.notify_all()
 
 
+def gate_account(gates: list[DeviceGate]) -> dict[str, dict[str, float]]:
+    """Several slots' gates summed by kind of hold: how many, seconds waited, seconds held."""
+    total: dict[str, dict[str, float]] = {}
+    for gate in gates:
+        with gate._cond:
+            rows = {k: dict(v) for k, v in gate.account.items()}
+        for kind, row in rows.items():
+            into = total.setdefault(kind, {"n": 0, "wait_s": 0.0, "held_s": 0.0})
+            for key, value in row.items():
+                into[key] += value
+    return {k: {key: round(v, 1) for key, v in row.items()} for k, row in sorted(total.items())}
+
+
 class SlotLock:
     """A slot's exclusive hold (trials, timing, spot checks of one candidate at a time). A
     candidate that let it go while its timing waited takes it back first (``acquire(first=True)``),
@@ -335,14 +375,18 @@ class SlotLock:
 
 class _Held:
     def __init__(self, gate: DeviceGate, timing: bool, slot: Optional["SlotLock"] = None,
-                 abandon: Optional[threading.Event] = None):
+                 abandon: Optional[threading.Event] = None, kind: str = "other"):
         self.gate, self.is_timing, self.slot, self.abandon = gate, timing, slot, abandon
+        self.kind = "timing" if timing else kind
         self.entered = False
         self._quiet: Optional[contextlib.ExitStack] = None
+        self._asked = self._began = 0.0
 
     def __enter__(self) -> "_Held":
+        self._asked = time.monotonic()
         try:
             self.entered = self.gate._enter(self.is_timing, self.slot, self.abandon)
+            self._began = time.monotonic()
             if self.entered and self.is_timing and self.gate._quiet is not None:
                 self._quiet = contextlib.ExitStack()
                 self._quiet.enter_context(self.gate._quiet())
@@ -358,3 +402,4 @@ class _Held:
             self._quiet = None
         if self.entered:
             self.gate._exit(self.is_timing)
+            self.gate._count(self.kind, self._began - self._asked, time.monotonic() - self._began)

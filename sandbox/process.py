@@ -115,9 +115,12 @@ class WorkerProcess:
             child_env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
         if hide_gpu:
             child_env["CUDA_VISIBLE_DEVICES"] = ""
-        if role in ("build", "candidate"):
+        if role in ("build", "candidate", "reference"):
             # inductor compiles in-process: a pool of compile workers would be processes left
-            # running by a candidate that uses torch.compile, which the keeper kills as strays
+            # running by a candidate that uses torch.compile, which the keeper kills as strays;
+            # and a reference's warm-up compile started one compile worker per core (each importing
+            # torch and Triton): at a run's start ten references made 160 such processes on 16
+            # cores, beside the builds and warm-ups. The compiled code is the same either way.
             child_env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
         child_env.update(env or {})
         preexec = None
@@ -262,7 +265,10 @@ class WorkerProcess:
             code = self._wait_exit(1.0)
             raise WorkerDied(f"{exit_cause(self, code)} (sending to it failed: {exc})", code, self.role) from None
 
-    def recv(self, timeout: float) -> dict[str, Any]:
+    def recv(self, timeout: float, until_event: Optional[str] = None) -> dict[str, Any]:
+        """The worker's next answer; notes (``{"event": ...}``) on the way are kept in ``events``.
+        ``until_event``: return that note when it comes (a worker's ``imported``), with no request
+        in flight."""
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
@@ -287,6 +293,8 @@ class WorkerProcess:
                     raise WorkerDied(f"the {self.role} worker sent a malformed reply", self.proc.poll(), self.role)
                 if set(reply) == {"event"}:
                     self.events.append(str(reply["event"]))     # a note, not the answer: wait on
+                    if until_event is not None and reply["event"] == until_event:
+                        return reply
                     continue
                 self.busy = False
                 return reply

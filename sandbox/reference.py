@@ -43,7 +43,8 @@ class ReferenceWorker:
         self.lock = threading.Lock()
         # one request at a time on the worker's socket (a precompute may come from another thread)
         self._io = threading.RLock()
-        self.proc: Optional[WorkerProcess] = None
+        self.proc: Optional[WorkerProcess] = None      # the worker with its task loaded
+        self._spawned: Optional[WorkerProcess] = None  # started and imported, its task not yet loaded (spawn)
         self.profile: Optional[list[dict]] = None
         self.counts: Optional[dict] = None
         self.device_name = ""
@@ -69,10 +70,32 @@ class ReferenceWorker:
         with self._io:
             return self._start()
 
+    def spawn(self) -> None:
+        """The worker's process started and its imports (Python, torch: 3-5 s of a 15-19 s start on a
+        loaded GPU host) waited for, with no task loaded and nothing on the device, so that the
+        caller takes the slot's gate for the load alone (``Sandbox._starting``); ``ensure`` loads
+        the task into this process. Best effort: a process that fails here is replaced there."""
+        with self._io:
+            if self._alive() or self.broken or (self._spawned is not None and self._spawned.proc.poll() is None):
+                return
+            proc = self._spawned = WorkerProcess("reference", env=self.env)
+            try:
+                proc.recv(REFERENCE_TIMEOUT_S, until_event="imported")
+            except Exception:  # noqa: BLE001 - WorkerDied, WorkerTimeout: ensure starts afresh and says why
+                self._spawned = None
+                proc.kill()
+                proc.cleanup()
+
     def _start(self) -> WorkerProcess:
         if self._alive():
             return self.proc
-        self.proc = WorkerProcess("reference", env=self.env)
+        proc, self._spawned = self._spawned, None
+        if proc is None or proc.proc.poll() is not None:
+            if proc is not None:
+                proc.kill()
+                proc.cleanup()
+            proc = WorkerProcess("reference", env=self.env)
+        self.proc = proc
         reply = self.proc.ask({"role": "reference", "device": self.device, "out_dir": str(self.proc.out_dir),
                                "task": self.spec.__dict__, "init_seed": self.init_seed,
                                "warm_compile": self.warm_compile,
@@ -113,6 +136,10 @@ class ReferenceWorker:
             return proc.ask(payload, timeout)
 
     def close(self, why: str = "its task ended, or its memory was needed by another task's run") -> None:
+        spawned, self._spawned = self._spawned, None
+        if spawned is not None:
+            spawned.kill()
+            spawned.cleanup()
         if self.proc is not None:
             self.proc.close(why=f"reference closed: {why}")
             self.proc.cleanup()
@@ -161,7 +188,7 @@ class Precomputed:
     def _run(self) -> None:
         try:
             if self._gate is not None:
-                with self._gate.background(abandon=self._abandon) as held:
+                with self._gate.background(abandon=self._abandon, kind="precompute") as held:
                     reply = self._ask() if held.entered else {"ok": True, "skipped": "its trial came first"}
             else:
                 reply = self._ask()

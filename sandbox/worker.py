@@ -499,6 +499,9 @@ class Worker:
 
 
 def serve(conn: Connection) -> None:
+    # a note (never an answer): Python and the imports are done, before the first message is read;
+    # a reference's parent waits for it before it takes the device (``ReferenceWorker.spawn``)
+    _send(conn, {"event": "imported"})
     init = _recv(conn)
     if init.get("role") == "warm":
         serves = "build" if init.get("serves") == "build" else "candidate"   # a build worker: the GPU hidden

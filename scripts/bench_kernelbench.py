@@ -285,11 +285,13 @@ def run_mode(mode: str, work: list[tuple[TaskSpec, str]], device: str, cfg: Eval
             wall = time.monotonic() - t0
             stats = getattr(sb, "pool_stats", {})
             build_stats = getattr(sb, "build_pool_stats", {})
+            gates = getattr(sb, "gate_account", {})
         finally:
             sb.close()
     summary = summarize(mode, results, errors, wall, len(sb.slots), stats)
     summary["executor"] = executor
     summary["build_pool"] = build_stats
+    summary["gate"] = gates
     summary["not_started"] = skipped[0]
     summary["interrupted"] = interrupted
     # the rate once the first verdict came: without the start (references and their compiles, cold
@@ -363,6 +365,9 @@ def report(s: dict[str, Any]) -> None:
         print(f"  warm workers: {s['pool']}")
     if s.get("build_pool"):
         print(f"  warm build workers: {s['build_pool']}")
+    if s.get("gate"):
+        print("  device gate, by what held or waited for it (count, seconds waited, seconds held; summed over "
+              "slots): " + "; ".join(f"{k} {v['n']:.0f}, {v['wait_s']} s, {v['held_s']} s" for k, v in s["gate"].items()))
 
 
 def main() -> None:

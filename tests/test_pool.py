@@ -80,6 +80,46 @@ def test_device_gate_keeps_background_work_out_of_timing():
 
 
 
+def test_the_gate_accounts_each_kind_of_hold_its_waits_and_its_holds():
+    """What held a slot's timings back, and what waited for them, by kind (the benchmark prints
+    it): a reference start held 0.3 s while a timing waited for it; a load then waited for the
+    timing's 0.2 s. Holds that never entered (abandoned) are not counted."""
+    gate = DeviceGate()
+    started, timed = threading.Event(), threading.Event()
+
+    def reference_start():
+        with gate.background(kind="reference start"):
+            started.set()
+            time.sleep(0.3)
+
+    def timing():
+        assert started.wait(5)
+        with gate.timing():
+            timed.set()
+            time.sleep(0.2)
+
+    threads = [threading.Thread(target=reference_start), threading.Thread(target=timing)]
+    for t in threads:
+        t.start()
+    assert timed.wait(5)
+    with gate.background(kind="candidate load"):
+        pass
+    for t in threads:
+        t.join(5)
+    gone = threading.Event()
+    gone.set()
+    with gate.timing():
+        held = gate.background(abandon=gone, kind="precompute")
+        with held:
+            assert not held.entered
+    rows = gate.account
+    assert set(rows) == {"reference start", "timing", "candidate load"}
+    assert rows["timing"]["n"] == 2 and rows["reference start"]["n"] == rows["candidate load"]["n"] == 1
+    assert rows["reference start"]["held_s"] >= 0.25 and rows["reference start"]["wait_s"] < 0.1
+    assert rows["timing"]["wait_s"] >= 0.15                    # it waited for the reference start
+    assert rows["candidate load"]["wait_s"] >= 0.1             # and the load waited for the timing
+
+
 def test_a_timing_that_waits_for_background_work_lets_its_slot_go_and_takes_it_back_first():
     gate, slot = DeviceGate(), SlotLock()
     log: list[str] = []
@@ -405,12 +445,49 @@ def test_a_warm_up_with_device_turns_waits_only_for_its_kernels():
         assert warming.done.wait(120) and warming.ok() and warming.error is None
         # one turn, held for the kernels alone: not the imports and the profiler's start-up
         assert len(held) == 1 and held[0] < warming.seconds / 2, (held, warming.seconds)
+        # the pool's account: spawn to ready includes the process's start and torch's import, which
+        # the worker's own seconds (from after its imports) do not
+        summary = pool.summary()
+        assert summary["started"] == 1 and summary["own_median_s"] == round(warming.seconds, 2)
+        assert summary["ready_median_s"] > summary["own_median_s"] + 0.5, summary
         proc = pool.take(0)                             # the ready worker serves its candidate
         assert proc.proc.poll() is None
         proc.kill()
         proc.cleanup()
     finally:
         pool.close()
+
+
+def test_a_reference_spawned_ahead_loads_its_task_into_the_same_process_later():
+    """``ReferenceWorker.spawn`` (the sandbox calls it on cuda before it takes the slot's gate for a
+    reference's start): the process is started and its imports waited for ("imported", the worker's
+    first note), with no task loaded; ``ensure`` then loads the task into that same process, and the
+    load alone is what the gate covers. An inline restart (a request finding no worker) takes the
+    spawned process too. A real worker, on the CPU."""
+    ref = ReferenceWorker(_spec(), "cpu", 1)
+    try:
+        ref.spawn()
+        spawned = ref._spawned
+        assert spawned is not None and spawned.proc.poll() is None and spawned.events == ["imported"]
+        assert ref.needs_start() and ref.proc is None                # nothing loaded yet
+        ref.spawn()                                                  # a second spawn starts nothing
+        assert ref._spawned is spawned
+        began = time.monotonic()
+        ref.ensure()
+        load_s = time.monotonic() - began
+        assert ref.proc is spawned and ref._spawned is None and not ref.needs_start()
+        assert ref.ask({"op": "trial", "seed": 3, "index": 0})["ok"]
+        ref.close()
+        began = time.monotonic()
+        ref.ensure()                                                 # cold: process, imports and load
+        assert time.monotonic() - began > load_s, "the spawned start should have been the shorter"
+        ref.close()
+        ref.spawn()
+        spawned = ref._spawned
+        assert ref.ask({"op": "trial", "seed": 3, "index": 0})["ok"] and ref.proc is spawned
+    finally:
+        ref.close()
+    assert spawned.proc.poll() is not None
 
 
 def test_a_worker_asking_for_a_device_turn_it_was_not_offered_is_the_harness_failure_it_is():
