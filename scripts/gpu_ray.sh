@@ -6,7 +6,9 @@
 #                                    # /tmp/site-ray, which stays on the warm machine for the next calls
 #   bash scripts/gpu_ray.sh bench    # carry .whl .kb: scripts/bench_kernelbench.py through --executor ray, then
 #                                    # --executor local, in this call; prints the ratio (goal >= 0.9) and whether
-#                                    # every candidate got the same status (and which flags differ)
+#                                    # every candidate got the same status (and which flags differ); TASKS x CANDIDATES
+#                                    # (default 6 x 4), MAX_S (no candidate starts after it), PARALLEL (in flight),
+#                                    # BENCH_S (each mode's box, default MAX_S + 200: proposals and footprints too)
 #   bash scripts/gpu_ray.sh faults   # carry .whl .kb: optimize --executor ray; the worker's raylet is SIGKILLed
 #                                    # mid-evaluation and started again; the run must complete with each attempt
 #                                    # evaluated exactly once (python -m executors.audit)
@@ -95,9 +97,12 @@ case "$stage" in
     common=(--device cuda --tasks "${TASKS:-6}" --candidates "${CANDIDATES:-4}" --modes pipelined --db /tmp/ray-bench-footprints.db
             ${MAX_S:+--max-seconds $MAX_S} ${PARALLEL:+--parallel $PARALLEL})
     # Ray first: it runs on the colder host (the inductor cache is shared and warms for the second).
-    box ${BENCH_S:-270} python3 scripts/bench_kernelbench.py "${common[@]}" --executor ray --json "$OUT/bench_ray.json" 2>&1 \
+    # Each mode's box holds the builtin's proposals (72 s for 10 x 8 on an H100 host) and, for the first,
+    # the footprint step (76 s) besides the run: session t's boxes of 255-275 s ended Ray's run early
+    BENCH_S=${BENCH_S:-$(( ${MAX_S:-90} + 200 ))}
+    box $BENCH_S python3 scripts/bench_kernelbench.py "${common[@]}" --executor ray --json "$OUT/bench_ray.json" 2>&1 \
       | grep -v USDT | tee "$OUT/bench_ray.txt" | tail -8
-    box ${BENCH_S:-270} python3 scripts/bench_kernelbench.py "${common[@]}" --executor local --json "$OUT/bench_local.json" 2>&1 \
+    box $BENCH_S python3 scripts/bench_kernelbench.py "${common[@]}" --executor local --json "$OUT/bench_local.json" 2>&1 \
       | grep -v USDT | tee "$OUT/bench_local.txt" | tail -8
     python3 - "$OUT/bench_ray.json" "$OUT/bench_local.json" <<'EOF' | tee "$OUT/bench_ratio.txt"
 import json, sys
