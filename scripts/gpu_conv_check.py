@@ -41,7 +41,7 @@ from builtin_candidate import (compare_with_references, compiled_median_ms, cuda
                                flat_outputs, reference_and_candidate)
 
 from agent.builtin import Knobs, generate  # noqa: E402
-from agent.builtin.conv import CUDA_CONV_ENV, DEFAULT_TILE, TILES  # noqa: E402
+from agent.builtin.conv import CUDA_CONV_ENV, DEFAULT_TILE, MMA_TILE, TILES  # noqa: E402
 
 os.environ[CUDA_CONV_ENV] = "1"      # the CUDA direct convolutions (on by default since session q; =0 switches them off)
 from sandbox.tasks import read_spec  # noqa: E402
@@ -124,7 +124,7 @@ def main() -> int:
                                                   "whose cuda candidate gets a direct convolution)")
     ap.add_argument("--quick", action="store_true", help=f"the default tile ({DEFAULT_TILE}) only")
     ap.add_argument("--tiles", default=None, help=f"tiles to check (default: {','.join(DEFAULT_TILES)}; any of "
-                                                  f"{','.join(TILES)})")
+                                                  f"{','.join([*TILES, MMA_TILE])}: {MMA_TILE} is the 3xTF32 tensor-core tile)")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile of the references (~20 s each)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--jobs", type=int, default=12, help="parallel candidate builds")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from agent.builtin import Knobs, generate, propose
-from agent.builtin.conv import CUDA_CONV_ENV, DEFAULT_TILE, TILES
+from agent.builtin.conv import CUDA_CONV_ENV, DEFAULT_TILE, MMA_TILE, TILES
 from sandbox.tasks import read_spec, with_device_sizes
 
 FIXTURE = Path(__file__).parent / "fixtures" / "builtin" / "conv_direct.py"
@@ -99,6 +99,30 @@ def test_cuda_direct_convolutions_are_on_unless_switched_off(monkeypatch):
         assert cuda.choices["knobs"]["conv_tile"] == tile
         assert cuda.source.count("_kernel<int><<<grid") == 6
         compile(cuda.source, "cuda_candidate.py", "exec")
+
+
+def test_the_tensor_core_tile_renders_3xtf32_mma_and_is_tried_only_when_switched_on(monkeypatch):
+    """``conv_tile=3xtf32`` (conv.MMA_TILE): the same six convolutions and chains, each an implicit
+    GEMM on TF32 mma.sync in three products (the operands split into TF32 value and remainder as
+    they are staged), at most two blocks per SM. Not run on a GPU yet: the search tries it only
+    with KERNELLOOP_CUDA_CONV_3XTF32=1 (``conv.tile_names``)."""
+    from agent.builtin.conv import MMA_ENV, tile_names, tile_shape
+
+    cuda = generate(_spec(), "cuda", Knobs(layout="nchw", conv="direct", conv_tile=MMA_TILE))
+    groups = _conv_groups(cuda)
+    assert [g["ops"][:2] for g in groups][:2] == [["conv2d", "add"], ["conv2d", "tanh"]] and len(groups) == 6
+    assert cuda.choices["knobs"]["conv_tile"] == MMA_TILE
+    assert cuda.source.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == 6
+    assert cuda.source.count("__launch_bounds__(256, 2)") == 6 and cuda.source.count("_kernel<int><<<grid") == 6
+    assert "fmaf(" not in cuda.source.split("kl_g0 begin")[1].split("kl_g0 end")[0]     # no FMA loop in it
+    compile(cuda.source, "cuda_candidate.py", "exec")
+    # n-tiles of 8 channels, weights' rows padded by 8 (B fragments without bank conflicts), at most 64 a block
+    assert tile_shape(MMA_TILE, 64)["nt"] == 8 and tile_shape(MMA_TILE, 64)["ws"] == 72
+    assert tile_shape(MMA_TILE, 12)["cob"] == 16 and tile_shape(MMA_TILE, 200)["cob"] == 64
+    monkeypatch.delenv(MMA_ENV, raising=False)
+    assert MMA_TILE not in tile_names()
+    monkeypatch.setenv(MMA_ENV, "1")
+    assert tile_names() == [*TILES, MMA_TILE]
 
 
 def test_unsupported_convolutions_stay_the_librarys(tmp_path):
@@ -227,11 +251,12 @@ def test_the_direct_twin_comes_second_where_the_layout_changes_nothing():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", TILES)
+@pytest.mark.parametrize("tile", [MMA_TILE, *TILES])
 def test_the_cuda_direct_convolutions_are_correct_on_a_gpu(tile):
-    """The CUDA kernels (templates/cuda_conv.cu.j2), every tile, judged by the sandbox on a GPU: the
-    six convolutions of the fixture (bias or not, stride 2 / padding 1, dilation 2, a prologue whose
-    f(0) is not 0, 3-D), each one kernel with its chains, every output checked."""
+    """The CUDA kernels (templates/cuda_conv.cu.j2), every tile (the tensor-core one first: it has not
+    run on a GPU yet), judged by the sandbox on a GPU: the six convolutions of the fixture (bias or
+    not, stride 2 / padding 1, dilation 2, a prologue whose f(0) is not 0, 3-D), each one kernel with
+    its chains, every output checked."""
     from sandbox.result import Status
 
     cand = generate(with_device_sizes(_spec(), "cuda"), "cuda", Knobs(layout="nchw", conv="direct", conv_tile=tile))

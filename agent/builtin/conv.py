@@ -51,6 +51,26 @@ TILES = {"4x16": (4, 16, 2), "2x16": (2, 16, 4), "4x8": (4, 8, 4), "8x8": (8, 8,
 DEFAULT_TILE = "4x8"          # fastest on 15 of 17 level-2 tasks on an H200 (session q, gpu_conv_check)
 THREADS = 256
 MAX_SHARED_BYTES = 160 * 1024      # staged input tile + weights (dynamic shared memory, sm_80+)
+# The tensor-core tile: the same convolution as an implicit GEMM on TF32 mma.sync (m16n8k8) in three
+# products per step (3xTF32: each float32 operand split into a TF32 value and its TF32 remainder,
+# big*big + big*small + small*big), accurate to float32 rounding as the FMA kernels are. Each warp
+# computes one output row of 32 columns (two 16-row m-tiles) for up to MMA_COB output channels.
+# The FMA tiles run at about a third of the fp32 FMA peak (session s); this one has not run on a GPU
+# yet: off unless KERNELLOOP_CUDA_CONV_3XTF32=1, until tests/test_builtin_conv.py's 3xtf32 GPU test has judged it.
+MMA_TILE = "3xtf32"
+MMA_ENV = "KERNELLOOP_CUDA_CONV_3XTF32"
+MMA_ROWS = 8                       # warps per block, one output row each
+MMA_COB = 64                       # output channels per block at most (a multiple of 8)
+
+
+def mma_on() -> bool:
+    """Whether the tensor-core tile is among the ``conv_tile`` values tried (``KERNELLOOP_CUDA_CONV_3XTF32=1``)."""
+    return os.environ.get(MMA_ENV, "0") == "1"
+
+
+def tile_names() -> list[str]:
+    """The ``conv_tile`` values the search tries: the FMA tiles, and the tensor-core one where on."""
+    return list(TILES) + ([MMA_TILE] if mma_on() else [])
 
 _MODULES = {nn.Conv2d: 2, nn.Conv3d: 3}
 _FUNCTIONS = {F.conv2d: 2, torch.conv2d: 2, F.conv3d: 3, torch.conv3d: 3}
@@ -75,17 +95,25 @@ def _tuple(v: Any, dims: int) -> Optional[tuple[int, ...]]:
     return None
 
 
-def tile_shape(tile: str, out_channels: int) -> dict[str, int]:
+def tile_shape(tile: str, out_channels: int) -> dict[str, Any]:
     """The CUDA block of ``tile`` for ``out_channels``: rows/channels per thread, warp rows,
-    channel groups (fewer where the convolution has fewer channels), the block's tile sizes."""
+    channel groups (fewer where the convolution has fewer channels), the block's tile sizes.
+    The tensor-core tile (``mma``): one output row per warp, ``cob`` channels in n-tiles of 8,
+    the weights staged with a row stride of ``cob + 8`` (B fragments' loads without bank conflicts)."""
+    if tile == MMA_TILE:
+        cob = min(MMA_COB, -(-out_channels // 8) * 8)
+        return {"mma": True, "py": 1, "ct": cob, "wy": MMA_ROWS, "cg": 1, "th": MMA_ROWS, "tw": 32, "cob": cob,
+                "nt": cob // 8, "ws": cob + 8, "threads": 32 * MMA_ROWS}
     py, ct, wy = TILES[tile]
     cg = max(1, min(-(-out_channels // ct), THREADS // (32 * wy)))
-    return {"py": py, "ct": ct, "wy": wy, "cg": cg, "th": py * wy, "tw": 32, "cob": cg * ct,
+    return {"mma": False, "py": py, "ct": ct, "wy": wy, "cg": cg, "th": py * wy, "tw": 32, "cob": cg * ct,
             "threads": 32 * wy * cg}
 
 
 def shared_floats(params: dict[str, Any], tile: str) -> tuple[int, int]:
-    """(input tile, weights) floats a block of ``tile`` stages in shared memory."""
+    """(input tile, weights) floats a block of ``tile`` stages in shared memory; the tensor-core
+    tile stages each twice (TF32 values and remainders), the weights over ``k`` rounded up to 8,
+    and the input's offset per ``k`` (one int each)."""
     t = tile_shape(tile, params["out_channels"])
     kd, kh, kw = params["kernel3"]
     _, sh, sw = params["stride3"]
@@ -93,6 +121,9 @@ def shared_floats(params: dict[str, Any], tile: str) -> tuple[int, int]:
     ih = (t["th"] - 1) * sh + (kh - 1) * dh + 1
     iw = (t["tw"] - 1) * sw + (kw - 1) * dw + 1
     s_in = params["in_channels"] * kd * ih * iw
+    if t["mma"]:
+        k8 = -(-params["k"] // 8) * 8
+        return (2 * s_in + k8 + 3) // 4 * 4, 2 * k8 * t["ws"]
     return (s_in + 3) // 4 * 4, params["k"] * t["cob"]
 
 
@@ -164,7 +195,7 @@ def conv_info(node: Node, modules: dict[str, nn.Module], device: str) -> Optiona
               "kernel": tuple(ws[2:]), "stride": stride, "padding": padding, "dilation": dilation,
               "kernel3": pad3(ws[2:], 1), "stride3": pad3(stride, 1), "padding3": pad3(padding, 0),
               "dilation3": pad3(dilation, 1), "bias": b is not None}
-    if max(sum(shared_floats(params, t)) for t in TILES) * 4 > MAX_SHARED_BYTES:
+    if max(sum(shared_floats(params, t)) for t in [*TILES, MMA_TILE]) * 4 > MAX_SHARED_BYTES:
         return None
     return OpInfo("conv", f"conv{dims}d", [x, w] + ([b] if b is not None else []), params)
 

@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 from agent.builtin.attention import ATTENTION_MODES
 from agent.builtin.codegen import BLOCK_SIZES, HEADER_PREFIX, Knobs, body_hash
-from agent.builtin.conv import DEFAULT_TILE, TILES
+from agent.builtin.conv import DEFAULT_TILE, tile_names
 from agent.builtin.gemm import MATMUL_MODES
 from agent.builtin.layout import LAYOUTS
 from agent.builtin.plan import FUSION_MODES, narrow
@@ -290,7 +290,7 @@ DEFAULT_ORDER = [
     Knobs("split", True, 256, "twopass", "tc3"),
 ]
 # (the direct convolution with each of its tiles in NCHW only: the channels-last graph keeps cuDNN)
-_CONVS = [("library", DEFAULT_TILE)] + [("direct", t) for t in TILES]
+_CONVS = [("library", DEFAULT_TILE)] + [("direct", t) for t in tile_names()]
 ALL_KNOBS = [Knobs(f, v, b, r, m, lay, a, rec, cv, tile) for cv, tile in _CONVS for f in FUSION_MODES
              for v in (True, False) for b in BLOCK_SIZES for r in ("onepass", "twopass") for m in MATMUL_MODES
              for lay in LAYOUTS for a in ATTENTION_MODES for rec in RECURRENT_MODES
