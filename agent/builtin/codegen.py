@@ -12,7 +12,7 @@ import jinja2
 from torch.fx import Node
 
 from agent.builtin import pysource
-from agent.builtin.conv import shared_floats, tile_shape
+from agent.builtin.conv import rendered_tile, shared_floats, tile_shape
 from agent.builtin.dtypes import at_type, c_type
 from agent.builtin.gemm import TcGemm, tc3_gemms
 from agent.builtin.kernels import LANES, KernelGroup, split_reduce_on
@@ -233,8 +233,9 @@ class GroupCode:
         """The direct convolution's template context: its parameters, the CUDA tile, the shared
         memory it stages, and which kernel inputs are its weight and bias."""
         p = self.kg.core_info.params
-        s_in, s_w = shared_floats(p, self.knobs.conv_tile)
-        return {**p, "tile": tile_shape(self.knobs.conv_tile, p["out_channels"]), "s_in": s_in, "s_w": s_w,
+        tile = rendered_tile(p, self.knobs.conv_tile)
+        s_in, s_w = shared_floats(p, tile)
+        return {**p, "tile": tile_shape(tile, p["out_channels"]), "s_in": s_in, "s_w": s_w,
                 "w": self.kg.params[0], "b": self.kg.params[1] if p["bias"] else None}
 
     def _conv_sizes(self) -> list[str]:

@@ -127,6 +127,15 @@ def shared_floats(params: dict[str, Any], tile: str) -> tuple[int, int]:
     return (s_in + 3) // 4 * 4, params["k"] * t["cob"]
 
 
+def rendered_tile(params: dict[str, Any], tile: str) -> str:
+    """The tile a kernel is written with: ``tile``, or the default where the tensor-core tile's
+    staging (each operand twice) would not fit ``MAX_SHARED_BYTES`` (a matched convolution fits
+    every FMA tile)."""
+    if tile == MMA_TILE and sum(shared_floats(params, tile)) * 4 > MAX_SHARED_BYTES:
+        return DEFAULT_TILE
+    return tile
+
+
 def _parameter(node: Any, modules: dict[str, nn.Module]) -> Any:
     """A ``get_attr`` node of a model parameter as itself (None: absent); anything else: False."""
     if node is None:
@@ -195,7 +204,7 @@ def conv_info(node: Node, modules: dict[str, nn.Module], device: str) -> Optiona
               "kernel": tuple(ws[2:]), "stride": stride, "padding": padding, "dilation": dilation,
               "kernel3": pad3(ws[2:], 1), "stride3": pad3(stride, 1), "padding3": pad3(padding, 0),
               "dilation3": pad3(dilation, 1), "bias": b is not None}
-    if max(sum(shared_floats(params, t)) for t in [*TILES, MMA_TILE]) * 4 > MAX_SHARED_BYTES:
+    if max(sum(shared_floats(params, t)) for t in TILES) * 4 > MAX_SHARED_BYTES:
         return None
     return OpInfo("conv", f"conv{dims}d", [x, w] + ([b] if b is not None else []), params)
 
