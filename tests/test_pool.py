@@ -490,6 +490,42 @@ def test_a_reference_spawned_ahead_loads_its_task_into_the_same_process_later():
     assert spawned.proc.poll() is not None
 
 
+def test_on_cuda_a_starting_reference_imports_while_its_slot_is_timed_and_loads_after():
+    """``Sandbox._starting`` on cuda (the device name set by hand; the worker runs on the CPU): the
+    reference's process starts and imports while a timing holds the slot's gate, and only its load
+    waits for the timing to end. On the CPU target the whole start waits (imports share the cores)."""
+    sandbox = Sandbox("cpu", CFG, warm_workers=0)
+    try:
+        spec = _spec()
+        ref = sandbox.reference(spec, 0)
+        gate = sandbox._gates[0]
+        sandbox.device = "cuda"
+        imported, loaded = threading.Event(), threading.Event()
+
+        def start():
+            held = sandbox._starting(ref, 0)         # spawns and imports first, off the gate
+            imported.set()
+            with held:
+                ref.ensure()
+            loaded.set()
+
+        with gate.timing():
+            t = threading.Thread(target=start)
+            t.start()
+            assert imported.wait(120), "the reference's imports waited for the timing"
+            assert ref._spawned is not None and "imported" in ref._spawned.events
+            assert not loaded.wait(0.5)              # its load waits for the timing
+        t.join(300)
+        assert loaded.is_set() and not ref.needs_start()
+        assert gate.account["reference start"]["n"] == 1
+        sandbox.device = "cpu"
+        ref.close()
+        assert sandbox._starting(ref, 0) is not None and ref._spawned is None     # cpu: nothing spawned ahead
+    finally:
+        sandbox.device = "cpu"
+        sandbox.close()
+
+
 def test_a_worker_asking_for_a_device_turn_it_was_not_offered_is_the_harness_failure_it_is():
     """Turns are offered by the parent (``WorkerProcess.ask``'s ``device_turns``); a request that
     asks for one without the offer fails loudly, instead of waiting forever for a ``go``."""
