@@ -35,7 +35,7 @@ from typing import Any, Optional
 from executors.base import ExecutorError
 from executors.ray_slot import EvaluationSlot, build_on_node, spec_data
 from sandbox.admission import TaskTooLarge
-from sandbox.evaluate import REFERENCE_AFFINITY, sha256_text
+from sandbox.evaluate import sha256_text, slot_preference
 from sandbox.failures import MAX_INFRA_RETRIES
 from sandbox.footprint import Footprint
 from sandbox.result import EvalConfig, EvalResult, Status
@@ -207,11 +207,11 @@ class RayExecutor:
 
     # ---------------------------------------------------------------- slots
     def _pick(self, spec: TaskSpec) -> RaySlot:
-        """The least-loaded live slot, where a slot running the task's reference counts
-        ``REFERENCE_AFFINITY`` evaluations less, as the local sandbox picks its GPUs: each slot
-        starts its own reference for a task (its model and warm-up compile hold that GPU's
-        timings back), and the least-loaded rule alone started every task's reference on every
-        slot. While every slot is lost, wait for one to come back (at most ``SLOT_WAIT_S``)."""
+        """The live slot the local sandbox's rule prefers (``slot_preference``: the least loaded,
+        where a slot running the task's reference counts ``REFERENCE_AFFINITY`` evaluations less):
+        each slot starts its own reference for a task (its model and warm-up compile hold that
+        GPU's timings back), and the least-loaded rule alone started every task's reference on
+        every slot. While every slot is lost, wait for one to come back (at most ``SLOT_WAIT_S``)."""
         deadline = time.monotonic() + SLOT_WAIT_S
         with self._slots_changed:
             while True:
@@ -221,8 +221,7 @@ class RayExecutor:
                 self._slots_changed.wait(timeout=5.0)
             if not live:
                 raise SlotsLost(f"no evaluation slot came back within {SLOT_WAIT_S:.0f} s")
-            slot = min(live, key=lambda s: (s.load - (REFERENCE_AFFINITY if spec.key in s.tasks else 0),
-                                            spec.key not in s.tasks, s.index))
+            slot = min(live, key=lambda s: (*slot_preference(s.load, spec.key in s.tasks), s.index))
             slot.load += 1
             slot.tasks.add(spec.key)
             return slot

@@ -78,6 +78,13 @@ DEFAULT_WARM_WORKERS = {"cuda": 4, "cpu": 2}
 REFERENCE_AFFINITY = 4
 
 
+def slot_preference(load: int, has_reference: bool) -> tuple[int, bool]:
+    """The key a slot is chosen by, least first (the local sandbox's GPUs and the Ray executor's
+    slots): its candidates in flight, ``REFERENCE_AFFINITY`` fewer where the task's reference
+    runs there; among equals, one with the reference."""
+    return load - (REFERENCE_AFFINITY if has_reference else 0), not has_reference
+
+
 class Sandbox:
     """Evaluates candidates for one device kind. Thread-safe: builds run in parallel on the CPU
     cores (up to ``build_slots``); each GPU (or the CPU) is a slot that one candidate holds
@@ -224,7 +231,7 @@ class Sandbox:
             with self._refs_lock:     # started there, or being started there (Sandbox.prepare)
                 has_ref = [(key, i) in self._refs or self._prepared_on.get(key) == i for i in range(len(self.slots))]
             slot = min(range(len(self.slots)),
-                       key=lambda i: (self._slot_load[i] - (REFERENCE_AFFINITY if has_ref[i] else 0), not has_ref[i]))
+                       key=lambda i: slot_preference(self._slot_load[i], has_ref[i]))
             self._slot_load[slot] += 1
             return slot
 
