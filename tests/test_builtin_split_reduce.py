@@ -1,7 +1,7 @@
 """Long reductions with few outputs split over blocks on cuda (``kernels.split_reduce_on``,
-``KERNELLOOP_CUDA_SPLIT_REDUCE=1``): a norm's statistics where rows are fewer than the SMs
+on by default, ``KERNELLOOP_CUDA_SPLIT_REDUCE=0`` off): a norm's statistics where rows are fewer than the SMs
 (cuda_norm.cu.j2's _part/_fin) and column reductions with few outputs (cuda_reduce.cu.j2's
-_colpart/_colfin). Rendered only where switched on; judged on a GPU (the GPU tests) and built by
+_colpart/_colfin). Rendered unless switched off; judged on a GPU (the GPU tests) and built by
 nvcc (tests/test_cuda_builds.py)."""
 from __future__ import annotations
 
@@ -24,12 +24,12 @@ def _kinds(cand) -> list[str]:
     return [g["kind"] for g in cand.choices["groups"]]
 
 
-def test_the_split_norm_kernels_render_only_where_switched_on_and_one_pass(monkeypatch):
-    monkeypatch.delenv(SPLIT_REDUCE_ENV, raising=False)
+def test_the_split_norm_kernels_render_unless_switched_off_and_one_pass(monkeypatch):
+    monkeypatch.setenv(SPLIT_REDUCE_ENV, "0")
     off = generate(_spec(), "cuda", Knobs(layout="nchw"))
-    assert _kinds(off) == ["norm"] * 4 and "_part" not in off.source          # off by default
-    monkeypatch.setenv(SPLIT_REDUCE_ENV, "1")
-    on = generate(_spec(), "cuda", Knobs(layout="nchw"))
+    assert _kinds(off) == ["norm"] * 4 and "_part" not in off.source          # switched off
+    monkeypatch.delenv(SPLIT_REDUCE_ENV, raising=False)
+    on = generate(_spec(), "cuda", Knobs(layout="nchw"))                      # on by default
     assert on.choices["groups"] == off.choices["groups"]                      # the same groups, more kernels
     for g in on.choices["groups"]:
         name = g["name"]
@@ -46,10 +46,10 @@ def test_the_split_norm_kernels_render_only_where_switched_on_and_one_pass(monke
 
 def test_the_split_column_reductions_render_for_sum_max_and_logsumexp(monkeypatch):
     spec = _spec("reduce_split")
-    monkeypatch.delenv(SPLIT_REDUCE_ENV, raising=False)
+    monkeypatch.setenv(SPLIT_REDUCE_ENV, "0")
     off = generate(spec, "cuda")
     assert _kinds(off) == ["reduce"] * 3 and "_colpart" not in off.source
-    monkeypatch.setenv(SPLIT_REDUCE_ENV, "1")
+    monkeypatch.delenv(SPLIT_REDUCE_ENV, raising=False)
     on = generate(spec, "cuda")
     assert on.choices["groups"] == off.choices["groups"]
     for g in on.choices["groups"]:

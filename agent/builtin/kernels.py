@@ -36,8 +36,11 @@ SPLIT_REDUCE_ENV = "KERNELLOOP_CUDA_SPLIT_REDUCE"
 def split_reduce_on() -> bool:
     """Whether long reductions with few outputs are split over several blocks on cuda, each block
     a chunk, its partial results merged in chunk order by a second kernel:
-    ``KERNELLOOP_CUDA_SPLIT_REDUCE=1``. Off until a GPU has judged it (session s built it with nvcc
-    only). Two places, each measured in session s's profiles:
+    on by default, ``KERNELLOOP_CUDA_SPLIT_REDUCE=0`` turns it off. Session u judged it on four H200s
+    (``tests/test_builtin_split_reduce.py -m gpu``: correct) and optimised level2/15, 42, 44, 52, 72
+    and 73 with it on and off side by side: best vs torch.compile 0.97/0.92/0.71/0.45/0.75/0.55x
+    on, 0.60/0.69/0.61/0.65/0.34/0.64x off (``evals/gpu_runs/2026-11-28-session-u.md``). Two
+    places, each measured in session s's profiles:
 
     * a norm's statistics where rows are fewer than the SMs (``cuda_norm.cu.j2``'s
       ``_part``/``_fin``): a BatchNorm row is a channel, so level2/72's 16 channels ran its norm
@@ -45,7 +48,7 @@ def split_reduce_on() -> bool:
     * a column reduction with few outputs (``cuda_reduce.cu.j2``'s ``_colpart``/``_colfin``): a
       global average pool over a channels-last view is 2048 outputs of 65536 elements each in
       level2/44, one thread per output, 8 blocks: 12.1 ms against 0.14 ms for the NCHW row kernel."""
-    return os.environ.get(SPLIT_REDUCE_ENV, "0") == "1"
+    return os.environ.get(SPLIT_REDUCE_ENV, "1") != "0"
 
 
 @dataclass
