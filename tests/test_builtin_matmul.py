@@ -64,7 +64,8 @@ def test_the_rule():
     # 1_MLP at KernelBench's sizes: 128 rows; the split of a 16384x16384 weight costs as much as
     # the GEMM (the candidate ran 0.66x eager): cuBLAS's SGEMM stays
     assert not tc3_worthwhile("cuda", 128, 16384, 16384)
-    assert not tc3_worthwhile("cuda", 2047, 16384, 16384) and tc3_worthwhile("cuda", 2048, 16384, 16384)
+    assert not tc3_worthwhile("cuda", 1023, 16384, 16384) and tc3_worthwhile("cuda", 1024, 16384, 16384)
+    assert tc3_worthwhile("cuda", 1024, 8192, 8192)                            # the level-2 GEMMs of 1024 rows
 
 
 def test_nn_linear_runs_split_tf32_by_default_on_cuda():

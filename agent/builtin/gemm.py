@@ -38,8 +38,11 @@ TC3_MIN_MNK = 2 ** 33
 # The split re-reads and re-writes both operands (the weight too, every call) and adds K/256
 # chunked GEMMs: work proportional to N*K, against a GEMM of M*N*K. With few rows (1_MLP: M=128,
 # N=K=16384) that overhead is the GEMM's own size and the candidate ran 0.66x eager on an H200:
-# below this many rows cuBLAS's single SGEMM stays.
-TC3_MIN_M = 2048
+# below this many rows cuBLAS's single SGEMM stays. At 2048 rows (level2/51 and 53, N=K=8192)
+# the split ran 1.6x torch.compile on an H200 (session u), while the 24 level-2 GEMMs of 1024
+# rows and the same N and K, then below the bound, stayed at cuBLAS's 1.00x: at half the rows
+# the weight's split is 2x as large a share (about 0.16 ms of 1.3 ms), so 1024 rows qualify.
+TC3_MIN_M = 1024
 _MATMUL_FUNCTIONS = (torch.matmul, torch.mm, operator.matmul)
 _MATMUL_METHODS = ("matmul", "mm")
 
@@ -54,7 +57,7 @@ def tc3_worthwhile(device: str, m: int, n: int, k: int) -> bool:
     it was 1.32 ms against 1.42 ms, too small a gain for 17 extra GEMM calls and the split's
     memory traffic; a bmm with K=128 was slower (bmm is never offered). So only large GEMMs with
     a long K (enough 256-chunks to amortise the calls) and a wide N: K >= 1024, N >= 256 and
-    M*N*K >= 2^33, on cuda only; and enough rows to amortise splitting the weight: M >= 2048
+    M*N*K >= 2^33, on cuda only; and enough rows to amortise splitting the weight: M >= 1024
     (``TC3_MIN_M``)."""
     return (device == "cuda" and m >= TC3_MIN_M and k >= TC3_MIN_K and n >= TC3_MIN_N
             and m * n * k >= TC3_MIN_MNK)
