@@ -63,6 +63,27 @@ def _load_specs(tasks: list[str], overrides: dict[str, Any]) -> list[Any]:
     return specs
 
 
+def _same_tasks_or_fail(run_id: int, specs: list[Any], tasks: list[str]) -> None:
+    """``--resume`` goes on with the run's own tasks: task arguments given with it must name those
+    (by content), or the command fails saying which differ, instead of leaving them unrun."""
+    from sandbox.tasks import TaskError, discover, read_spec
+
+    try:
+        given = {read_spec(p, {}).sha256: p for p in discover(tasks)}
+    except TaskError as exc:
+        fail(str(exc))
+    own = {sp.sha256: sp.name for sp in specs}
+    extra = [str(p) for h, p in given.items() if h not in own]
+    missing = [n for h, n in own.items() if h not in given]
+    if extra or missing:
+        def few(names: list[str]) -> str:
+            return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        parts = ([f"not in it: {few(extra)}"] if extra else []) + ([f"left out: {few(missing)}"] if missing else [])
+        fail(f"run {run_id} is over {len(own)} task(s) of its own, and --resume continues those; the tasks given "
+             f"differ ({'; '.join(parts)}). Drop the task arguments to continue run {run_id}, or leave out "
+             f"--resume to start a new run over them")
+
+
 def _summary_table(progress: list[Any], title: str) -> Table:
     table = Table(title=title)
     from statistics import geometric_mean
@@ -154,6 +175,8 @@ def optimize_command(
                 specs.append(TaskSpec(name=t["name"], path=t["path"], source=task_row.source,
                                       overrides=run.config["overrides"].get(t["name"], {})))
         run_id = resume
+        if tasks:
+            _same_tasks_or_fail(resume, specs, tasks)
         resolve_executor_device(cfg.device, executor)
         if (precision or math) and resolve_numerics(precision, math, cfg.eval.numerics) != cfg.eval.numerics:
             fail(f"run {resume} was started under {cfg.eval.numerics.label}: --resume keeps its numerics "

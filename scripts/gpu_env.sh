@@ -7,5 +7,16 @@ if [ ! -f /tmp/site/.kernelloop-wheels ]; then
 fi
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export KERNELLOOP_CACHE=/tmp/kernelloop-cache
-# the newest optimisation run in the store (replays are runs too)
-last_run() { python3 -c "import sqlite3,os;print(sqlite3.connect(os.environ['KERNELLOOP_DB']).execute(\"select max(id) from runs where kind = 'optimize'\").fetchone()[0] or '')" 2>/dev/null; }
+# the newest optimisation run in the store (replays are runs too); given task files, the newest over
+# exactly those (by file name): a lane's store kept on the warm machine holds the last call's runs too
+last_run() { python3 - "$@" <<'PY' 2>/dev/null
+import json, os, sqlite3, sys
+want = sorted(os.path.basename(p) for p in sys.argv[1:])
+rows = sqlite3.connect(os.environ["KERNELLOOP_DB"]).execute(
+    "select id, config from runs where kind = 'optimize' order by id desc").fetchall()
+for run_id, config in rows:
+    if not want or sorted(os.path.basename(t["path"]) for t in json.loads(config)["tasks"]) == want:
+        print(run_id)
+        break
+PY
+}

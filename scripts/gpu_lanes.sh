@@ -15,8 +15,9 @@
 # A whole level split over the lanes: `share level2` lists lane i's tasks of the level (every N-th
 # file in task-number order from the i-th, N the number of lanes: $LANE and $LANES), and `suite SECONDS ARGS`
 # runs `optimize` on them for at most SECONDS (boxed: `box` cannot run a shell function itself),
-# resuming the lane's last run where the call carried its store back in ($STORES/lane_i.db, e.g.
-# .gpu-store/l2; SUITE=level2 by default):
+# resuming the lane's last run over those same tasks where the call carried its store back in
+# ($STORES/lane_i.db, e.g. .gpu-store/l2) or a call before it on the warm machine left one; SUITE=level2
+# by default:
 #
 #   STORES=.gpu-store/l2 bash scripts/gpu_lanes.sh 'suite 505 --rounds 4 --samples 1' 'suite 505 --rounds 4 --samples 1' ...
 # Write nothing through `| tail`: the lane's file keeps everything and its tail is printed at the end.
@@ -42,7 +43,7 @@ for cmd in "$@"; do
       box() { local t=\$1; shift; timeout --signal=INT --kill-after=30 \"\$t\" \"\$@\"; echo \"[exit \$? after: \$*]\"; }
       named() { python3 -c 'import sys; from evals.kernelbench import kernelbench_paths as p; print(\" \".join(map(str, p(sys.argv[1:]))))' \"\$@\"; }
       share() { ls .kb/\$1/*.py | sort -V | awk -v i=\$LANE -v n=\$LANES '(NR - 1) % n == i'; }
-      suite() { local t=\$1 r=\$(last_run); shift; box \$t python3 -m kernelloop.cli optimize \$(share \${SUITE:-level2}) --model builtin \${r:+--resume \$r} \"\$@\"; }
+      suite() { local t=\$1 r=\$(last_run \$(share \${SUITE:-level2})); shift; box \$t python3 -m kernelloop.cli optimize \$(share \${SUITE:-level2}) --model builtin \${r:+--resume \$r} \"\$@\"; }
       $cmd"
     echo "[lane $i exit $?]"
     # a consistent copy, the write-ahead log's pages included (a store cut off mid-run may have them there)

@@ -222,6 +222,29 @@ def test_a_resume_of_a_task_whose_rounds_are_all_stored_says_only_that_it_finish
     assert "correct:theverdict;clean:correctwithnodisqualifyingflag" in text
 
 
+def test_a_resume_given_other_tasks_than_its_runs_fails_naming_them_and_stores_nothing(
+        first_run: LoopRun, loop_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A GPU lane resumed its store's last run with a new lane's task list: the run's own tasks
+    were finished, the new ones were silently left unrun, and it exited 0. Task arguments given
+    with --resume must be the run's own; the same task file given again is accepted."""
+    import shutil
+
+    db = tmp_path / "copy.db"
+    shutil.copy(first_run.db, db)
+    before = query(db, "SELECT count(*) FROM attempts")
+    with serving(loop_env) as server:
+        other = invoke(["optimize", str(Path(__file__).parent / "fixtures" / "builtin" / "norm_split.py"), "--resume",
+                        str(first_run.run_id), "--db", str(db)])
+        same = invoke(["optimize", str(TASK), "--resume", str(first_run.run_id), "--db", str(db)])
+        asked = len(server.requests)
+    assert other.exit_code != 0
+    text = flat(other.output)
+    assert f"run{first_run.run_id}isover1task(s)ofitsown" in text and "norm_split.py" in text, other.output
+    assert f"left out: {TASK_NAME}" in " ".join(other.output.split()), other.output
+    assert same.exit_code == 0, same.output + repr(same.exception)
+    assert asked == 0 and query(db, "SELECT count(*) FROM attempts") == before
+
+
 def test_model_calls_one_per_sample_with_templates_hash_tokens_latency(first_run: LoopRun) -> None:
     from agent.prompts import messages_sha256
 
