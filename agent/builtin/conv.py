@@ -55,8 +55,9 @@ MAX_SHARED_BYTES = 160 * 1024      # staged input tile + weights (dynamic shared
 # products per step (3xTF32: each float32 operand split into a TF32 value and its TF32 remainder,
 # big*big + big*small + small*big), accurate to float32 rounding as the FMA kernels are. Each warp
 # computes one output row of 32 columns (two 16-row m-tiles) for up to MMA_COB output channels.
-# The FMA tiles run at about a third of the fp32 FMA peak (session s); this one has not run on a GPU
-# yet: off unless KERNELLOOP_CUDA_CONV_3XTF32=1, until tests/test_builtin_conv.py's 3xtf32 GPU test has judged it.
+# The FMA tiles run at about a third of the fp32 FMA peak (session s). On an H200 (session u) this one
+# was correct on 17 level-2 tasks but slower overall (geomean 0.917x compile against 4x8's 0.970x), so
+# it stays off unless KERNELLOOP_CUDA_CONV_3XTF32=1 (docs/builtin_conv.md).
 MMA_TILE = "3xtf32"
 MMA_ENV = "KERNELLOOP_CUDA_CONV_3XTF32"
 MMA_ROWS = 8                       # warps per block, one output row each
