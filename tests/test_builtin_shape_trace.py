@@ -198,3 +198,62 @@ def test_the_unrolled_candidate_is_correct_in_the_cpu_sandbox():
     assert cand.source.count(right) == 1
     wrong = evaluate(spec, cand.source.replace(right, "const float t_tanh = tanhf(a0) * 0.99f;"), "cpu", cfg)
     assert wrong.status is Status.incorrect, (wrong.status, wrong.error_message)
+
+
+# --------------------------------------------------------------------------------------
+# a forward that assigns module attributes (state kept across calls)
+# --------------------------------------------------------------------------------------
+STATE = FIXTURES / "rnn_state.py"
+
+
+def test_a_forward_assigning_module_attributes_traces_and_the_candidate_assigns_them_too():
+    """level3/33_VanillaRNN assigns ``self.hidden`` (a plain tensor attribute) in forward. The
+    tracer left proxies on the model, the graph module copied them, and every way of tracing
+    failed ("_tensor_constant0 references nonexistent attribute"): the task had no candidate
+    of its own. Now the model's attributes come back after the trace, the last value assigned
+    is a group's output, and the candidate's forward assigns it as the reference's does."""
+    spec = read_spec(STATE, name="fixtures/rnn_state")
+    traced = trace_task(spec, "cpu")
+    assert traced.ok, traced.error
+    assert list(traced.rebinds) == ["hidden"] and traced.rebinds["hidden"].name == "tanh"
+    cand = generate(spec, "cpu")
+    kinds = [g["ops"] for g in cand.choices["groups"]]
+    assert kinds == [["mul", "add", "tanh"]], kinds              # the assigned value ends its group
+    forward = cand.source[cand.source.index("    def forward"):]
+    assert "        self.hidden = v_tanh\n        return v_h2o" in forward
+
+
+def test_the_candidate_keeps_the_references_state_across_calls():
+    """Run in one process: after each of two forwards (different inputs) the candidate's output and
+    its ``hidden`` attribute equal the reference's."""
+    import torch
+
+    from sandbox.tasks import load_task
+
+    spec = read_spec(STATE, name="fixtures/rnn_state")
+    cand = generate(spec, "cpu")
+    ns: dict = {"__name__": "kl_candidate"}
+    exec(compile(cand.source, "rnn_state_candidate.py", "exec"), ns)
+    task = load_task(spec)
+    torch.manual_seed(0)
+    ref = task.Model(*task.get_init_inputs())
+    torch.manual_seed(0)
+    new = ns["ModelNew"](*task.get_init_inputs())
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        inputs = task.get_inputs()
+        with torch.no_grad():
+            want, got = ref(*inputs), new(*[t.clone() for t in inputs])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(new.hidden, ref.hidden, rtol=1e-5, atol=1e-6)
+        assert new.hidden is not inputs[1]
+
+
+def test_the_stateful_candidate_is_correct_in_the_cpu_sandbox():
+    from builtin_candidate import judge
+    from sandbox.result import Status
+
+    spec = read_spec(STATE, name="fixtures/rnn_state")
+    result = judge(spec, propose(spec, "cpu", 0, 0).source, "cpu")
+    assert result.status is Status.correct, (result.status, result.error_message, result.flags)
+    assert not any(f.kind == "no_custom_kernel" for f in result.flags), result.flags

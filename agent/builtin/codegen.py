@@ -500,6 +500,8 @@ def emit_forward(traced: Traced, plan: Plan, codes: list[GroupCode], tc: Optiona
         if n.op == "placeholder":
             continue
         if n.op == "output":
+            # the module attributes the reference's forward assigns (state kept across calls)
+            body.extend(f"self.{path} = {fmt(node)}" for path, node in traced.rebinds.items())
             body.append(f"return {fmt(n.args[0])}")
             continue
         if n in group_of:

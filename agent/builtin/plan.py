@@ -163,6 +163,8 @@ def make_plan(traced: Traced, fusion: str = "max", cuts: Iterable[str] = (),
         raise ValueError(f"unknown fusion mode {fusion!r}")
     infos = infos if infos is not None else classify_graph(traced)
     cuts, excluded = set(cuts), set(excluded)
+    # a value the forward assigns to a module attribute is a group's output: the candidate assigns it too
+    cuts |= {n.name for n in traced.rebinds.values()}
     epochs = _epochs(traced, infos)
     nodes = list(traced.gm.graph.nodes)
     group_of: dict[Node, Group] = {}

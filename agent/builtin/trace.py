@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.fx import GraphModule, Node, symbolic_trace
+from torch.fx import GraphModule, Node
 from torch.fx.passes.shape_prop import ShapeProp
 
 from agent.builtin.dtypes import cast_model, cast_values, precision_of
@@ -48,6 +48,9 @@ class Traced:
     how: str = "meta"                        # meta | cpu
     precision: str = "fp32"                  # the run's precision the trace was taken in
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)   # inputs the trace specialised on
+    # module attributes the forward assigns (level3/33_VanillaRNN's ``self.hidden = ...``): the
+    # attribute's path -> the node of its value at the forward's end (``_rebound``)
+    rebinds: dict[str, Node] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -108,7 +111,7 @@ def _trace_with(spec: TaskSpec, device: str, how: str, numerics: Any = None) -> 
         init = cast_values(numerics, task.get_init_inputs())
         model = cast_model(numerics, task.Model(*init))
         inputs = cast_values(numerics, task.get_inputs())
-    gm, shapes = _symbolic_trace(model, inputs)
+    gm, shapes, rebinds = _symbolic_trace(model, inputs)
     _ShapeProp(gm).propagate(*inputs)
     _rewrite_tuple_reductions(gm)       # first: a convolution followed by torch.min(x, 1)[0] splits its bias too
     _fold_scalar_tensors(gm)            # torch.min(x, torch.tensor(0.0, device=x.device)) fuses with its neighbours
@@ -133,8 +136,12 @@ def _trace_with(spec: TaskSpec, device: str, how: str, numerics: Any = None) -> 
                     raise ValueError(f"the trace holds a tensor constant {node.target} that the model lacks "
                                      "(only tensors of at most 4096 values, not on the meta device, are copied)")
                 constants[node.target] = value.detach().cpu().clone()
+    gone = [path for path, node in rebinds.items() if node.graph is not gm.graph or node not in set(gm.graph.nodes)]
+    if gone:
+        raise ValueError(f"the forward assigns module attributes ({', '.join(gone)}) whose values the trace's "
+                         "rewrites replaced")
     return Traced(spec=spec, device=device, gm=gm, modules=modules, constants=constants, how=how,
-                  precision=precision_of(numerics), shapes=shapes)
+                  precision=precision_of(numerics), shapes=shapes, rebinds=rebinds)
 
 
 class _ShapeProp(ShapeProp):
@@ -181,31 +188,79 @@ def _recurrent_outputs(module: nn.RNNBase, x: Any = None, hx: Any = None) -> Any
     return x.new_empty(output), x.new_empty(h_n)
 
 
-def _symbolic_trace(model: nn.Module, inputs: list) -> tuple[GraphModule, dict[str, tuple[int, ...]]]:
+def _symbolic_trace(model: nn.Module, inputs: list) -> tuple[GraphModule, dict[str, tuple[int, ...]], dict[str, Node]]:
     """``symbolic_trace``; where that fails, again with the model's buffers as proxies (a forward
     that slices a buffer by a traced size, ``self.bias[:, :, :T, :T]`` in minGPT's causal
     attention, indexes a real tensor with a proxy otherwise); where that fails too, with the
-    inputs' shapes answered concretely (``_ShapeTracer``). Returns the graph module and the
-    shapes of the inputs it specialised on (empty but for the last way).
+    inputs' shapes answered concretely (``_ShapeTracer``). Returns the graph module, the
+    shapes of the inputs it specialised on (empty but for the last way) and the module
+    attributes the forward assigned (``_rebound``).
 
     Every way traces the forward as ``get_inputs()`` calls it: a parameter that the inputs leave
     to its default (level3/35_LSTM's ``h0=None``, then drawn with ``torch.randn`` in forward) is
     traced with that default (``concrete_args``: the ``if h0 is None`` branch the reference takes;
     the graph keeps the parameter, asserting it is the default)."""
     concrete = _defaults_left(model, inputs)
-    try:
-        return _forward_names(symbolic_trace(model, concrete_args=concrete), concrete), {}
-    except Exception:  # noqa: BLE001 - the next way, or its own error
-        pass
-    try:
+
+    def plain() -> torch.fx.Tracer:
+        return torch.fx.Tracer()
+
+    def buffers_as_proxies() -> torch.fx.Tracer:
         tracer = torch.fx.Tracer()
         tracer.proxy_buffer_attributes = True
-        graph = tracer.trace(model, concrete_args=concrete)
-        return _forward_names(GraphModule(tracer.root, graph, type(model).__name__), concrete), {}
-    except Exception:  # noqa: BLE001 - the last way, or its own error
-        shaped = _ShapeTracer(model, inputs)
-        graph = shaped.trace(model, concrete_args=concrete)
-        return _forward_names(GraphModule(shaped.root, graph, type(model).__name__), concrete), shaped.used
+        return tracer
+
+    def shaped() -> torch.fx.Tracer:
+        return _ShapeTracer(model, inputs)
+
+    ways = (plain, buffers_as_proxies, shaped)
+    for i, way in enumerate(ways):
+        tracer = way()
+        saved = _module_state(model)
+        try:
+            graph = tracer.trace(model, concrete_args=concrete)
+        except Exception:  # noqa: BLE001 - the next way, or the last way's own error
+            _restore_module_state(model, saved)
+            if i == len(ways) - 1:
+                raise
+            continue
+        # before the graph module copies the attributes its get_attr nodes read: the forward's
+        # assignments left proxies on the model
+        rebinds = _rebound(model, saved)
+        _restore_module_state(model, saved)
+        gm = _forward_names(GraphModule(tracer.root, graph, type(model).__name__), concrete)
+        return gm, (tracer.used if isinstance(tracer, _ShapeTracer) else {}), rebinds
+    raise AssertionError("unreachable")
+
+
+def _module_state(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """Each module's own attributes (its ``__dict__`` less parameters, buffers and submodules, which
+    live in their own dicts), by module path."""
+    return {path: dict(vars(m)) for path, m in model.named_modules()}
+
+
+def _restore_module_state(model: nn.Module, saved: dict[str, dict[str, Any]]) -> None:
+    for path, m in model.named_modules():
+        before = saved.get(path)
+        if before is None:
+            continue
+        now = vars(m)
+        for name in [k for k in now if k not in before]:
+            del now[name]
+        now.update(before)
+
+
+def _rebound(model: nn.Module, saved: dict[str, dict[str, Any]]) -> dict[str, Node]:
+    """Module attributes the traced forward assigned a traced value to (``self.hidden = h``):
+    attribute path -> the node of the value it holds at the forward's end. A forward that keeps
+    state across calls this way (level3/33_VanillaRNN) left the proxies on the model; the
+    candidate's forward makes the same assignments (``codegen.emit_forward``)."""
+    out: dict[str, Node] = {}
+    for path, m in model.named_modules():
+        for name, value in vars(m).items():
+            if isinstance(value, torch.fx.Proxy) and path in saved:
+                out[f"{path}.{name}" if path else name] = value.node
+    return out
 
 
 def _forward_names(gm: GraphModule, concrete: Optional[dict[str, Any]]) -> GraphModule:
