@@ -109,6 +109,123 @@ def test_an_ill_conditioned_reference_keeps_pytorchs_bits():
     assert "torch.sum(" in cand.source or ".sum(" in cand.source
 
 
+RESIDUAL = FIXTURES / "residual_ill.py"
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_an_ill_conditioned_resnet_keeps_the_kernels_that_give_pytorchs_bits(device):
+    """level3/10_ResNet101 under TF32 convolutions: every batch norm stays on PyTorch, and so did
+    everything fused with one (no custom kernel: flagged). The residual ``out += identity; relu``
+    and the stem's ``relu -> max pool`` give PyTorch's own bits in any implementation: rendered
+    again without the batch norms, they are groups of their own and keep their kernels. The
+    ``out * scale + shift`` group (an FMA where nvcc or GCC's AVX-512 clone contracts it) does not."""
+    from sandbox.numerics import Numerics
+
+    spec = _spec(RESIDUAL)
+    verdict = replay_verdict(spec, Numerics(), device)
+    assert verdict.ran and verdict.ill_conditioned and not verdict.semantic, verdict.notes
+    assert verdict.ref_fp64_rel_rms > 1e-2
+    assert verdict.exact == {"add+relu": 1, "relu+max_pool2d": 1}, verdict.notes
+    assert {"bn0", "bn1", "bn2", "mul", "add_1"} <= verdict.excluded
+    assert not {"add", "relu_2", "relu", "maxpool"} & verdict.excluded
+    cand = propose(spec, device, 0, 0, [], Numerics())
+    groups = [(g["kind"], g["ops"], g["nodes"]) for g in cand.choices["groups"]]
+    assert groups == [("pool", ["relu", "max_pool2d"], ["relu", "maxpool"]), ("ew", ["add", "relu"], ["add", "relu_2"])]
+    assert cand.choices["replay"]["exact"] == {"add+relu": 1, "relu+max_pool2d": 1}
+    assert cand.choices["replay"]["unverifiable"] == verdict.unverifiable
+    # the batch norms and the multiply-add run as the reference calls them; NCHW, the library's convolutions
+    for line in ("v_bn0 = self.bn0(", "v_bn1 = self.bn1(", "v_bn2 = self.bn2("):
+        assert line in cand.source
+    assert "channels_last" not in cand.source and cand.choices["knobs"]["conv"] == "library"
+    assert not any("batch_norm" in g["ops"] or "mul" in g["ops"] for g in cand.choices["groups"])
+
+
+def test_the_ill_conditioned_resnets_kernels_are_correct_and_clean_in_the_cpu_sandbox():
+    from builtin_candidate import judge
+    from sandbox.numerics import Numerics
+    from sandbox.result import FlagKind, Status
+
+    spec = _spec(RESIDUAL)
+    cand = propose(with_device_sizes(spec, "cpu"), "cpu", 0, 0, [], Numerics())
+    assert [g["ops"] for g in cand.choices["groups"]] == [["relu", "max_pool2d"], ["add", "relu"]]
+    result = judge(spec, cand.source, "cpu")
+    assert result.status is Status.correct, (result.status, result.error_message,
+                                             result.build.first_error if result.build else None)
+    checks = [o for t in result.trials for o in t.outputs]
+    assert checks and all(c.mismatched == 0 for c in checks)
+    assert not any(f.kind is FlagKind.no_custom_kernel for f in result.flags), result.flags
+
+
+def _gcc_fma_clone() -> bool:
+    """Whether this host runs the AVX-512 clone of the CPU kernels (GCC on x86-64 Linux, a CPU with
+    AVX-512F): the clone in which GCC contracts a multiply and an add into an FMA."""
+    import platform
+    import shutil
+
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return platform.machine() == "x86_64" and " avx512f" in flags and shutil.which("g++") is not None
+
+
+@pytest.mark.skipif(not _gcc_fma_clone(), reason="needs GCC's AVX-512 clone (x86-64 with AVX-512F)")
+def test_a_multiply_add_kernel_is_judged_incorrect_where_it_is_contracted():
+    """Why the replay leaves ``out * scale + shift`` to PyTorch: forced into a kernel, GCC's AVX-512
+    clone computes it as one FMA (one rounding where PyTorch rounds twice), and the reference, which
+    accepts only PyTorch's bits, judges it incorrect (the add+relu kernel beside it alone is correct:
+    the test above)."""
+    from builtin_candidate import judge
+    from sandbox.numerics import Numerics
+    from sandbox.result import Status
+
+    spec = _spec(RESIDUAL)
+    excluded = replay_verdict(spec, Numerics(), "cpu").excluded - {"mul", "add_1"}
+    cand = builtin.generate(spec, "cpu", builtin.Knobs(layout="nchw"), excluded=tuple(sorted(excluded)))
+    assert ["mul", "add"] in [g["ops"] for g in cand.choices["groups"]]
+    result = judge(spec, cand.source, "cpu")
+    assert result.status is Status.incorrect, (result.status, result.error_message)
+    # the first output (out, from the add+relu kernel) is PyTorch's; the second (z) is not
+    first = result.trials[0].outputs
+    assert first[0].mismatched == 0 and first[1].mismatched > 0, first
+
+
+def test_which_single_operations_give_pytorchs_bits(tmp_path):
+    """One IEEE operation of float32 tensors and float32 numbers gives PyTorch's bits; a number
+    that float32 cannot hold (0.1: its literal could round to a neighbour), a division PyTorch
+    computes otherwise (by a number, on CUDA: times its reciprocal; a number divided by a tensor:
+    a reciprocal times the number), or a double operand does not; selections and max pooling do."""
+    from agent.builtin import replay
+    from agent.builtin.plan import classify_graph
+    from agent.builtin.trace import trace_task
+
+    task = tmp_path / "ops.py"
+    task.write_text(
+        "import torch\nimport torch.nn as nn\nimport torch.nn.functional as F\n\n"
+        "class Model(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.register_buffer('wide', torch.ones(4, 8, 8, dtype=torch.float64))\n\n"
+        "    def forward(self, x, y):\n"
+        "        half = x + 0.5\n        tenth = x + 0.1\n        by_two = x / 2.0\n        by_three = x / 3.0\n"
+        "        two_over = 2.0 / x\n        by_y = x / y\n        times = x * 3\n        diff = x - y\n"
+        "        wide = x + self.wide\n        sel = torch.clamp(torch.relu(diff), max=1.0)\n"
+        "        pooled = F.max_pool2d(sel, 2)\n        avg = F.avg_pool2d(sel, 2)\n        ex = torch.exp(x)\n"
+        "        return half + tenth + by_two + by_three + two_over + by_y + times + wide.float() + ex, pooled + avg\n\n"
+        "def get_inputs():\n    return [torch.rand(2, 4, 8, 8) + 1, torch.rand(2, 4, 8, 8) + 1]\n\n"
+        "def get_init_inputs():\n    return []\n")
+    traced = trace_task(_spec(task), "cpu")
+    assert traced.ok, traced.error
+    infos = classify_graph(traced)
+    verdicts = {n.name: replay._node_gives_pytorch_bits(n, infos[n]) for n in traced.gm.graph.nodes if n in infos}
+    # x + 0.5, x / 2.0, x / y, x * 3, x - y; relu, clamp, max pool
+    yes = {"add", "truediv", "truediv_3", "mul", "sub", "relu", "clamp", "max_pool2d"}
+    # x + 0.1, x / 3.0, 2.0 / x, x + a double buffer; average pool, exp
+    no = {"add_1", "truediv_1", "truediv_2", "add_2", "avg_pool2d", "exp"}
+    assert all(verdicts[k] for k in yes), {k: verdicts[k] for k in yes}
+    assert not any(verdicts[k] for k in no), {k: verdicts[k] for k in no}
+
+
 def test_lstm_cell_fuses_the_gates_and_state_update_between_the_gemms():
     spec = _spec(LSTM)
     verdict = replay_verdict(spec)

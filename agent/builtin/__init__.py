@@ -246,8 +246,9 @@ def _propose_one(spec: TaskSpec, device: str, round: int, sample: int,
     fb.notes.extend(verdict.notes)
     # a reference that accepts only PyTorch's own bits, with convolutions that round in TF32 on
     # the target: a channels-last or generated convolution rounds differently, and the reference
-    # amplifies it like any other rounding (level3/10_ResNet101: see docs/builtin_replay.md)
-    forbidden = {("layout", "nhwc"), ("conv", "direct")} if verdict.unverifiable and \
+    # amplifies it like any other rounding (level3/10_ResNet101: see docs/builtin_replay.md); so
+    # also where every group kept its kernel because it gives PyTorch's bits (replay._gives_pytorch_bits)
+    forbidden = {("layout", "nhwc"), ("conv", "direct")} if verdict.ill_conditioned and \
         numerics is not None and "conv" in numerics.tf32_classes(device) else set()
     gen = _Generator(traced, device, fb, getattr(numerics, "math", None))
     picked: list[str] = []
@@ -277,7 +278,7 @@ def _propose_one(spec: TaskSpec, device: str, round: int, sample: int,
             chosen = gen.render(best)
             chosen.header["repeat"] = True
             chosen.source = _rewrite_header(chosen.source, chosen.header)
-    if verdict.ran and (verdict.semantic or verdict.unverifiable):
+    if verdict.ran and (verdict.semantic or verdict.unverifiable or verdict.exact):
         chosen.header["replay"] = verdict.as_dict()
         chosen.source = _rewrite_header(chosen.source, chosen.header)
     covered = sorted({op for kg in chosen.groups for op in kg.kg.ops})
@@ -345,11 +346,18 @@ def _replay(spec: TaskSpec, numerics: Optional[Numerics], device: str = "cpu"):
             rendered = gen.render(Knobs(matmul="ieee"))
             # a channels-last candidate is the rewritten graph's: its groups hold that graph's nodes
             owner = gen.other(rendered.header["knobs"]["layout"]) or gen
+
+            def rerender(excluded: frozenset):
+                """The candidate with the nodes named in ``excluded`` left to PyTorch, in NCHW: the
+                layout the proposal keeps for a reference that accepts only PyTorch's bits (its
+                convolutions are the reference's calls)."""
+                r = gen.render(Knobs(matmul="ieee", layout="nchw"), frozenset(excluded))
+                return r, (gen.other(r.header["knobs"]["layout"]) or gen).infos
             # the models are built under the sandbox's seeds, each build and forward holding the
             # process's generator (rng.isolated_rng, in replay._run/_reference), not the whole check:
             # a big task's replay takes a minute, and other tasks' traces wait only between forwards
             verdict = replay.check(owner.traced, rendered, owner.infos, numerics, device,
-                                   replay.MAX_REDUCED_ELEMENTS if resized else None)
+                                   replay.MAX_REDUCED_ELEMENTS if resized else None, rerender)
             if resized and verdict.ran:
                 verdict.notes.append(f"replay: run at {resized}")
     except Exception as exc:  # noqa: BLE001 - the replay is advice; the sandbox judges anyway

@@ -24,9 +24,16 @@ with both models built as the sandbox builds them (same seed, training mode, no 
    reference. A reference whose output is dominated by its own rounding (EfficientNetB2 at
    batch 2: its batch norms normalise over two values each, and the float32 reference is 0.9
    from its own float64 run; PyTorch itself, on one thread instead of two, misses it by 0.4)
-   accepts nothing but PyTorch's own bits; then every group is replayed alone in ``plan`` mode
-   and those whose correctly rounded result already fails are left to PyTorch: their kernel
-   could only be judged incorrect.
+   accepts nothing but PyTorch's own bits. Then only kernels that compute PyTorch's own bits
+   are kept (``_gives_pytorch_bits``): elementwise chains and max pools of two or more nodes
+   whose every operator either selects a value (relu, clamp, max, neg, max pooling) or is one
+   IEEE-754 operation on float32 operands (add, sub, mul, div: correctly rounded in PyTorch's
+   kernels and in ours alike), with no multiply and add in one kernel (nvcc, and GCC in the
+   AVX-512 clone of a CPU kernel, contract them into an FMA, which rounds once where PyTorch
+   rounds twice). The nodes of every other group are left to PyTorch, the candidate is rendered
+   again without them (a batch norm's epilogue, ``out += identity; relu``, becomes a group of its
+   own), and the kept kernels are replayed operator by operator in float32 (``exact`` mode)
+   against the judge's rule before they stay.
 """
 from __future__ import annotations
 
@@ -53,6 +60,7 @@ MAX_ELEMENTS = 32_000_000
 # minute and 1.8 GB on 2 cores, once per task
 MAX_REDUCED_ELEMENTS = 192_000_000
 MAX_GROUP_PROBES = 64
+MAX_RERENDERS = 8          # renderings that look for the kernels that give PyTorch's bits (ill-conditioned)
 _EXT_LINE = "_ext = _build()"
 
 
@@ -66,6 +74,10 @@ class Verdict:
     unverifiable: list[str] = field(default_factory=list)    # groups the judge could only fail
     ref_fp64_rel_rms: Optional[float] = None
     ran: bool = False
+    # the reference accepts only PyTorch's own bits (check 2 failed with correctly rounded kernels)
+    ill_conditioned: bool = False
+    # then, the kernels kept because they give PyTorch's bits: their operators, joined by "+", and how many
+    exact: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"ran": self.ran}
@@ -73,6 +85,8 @@ class Verdict:
             out["semantic"] = self.semantic
         if self.unverifiable:
             out["unverifiable"] = self.unverifiable
+        if self.exact:
+            out["exact"] = dict(self.exact)
         if self.ref_fp64_rel_rms is not None:
             out["ref_fp64_rel_rms"] = float(f"{self.ref_fp64_rel_rms:.3g}")
         return out
@@ -180,7 +194,7 @@ class _Emulated:
     def __init__(self, groups: list[Any], infos: dict[Node, Any], modes: dict[str, str]):
         self.groups = {c.kg.name: c.kg for c in groups}
         self.infos = infos
-        self.modes = modes                  # group name -> plan | torch (default torch)
+        self.modes = modes                  # group name -> plan | exact | torch (default torch)
         self.model: Optional[nn.Module] = None
 
     def __getattr__(self, name: str) -> Callable[..., torch.Tensor]:
@@ -194,11 +208,15 @@ class _Emulated:
             return kg.replay(args, self.model, self.modes.get(kg.name, "torch"))
         n_in = len(kg.inputs)
         tensors, flags = args[:n_in], tuple(args[n_in:])
-        if self.modes.get(kg.name, "torch") == "plan":
-            return self._plan(kg, tensors, flags)
+        mode = self.modes.get(kg.name, "torch")
+        if mode in ("plan", "exact"):
+            return self._plan(kg, tensors, flags, wide=mode == "plan")
         return self._torch(kg, tensors, flags)
 
-    def _plan(self, kg: Any, tensors: list[torch.Tensor], flags: tuple) -> torch.Tensor:
+    def _plan(self, kg: Any, tensors: list[torch.Tensor], flags: tuple, wide: bool = True) -> torch.Tensor:
+        """The plan's computation: in float64, rounded once at the end (``wide``), or operator by
+        operator in the tensors' own dtype (``exact`` mode: what a kernel that rounds each
+        operator's result to float computes, for the groups ``_gives_pytorch_bits`` keeps)."""
         if kg.kind == "attention":          # attention.AttnKernel: its own float64 emulation
             return kg.emulate(tensors)
         first = next(t for t, i in zip(tensors, kg.inputs) if isinstance(i.value, Node))
@@ -207,14 +225,14 @@ class _Emulated:
                   for i, t in zip(kg.inputs, tensors)}
         env: dict[Node, torch.Tensor] = {}
 
-        def val(o: Any, wide: bool = True) -> Any:
+        def val(o: Any, widen: bool = True) -> Any:
             if isinstance(o, Node):
                 v = env[o] if o in env else by_key[o]
             elif isinstance(o, ModuleAttr):
                 v = by_key[o.key]
             else:
                 return o
-            return v.double() if wide and v.is_floating_point() else v
+            return v.double() if wide and widen and v.is_floating_point() else v
 
         infos = kg.plan.infos          # the plan's classification (conv=direct: its conv cores)
         for n in kg.nodes:
@@ -230,7 +248,7 @@ class _Emulated:
                 env[n] = conv.emulate(info, ops[0], ops[1], ops[2] if len(ops) > 2 else None)
             else:
                 # running buffers are updated in place, in their own dtype
-                vals = [val(o, wide=not (isinstance(o, ModuleAttr) and o.attr.startswith("running_")))
+                vals = [val(o, widen=not (isinstance(o, ModuleAttr) and o.attr.startswith("running_")))
                         for o in info.operands]
                 env[n] = _plan_norm(info.op, vals, info.params, flags)
         return env[kg.out_node].to(out_dtype)
@@ -456,12 +474,16 @@ def affordable(traced: Any, limit: Optional[int] = None) -> bool:
 
 
 def check(traced: Any, rendered: Any, infos: dict[Node, Any], numerics: Any, device: str = "cpu",
-          limit: Optional[int] = None) -> Verdict:
+          limit: Optional[int] = None,
+          rerender: Optional[Callable[[frozenset], tuple[Any, dict[Node, Any]]]] = None) -> Verdict:
     """Both checks of the module docstring on a candidate rendered from the CPU trace ``traced``,
     for a run on ``device``: where that device runs float32 convolutions or matmuls in TF32
     (``Numerics.tf32_classes``: cuDNN convolutions under PyTorch's default math), the float32
     forwards of the verifiability check round those operands to TF32 as the target does, for
-    the reference and the candidate alike (the candidate's library calls are the reference's)."""
+    the reference and the candidate alike (the candidate's library calls are the reference's).
+    ``rerender(excluded)``: the same candidate rendered with the nodes named in ``excluded`` left
+    to PyTorch, and its plan's ``infos`` (without it, an ill-conditioned reference keeps only the
+    groups of ``rendered`` that give PyTorch's bits as they stand)."""
     from sandbox.numerics import Numerics
     from sandbox.tasks import load_task
 
@@ -508,29 +530,168 @@ def check(traced: Any, rendered: Any, infos: dict[Node, Any], numerics: Any, dev
     if _judged(ref32, ref64, _run(setup, {n: "plan" for n in rest}, wide=False)[0], numerics):
         return verdict
     # A correctly rounded kernel fails: the reference accepts (nearly) nothing but PyTorch's own
-    # bits. Groups that round nothing (selections: relu, clamp, max ...) give those bits too, and
-    # are kept where they fuse two operators or more (a lone relu kernel only matches PyTorch's).
-    keep = [n for n in rest if _rounding_free(groups, infos, n)]
-    if keep and not _judged(ref32, ref64, _run(setup, {n: "plan" for n in keep}, wide=False)[0], numerics):
-        keep = []
-    verdict.unverifiable = [n for n in rest if n not in keep]
-    rms = f"{verdict.ref_fp64_rel_rms:.3g}" if verdict.ref_fp64_rel_rms is not None else "?"
-    verdict.notes.append(
-        f"replay: the reference is ill-conditioned in {numerics.precision} (relative RMS {rms} from its own float64 "
-        f"run): with correctly rounded kernels the candidate already fails the judge's rule, so every group that "
-        f"rounds ({', '.join(verdict.unverifiable)}) stays on PyTorch, whose bits the reference accepts")
+    # bits. Only kernels that give those bits stay (_gives_pytorch_bits).
+    verdict.ill_conditioned = True
+    kept = _pytorch_bits_only(setup, verdict, groups, infos, rest, nodes_of, ref32, ref64, rerender)
+    verdict.unverifiable = [n for n in rest if not set(nodes_of[n]) <= kept]
     for name in verdict.unverifiable:
-        verdict.excluded.update(nodes_of[name])
+        verdict.excluded.update(set(nodes_of[name]) - kept)
+    rms = f"{verdict.ref_fp64_rel_rms:.3g}" if verdict.ref_fp64_rel_rms is not None else "?"
+    note = (f"replay: the reference is ill-conditioned in {numerics.precision} (relative RMS {rms} from its own float64 "
+            f"run): with correctly rounded kernels the candidate already fails the judge's rule, so every group that "
+            f"rounds ({', '.join(verdict.unverifiable)}) stays on PyTorch, whose bits the reference accepts")
+    if verdict.exact:
+        note += ("; kernels that give PyTorch's bits (selections and single IEEE operations) stay: "
+                 + ", ".join(f"{ops} x{k}" if k > 1 else ops for ops, k in sorted(verdict.exact.items())))
+    verdict.notes.append(note)
     return verdict
 
 
+def _pytorch_bits_only(setup: _Setup, verdict: Verdict, groups: list[Any], infos: dict[Node, Any],
+                       rest: list[str], nodes_of: dict[str, list[str]], ref32: list[Any], ref64: list[Any],
+                       rerender: Optional[Callable[[frozenset], tuple[Any, dict[Node, Any]]]]) -> set[str]:
+    """For an ill-conditioned reference: the node names of ``rest``'s groups that keep a kernel,
+    in groups that give PyTorch's own bits (``verdict.exact`` records them). With ``rerender``, the
+    nodes that round (a batch norm, a sum) are left to PyTorch and the candidate is rendered
+    again, so the chains around them form groups of their own (ResNet's ``bn3 -> add -> relu``
+    was one norm group: ``add -> relu`` remains); groups that still do not give PyTorch's bits
+    are left to PyTorch in turn. The kept kernels are then replayed operator by operator in
+    float32 (``exact`` mode) and must pass the judge's rule, or none is kept."""
+    members = {n for name in rest for n in nodes_of[name]}
+    if rerender is None:
+        names = {n for n in rest if _gives_pytorch_bits(next(c.kg for c in groups if c.kg.name == n), infos)}
+        keep = [c for c in groups if getattr(c, "fn", c.kg.name) in names]      # (with those sharing their kernels)
+        cand_setup, outside = setup, set()
+    else:
+        excluded = frozenset(verdict.excluded | {n.name for c in groups for n in c.kg.nodes
+                                                 if n.name in members and not _node_gives_pytorch_bits(n, infos[n])})
+        keep = []
+        try:
+            for _ in range(MAX_RERENDERS):
+                r, r_infos = rerender(excluded)
+                bad: set[str] = set()
+                for c in r.groups:
+                    if not _gives_pytorch_bits(c.kg, r_infos):
+                        # its nodes that round, else all of them (a lone node; a multiply beside an add)
+                        rounding = {n.name for n in c.kg.nodes if not _node_gives_pytorch_bits(n, r_infos[n])}
+                        bad |= rounding or {n.name for n in c.kg.nodes}
+                if not bad:
+                    keep = list(r.groups)
+                    break
+                excluded |= bad
+        except Exception as exc:  # noqa: BLE001 - then every group stays on PyTorch, as without this search
+            verdict.notes.append(f"replay: the kernels that give PyTorch's bits were not searched "
+                                 f"({type(exc).__name__}: {str(exc)[:200]})")
+            return set()
+        cand_setup = _Setup(setup.task, setup.numerics, r.source, keep, r_infos, setup.tf32) if keep else setup
+        # (nodes in no group of ``rest`` that the renderings left to PyTorch: the proposal leaves them too)
+        outside = set(excluded) - members - verdict.excluded
+    if not keep:
+        return set()
+    try:
+        passed = _judged(ref32, ref64, _run(cand_setup, {c.kg.name: "exact" for c in keep}, wide=False)[0],
+                         setup.numerics)
+    except Exception as exc:  # noqa: BLE001 - an emulation that cannot run vouches for nothing
+        verdict.notes.append(f"replay: the kernels that give PyTorch's bits could not be replayed "
+                             f"({type(exc).__name__}: {str(exc)[:200]}): every group stays on PyTorch")
+        return set()
+    if not passed:
+        verdict.notes.append("replay: the kernels that give PyTorch's bits, replayed operator by operator in float32, "
+                             "still fail the judge's rule: every group stays on PyTorch")
+        return set()
+    verdict.excluded |= outside
+    for c in keep:
+        ops = "+".join(c.kg.ops)
+        verdict.exact[ops] = verdict.exact.get(ops, 0) + 1
+    return {n.name for c in keep for n in c.kg.nodes}
+
+
+# --------------------------------------------------------------------------------------
+# kernels that give PyTorch's own bits
+# --------------------------------------------------------------------------------------
 # operators that select or copy a value and never round: any implementation gives PyTorch's bits
 _EXACT = {"relu", "neg", "abs", "clamp_min", "clamp_max", "clamp", "hardtanh", "maximum", "minimum"}
+# one IEEE-754 basic operation of two float32 values: correctly rounded in PyTorch's CPU and CUDA
+# kernels (add and sub as a + 1 * b, exact in either order or fused; div as a / b where the divisor
+# is a tensor) and in the generated kernels (``c_expr.BINARY``: `(a + b)` in float, each node's
+# result a `const float`; nvcc's default -prec-div=true, no fast-math anywhere)
+_IEEE = {"add", "sub", "mul", "div"}
+# ... as long as no multiply and add share a kernel: nvcc contracts `a * b + c` into an FMA by default
+# (--fmad=true; the candidates build with -O3 only: templates/candidate.py.j2), and so does GCC in
+# the AVX-512 clone of every CPU kernel (templates/common.h.j2: target_clones("avx512f", ...);
+# AVX-512F has FMA and GCC's C++ default is -ffp-contract=fast). An FMA rounds once where PyTorch,
+# one kernel per operator, rounds twice. (Division counts as a multiply: a compiler may turn a
+# division by a power of two into a multiply.)
+_PRODUCTS = {"mul", "div"}
+_SUMS = {"add", "sub"}
 
 
-def _rounding_free(groups: list[Any], infos: dict[Node, Any], name: str) -> bool:
-    kg = next(c.kg for c in groups if c.kg.name == name)
-    return kg.kind == "ew" and len(kg.nodes) >= 2 and all(infos[n].op in _EXACT for n in kg.nodes)
+def _f32_exact(v: Any) -> bool:
+    """Whether the number ``v`` is a float32 value: its literal (``c_expr.c_float``: the shortest
+    decimal of the double, read by the compiler as a float) is then the float32 PyTorch computes
+    with ((float)(double)v). Other values could round twice, to a neighbour."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return float(torch.tensor(float(v), dtype=torch.float32).item()) == float(v)
+    except (OverflowError, RuntimeError):
+        return False
+
+
+def _pow2(v: Any) -> bool:
+    """Whether ``v`` is a (signed) power of two whose reciprocal is a normal float32: 1/v is then
+    exact, so PyTorch's CUDA division by a number, ``a * (1 / v)``, is the correctly rounded
+    ``a / v`` (the same real number, rounded once)."""
+    if not _f32_exact(v) or not v or not math.isfinite(float(v)):
+        return False
+    m, e = math.frexp(abs(float(v)))
+    return m == 0.5 and -125 <= e <= 127          # |v| = 2^(e-1), 2^-126 .. 2^126
+
+
+def _f32_tensor(o: Any) -> bool:
+    tm = o.meta.get("tensor_meta") if isinstance(o, Node) else None
+    return getattr(tm, "dtype", None) == torch.float32
+
+
+def _node_gives_pytorch_bits(n: Node, info: Any) -> bool:
+    """Whether a kernel computes node ``n`` (``info``: its plan's reading) bit for bit as PyTorch
+    does, given the same inputs: a selection, a max pooling, or one IEEE operation of float32
+    tensors and float32-exact numbers."""
+    if info.kind == "ew" and info.op in _EXACT:
+        return True
+    if info.kind == "pool":
+        return info.op == "max_pool2d"
+    if info.kind != "ew" or info.op not in _IEEE or not _f32_tensor(n) or len(info.operands) != 2:
+        return False
+    a, b = info.operands
+    for o in (a, b):
+        if isinstance(o, Node):
+            if not _f32_tensor(o):          # (an int from a size, a double buffer: another promotion)
+                return False
+        elif not _f32_exact(o):
+            return False
+    if info.op == "div":
+        # `2.0 / x` is PyTorch's reciprocal(x) * 2.0 (two roundings); a CUDA division by a number
+        # (or a 0-d CPU tensor) multiplies by its reciprocal (BinaryDivTrueKernel.cu)
+        if not isinstance(a, Node):
+            return False
+        if isinstance(b, Node):
+            return len(getattr(b.meta.get("tensor_meta"), "shape", ())) > 0
+        return _pow2(b)
+    return True
+
+
+def _gives_pytorch_bits(kg: Any, infos: dict[Node, Any]) -> bool:
+    """Whether the kernel of group ``kg`` computes PyTorch's own bits: an elementwise chain or a
+    max pool (with its prologue and epilogue) of two nodes or more (a lone operator's kernel only
+    matches PyTorch's own), each node a selection or one IEEE operation
+    (``_node_gives_pytorch_bits``), with no multiply and add in one kernel (an FMA: see ``_PRODUCTS``)."""
+    if kg.kind not in ("ew", "pool") or len(kg.nodes) < 2:
+        return False
+    if not all(_node_gives_pytorch_bits(n, infos[n]) for n in kg.nodes):
+        return False
+    ops = {infos[n].op for n in kg.nodes}
+    return not (ops & _PRODUCTS and ops & _SUMS)
 
 
 def _describe(groups: list[Any], name: str) -> str:
