@@ -195,7 +195,7 @@ def test_which_single_operations_give_pytorchs_bits(tmp_path):
     that float32 cannot hold (0.1: its literal could round to a neighbour), a division PyTorch
     computes otherwise (by a number, on CUDA: times its reciprocal; a number divided by a tensor:
     a reciprocal times the number), or a double operand does not; selections and max pooling do."""
-    from agent.builtin import replay
+    from agent.builtin import exact_bits
     from agent.builtin.plan import classify_graph
     from agent.builtin.trace import trace_task
 
@@ -217,7 +217,7 @@ def test_which_single_operations_give_pytorchs_bits(tmp_path):
     traced = trace_task(_spec(task), "cpu")
     assert traced.ok, traced.error
     infos = classify_graph(traced)
-    verdicts = {n.name: replay._node_gives_pytorch_bits(n, infos[n]) for n in traced.gm.graph.nodes if n in infos}
+    verdicts = {n.name: exact_bits.node_gives_pytorch_bits(n, infos[n]) for n in traced.gm.graph.nodes if n in infos}
     # x + 0.5, x / 2.0, x / y, x * 3, x - y; relu, clamp, max pool
     yes = {"add", "truediv", "truediv_3", "mul", "sub", "relu", "clamp", "max_pool2d"}
     # x + 0.1, x / 3.0, 2.0 / x, x + a double buffer; average pool, exp

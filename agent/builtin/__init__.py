@@ -247,7 +247,7 @@ def _propose_one(spec: TaskSpec, device: str, round: int, sample: int,
     # a reference that accepts only PyTorch's own bits, with convolutions that round in TF32 on
     # the target: a channels-last or generated convolution rounds differently, and the reference
     # amplifies it like any other rounding (level3/10_ResNet101: see docs/builtin_replay.md); so
-    # also where every group kept its kernel because it gives PyTorch's bits (replay._gives_pytorch_bits)
+    # also where every group kept its kernel because it gives PyTorch's bits (exact_bits.gives_pytorch_bits)
     forbidden = {("layout", "nhwc"), ("conv", "direct")} if verdict.ill_conditioned and \
         numerics is not None and "conv" in numerics.tf32_classes(device) else set()
     gen = _Generator(traced, device, fb, getattr(numerics, "math", None))

@@ -25,7 +25,7 @@ with both models built as the sandbox builds them (same seed, training mode, no 
    batch 2: its batch norms normalise over two values each, and the float32 reference is 0.9
    from its own float64 run; PyTorch itself, on one thread instead of two, misses it by 0.4)
    accepts nothing but PyTorch's own bits. Then only kernels that compute PyTorch's own bits
-   are kept (``_gives_pytorch_bits``): elementwise chains and max pools of two or more nodes
+   are kept (``exact_bits.gives_pytorch_bits``): elementwise chains and max pools of two or more nodes
    whose every operator either selects a value (relu, clamp, max, neg, max pooling) or is one
    IEEE-754 operation on float32 operands (add, sub, mul, div: correctly rounded in PyTorch's
    kernels and in ours alike), with no multiply and add in one kernel (nvcc, and GCC in the
@@ -48,6 +48,7 @@ from torch.fx import Node
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from agent.builtin import conv, pool
+from agent.builtin.exact_bits import gives_pytorch_bits, node_gives_pytorch_bits
 from agent.builtin.ops import ModuleAttr
 from agent.builtin.plan import resolve_alias
 from agent.builtin.rng import isolated_rng
@@ -216,7 +217,7 @@ class _Emulated:
     def _plan(self, kg: Any, tensors: list[torch.Tensor], flags: tuple, wide: bool = True) -> torch.Tensor:
         """The plan's computation: in float64, rounded once at the end (``wide``), or operator by
         operator in the tensors' own dtype (``exact`` mode: what a kernel that rounds each
-        operator's result to float computes, for the groups ``_gives_pytorch_bits`` keeps)."""
+        operator's result to float computes, for the groups ``exact_bits.gives_pytorch_bits`` keeps)."""
         if kg.kind == "attention":          # attention.AttnKernel: its own float64 emulation
             return kg.emulate(tensors)
         first = next(t for t, i in zip(tensors, kg.inputs) if isinstance(i.value, Node))
@@ -530,7 +531,7 @@ def check(traced: Any, rendered: Any, infos: dict[Node, Any], numerics: Any, dev
     if _judged(ref32, ref64, _run(setup, {n: "plan" for n in rest}, wide=False)[0], numerics):
         return verdict
     # A correctly rounded kernel fails: the reference accepts (nearly) nothing but PyTorch's own
-    # bits. Only kernels that give those bits stay (_gives_pytorch_bits).
+    # bits. Only kernels that give those bits stay (exact_bits.gives_pytorch_bits).
     verdict.ill_conditioned = True
     kept = _pytorch_bits_only(setup, verdict, groups, infos, rest, nodes_of, ref32, ref64, rerender)
     verdict.unverifiable = [n for n in rest if not set(nodes_of[n]) <= kept]
@@ -559,21 +560,21 @@ def _pytorch_bits_only(setup: _Setup, verdict: Verdict, groups: list[Any], infos
     float32 (``exact`` mode) and must pass the judge's rule, or none is kept."""
     members = {n for name in rest for n in nodes_of[name]}
     if rerender is None:
-        names = {n for n in rest if _gives_pytorch_bits(next(c.kg for c in groups if c.kg.name == n), infos)}
+        names = {n for n in rest if gives_pytorch_bits(next(c.kg for c in groups if c.kg.name == n), infos)}
         keep = [c for c in groups if getattr(c, "fn", c.kg.name) in names]      # (with those sharing their kernels)
         cand_setup, outside = setup, set()
     else:
         excluded = frozenset(verdict.excluded | {n.name for c in groups for n in c.kg.nodes
-                                                 if n.name in members and not _node_gives_pytorch_bits(n, infos[n])})
+                                                 if n.name in members and not node_gives_pytorch_bits(n, infos[n])})
         keep = []
         try:
             for _ in range(MAX_RERENDERS):
                 r, r_infos = rerender(excluded)
                 bad: set[str] = set()
                 for c in r.groups:
-                    if not _gives_pytorch_bits(c.kg, r_infos):
+                    if not gives_pytorch_bits(c.kg, r_infos):
                         # its nodes that round, else all of them (a lone node; a multiply beside an add)
-                        rounding = {n.name for n in c.kg.nodes if not _node_gives_pytorch_bits(n, r_infos[n])}
+                        rounding = {n.name for n in c.kg.nodes if not node_gives_pytorch_bits(n, r_infos[n])}
                         bad |= rounding or {n.name for n in c.kg.nodes}
                 if not bad:
                     keep = list(r.groups)
@@ -604,94 +605,6 @@ def _pytorch_bits_only(setup: _Setup, verdict: Verdict, groups: list[Any], infos
         ops = "+".join(c.kg.ops)
         verdict.exact[ops] = verdict.exact.get(ops, 0) + 1
     return {n.name for c in keep for n in c.kg.nodes}
-
-
-# --------------------------------------------------------------------------------------
-# kernels that give PyTorch's own bits
-# --------------------------------------------------------------------------------------
-# operators that select or copy a value and never round: any implementation gives PyTorch's bits
-_EXACT = {"relu", "neg", "abs", "clamp_min", "clamp_max", "clamp", "hardtanh", "maximum", "minimum"}
-# one IEEE-754 basic operation of two float32 values: correctly rounded in PyTorch's CPU and CUDA
-# kernels (add and sub as a + 1 * b, exact in either order or fused; div as a / b where the divisor
-# is a tensor) and in the generated kernels (``c_expr.BINARY``: `(a + b)` in float, each node's
-# result a `const float`; nvcc's default -prec-div=true, no fast-math anywhere)
-_IEEE = {"add", "sub", "mul", "div"}
-# ... as long as no multiply and add share a kernel: nvcc contracts `a * b + c` into an FMA by default
-# (--fmad=true; the candidates build with -O3 only: templates/candidate.py.j2), and so does GCC in
-# the AVX-512 clone of every CPU kernel (templates/common.h.j2: target_clones("avx512f", ...);
-# AVX-512F has FMA and GCC's C++ default is -ffp-contract=fast). An FMA rounds once where PyTorch,
-# one kernel per operator, rounds twice. (Division counts as a multiply: a compiler may turn a
-# division by a power of two into a multiply.)
-_PRODUCTS = {"mul", "div"}
-_SUMS = {"add", "sub"}
-
-
-def _f32_exact(v: Any) -> bool:
-    """Whether the number ``v`` is a float32 value: its literal (``c_expr.c_float``: the shortest
-    decimal of the double, read by the compiler as a float) is then the float32 PyTorch computes
-    with ((float)(double)v). Other values could round twice, to a neighbour."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return False
-    try:
-        return float(torch.tensor(float(v), dtype=torch.float32).item()) == float(v)
-    except (OverflowError, RuntimeError):
-        return False
-
-
-def _pow2(v: Any) -> bool:
-    """Whether ``v`` is a (signed) power of two whose reciprocal is a normal float32: 1/v is then
-    exact, so PyTorch's CUDA division by a number, ``a * (1 / v)``, is the correctly rounded
-    ``a / v`` (the same real number, rounded once)."""
-    if not _f32_exact(v) or not v or not math.isfinite(float(v)):
-        return False
-    m, e = math.frexp(abs(float(v)))
-    return m == 0.5 and -125 <= e <= 127          # |v| = 2^(e-1), 2^-126 .. 2^126
-
-
-def _f32_tensor(o: Any) -> bool:
-    tm = o.meta.get("tensor_meta") if isinstance(o, Node) else None
-    return getattr(tm, "dtype", None) == torch.float32
-
-
-def _node_gives_pytorch_bits(n: Node, info: Any) -> bool:
-    """Whether a kernel computes node ``n`` (``info``: its plan's reading) bit for bit as PyTorch
-    does, given the same inputs: a selection, a max pooling, or one IEEE operation of float32
-    tensors and float32-exact numbers."""
-    if info.kind == "ew" and info.op in _EXACT:
-        return True
-    if info.kind == "pool":
-        return info.op == "max_pool2d"
-    if info.kind != "ew" or info.op not in _IEEE or not _f32_tensor(n) or len(info.operands) != 2:
-        return False
-    a, b = info.operands
-    for o in (a, b):
-        if isinstance(o, Node):
-            if not _f32_tensor(o):          # (an int from a size, a double buffer: another promotion)
-                return False
-        elif not _f32_exact(o):
-            return False
-    if info.op == "div":
-        # `2.0 / x` is PyTorch's reciprocal(x) * 2.0 (two roundings); a CUDA division by a number
-        # (or a 0-d CPU tensor) multiplies by its reciprocal (BinaryDivTrueKernel.cu)
-        if not isinstance(a, Node):
-            return False
-        if isinstance(b, Node):
-            return len(getattr(b.meta.get("tensor_meta"), "shape", ())) > 0
-        return _pow2(b)
-    return True
-
-
-def _gives_pytorch_bits(kg: Any, infos: dict[Node, Any]) -> bool:
-    """Whether the kernel of group ``kg`` computes PyTorch's own bits: an elementwise chain or a
-    max pool (with its prologue and epilogue) of two nodes or more (a lone operator's kernel only
-    matches PyTorch's own), each node a selection or one IEEE operation
-    (``_node_gives_pytorch_bits``), with no multiply and add in one kernel (an FMA: see ``_PRODUCTS``)."""
-    if kg.kind not in ("ew", "pool") or len(kg.nodes) < 2:
-        return False
-    if not all(_node_gives_pytorch_bits(n, infos[n]) for n in kg.nodes):
-        return False
-    ops = {infos[n].op for n in kg.nodes}
-    return not (ops & _PRODUCTS and ops & _SUMS)
 
 
 def _describe(groups: list[Any], name: str) -> str:
