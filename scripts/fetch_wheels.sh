@@ -2,6 +2,7 @@
 # Fetch the wheels the GPU host lacks (it has torch, ninja, jinja2, typer, rich, matplotlib,
 # filelock, httpx, pytest but no network) into .whl/, an ignored folder that travels with
 # `carry` (.gitignore ignores it). Run once here; every GPU session then installs them with scripts/gpu_env.sh.
+# einops is no dependency of kernelloop's: KernelBench's level3/48-49 (Mamba2) import it, as KernelBench requires.
 #   bash scripts/fetch_wheels.sh ray   # also Ray and the dependencies the GPU image lacks into .whl-ray/
 #                                      # (scripts/gpu_ray.sh): Ray's wheel repacked (scripts/repack_ray_wheel.py,
 #                                      # 79 MB -> about 42 MB) so .whl, .whl-ray and .kb travel in one call
@@ -9,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
-for pkg in pydantic pydantic-core annotated-types typing-inspection typing-extensions sqlalchemy greenlet tenacity openai distro jiter sniffio anyio httpx2 httpcore2 h11 certifi idna truststore nvidia-ml-py; do
+for pkg in pydantic pydantic-core annotated-types typing-inspection typing-extensions sqlalchemy greenlet tenacity openai distro jiter sniffio anyio httpx2 httpcore2 h11 certifi idna truststore nvidia-ml-py einops; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${PLATFORMS[@]}" -d .whl "$pkg" || python3 -m pip download -q --no-deps -d .whl "$pkg"
 done

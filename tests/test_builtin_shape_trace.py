@@ -257,3 +257,59 @@ def test_the_stateful_candidate_is_correct_in_the_cpu_sandbox():
     result = judge(spec, propose(spec, "cpu", 0, 0).source, "cpu")
     assert result.status is Status.correct, (result.status, result.error_message, result.flags)
     assert not any(f.kind == "no_custom_kernel" for f in result.flags), result.flags
+
+
+DEVICE_CHECK = '''
+import torch
+import torch.nn as nn
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(5, 6))
+
+    def forward(self, x):
+        n = x.size()[1]
+        if x.device != self.w.device:
+            raise ValueError(f"x.device {x.device} != w.device {self.w.device}")
+        y = torch.matmul(x.view(-1, 5), self.w).view(-1, n, 6)
+        if x.device == self.w.device:
+            y = torch.relu(y) * 2.0
+        return y
+
+def get_inputs():
+    return [torch.randn(3, 4, 5)]
+
+def get_init_inputs():
+    return []
+'''
+
+
+def test_control_flow_over_a_comparison_of_devices_is_answered_as_the_harness_runs(tmp_path):
+    """level3/46-47 (NetVLAD) raise unless the input is on the clusters' device: the tracer could not
+    follow that branch and the tasks had no candidate. Model and inputs run on one device in the
+    harness, so == is True and != False; the comparisons leave the graph, the rest is traced."""
+    import operator
+
+    import torch
+
+    spec = _inline(DEVICE_CHECK, "device_check", tmp_path)
+    traced = trace_task(spec, "cpu")
+    assert traced.ok, traced.error
+    nodes = list(traced.gm.graph.nodes)
+    assert not any(n.op == "call_function" and n.target in (operator.eq, operator.ne) for n in nodes)
+    assert not any(n.op == "call_function" and n.target is getattr and n.args[1] == "device" for n in nodes)
+    assert any(n.op == "call_function" and n.target is torch.relu for n in nodes)       # the == branch taken
+    cand = generate(spec, "cpu")
+    assert [g["ops"] for g in cand.choices["groups"]] == [["relu", "mul"]]
+    ns: dict = {"__name__": "kl_candidate"}
+    exec(compile(cand.source, "device_check_candidate.py", "exec"), ns)
+    from sandbox.tasks import load_task
+
+    task = load_task(spec)
+    torch.manual_seed(0)
+    ref = task.Model()
+    torch.manual_seed(0)
+    new = ns["ModelNew"]()
+    x = torch.randn(3, 4, 5)
+    torch.testing.assert_close(new(x), ref(x))

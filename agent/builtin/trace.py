@@ -347,6 +347,30 @@ class _ShapeTracer(torch.fx.Tracer):
             return _ShapedProxy(node, self, self.sizes[str(node.target)])
         return super().proxy(node)
 
+    def to_bool(self, obj: torch.fx.Proxy) -> bool:
+        """Control flow over a comparison of devices (level3/46_NetVlad's ``if x.device !=
+        self.clusters.device: raise``) is answered as the harness runs the model: its parameters,
+        buffers and inputs on one device, so ``==`` is True and ``!=`` False. The comparison leaves
+        the graph (a device is no kernel's operand). Any other question is the tracer's error."""
+        node = obj.node
+        if node.op == "call_function" and node.target in (operator.eq, operator.ne) and len(node.args) == 2 \
+                and all(_is_device_of(a) for a in node.args) and not node.users:
+            answer, graph, args = node.target is operator.eq, node.graph, node.args
+            graph.erase_node(node)              # (which clears its args)
+            for a in args:
+                if isinstance(a, Node) and not a.users:
+                    graph.erase_node(a)
+            return answer
+        return super().to_bool(obj)
+
+
+def _is_device_of(a: Any) -> bool:
+    """A traced ``t.device`` (or a device value itself)."""
+    if isinstance(a, torch.device):
+        return True
+    return isinstance(a, Node) and a.op == "call_function" and a.target is getattr and len(a.args) == 2 \
+        and a.args[1] == "device"
+
 
 def _get_path(obj: Any, path: str) -> Any:
     for part in path.split("."):
