@@ -240,12 +240,14 @@ def _module_state(model: nn.Module) -> dict[str, dict[str, Any]]:
 
 
 def _restore_module_state(model: nn.Module, saved: dict[str, dict[str, Any]]) -> None:
+    """Each module's attributes as they were before the trace; of the attributes the trace added,
+    the forward's own (proxies) go, the tracer's (``_tensor_constant<i>``: tensors its graph reads) stay."""
     for path, m in model.named_modules():
         before = saved.get(path)
         if before is None:
             continue
         now = vars(m)
-        for name in [k for k in now if k not in before]:
+        for name in [k for k, v in now.items() if k not in before and isinstance(v, torch.fx.Proxy)]:
             del now[name]
         now.update(before)
 
