@@ -144,7 +144,8 @@ def optimize_command(
     precision: Optional[str] = PrecisionOption,
     math: Optional[str] = MathOption,
     kernel_backend: Optional[str] = BackendOption,
-    resume: Optional[int] = typer.Option(None, "--resume", help="continue run RUN where it stopped"),
+    resume: Optional[int] = typer.Option(None, "--resume", help="continue run RUN where it stopped (over its own "
+                                                                 "tasks: task arguments, if given, must be those)"),
     seed_with: Optional[str] = typer.Option(None, "--seed-with",
                                             help="builtin: the built-in proposer answers an extra first round, "
                                                  "and the model's first round refines its fastest correct "
