@@ -136,7 +136,8 @@ def _trace_with(spec: TaskSpec, device: str, how: str, numerics: Any = None) -> 
                     raise ValueError(f"the trace holds a tensor constant {node.target} that the model lacks "
                                      "(only tensors of at most 4096 values, not on the meta device, are copied)")
                 constants[node.target] = value.detach().cpu().clone()
-    gone = [path for path, node in rebinds.items() if node.graph is not gm.graph or node not in set(gm.graph.nodes)]
+    in_graph = set(gm.graph.nodes)
+    gone = [path for path, node in rebinds.items() if node not in in_graph]
     if gone:
         raise ValueError(f"the forward assigns module attributes ({', '.join(gone)}) whose values the trace's "
                          "rewrites replaced")
