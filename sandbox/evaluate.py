@@ -211,16 +211,21 @@ class Sandbox:
                     env=self._slot_env(slot), numerics=self.config.numerics)
             return ref
 
-    def _starting(self, ref: ReferenceWorker, slot: int) -> Any:
-        """Held around ``ref.ensure()``: the slot's gate where the reference must start (its model
-        and warm-up compile run on the device). On cuda its process and imports come first, off the
-        gate (``ReferenceWorker.spawn``): they held back the slot's timings for 3-5 s of each start.
-        On the CPU target they stay under it: imports share the timed runs' cores."""
+    def _start_reference(self, ref: ReferenceWorker, slot: int) -> None:
+        """``ref.ensure()``, with the slot's gate where the reference must start (its model, the
+        warm-up compile's runs). On cuda its process and imports come first, off the gate
+        (``ReferenceWorker.spawn``: they held back the slot's timings for 3-5 s of each start),
+        and the worker then asks for the gate in turns, not while torch.compile generates its code
+        (``sandbox.warm_compile``). On the CPU target the whole start stays under it: imports and
+        compilation share the timed runs' cores."""
         if not ref.needs_start():
-            return contextlib.nullcontext()
-        if self.device == "cuda":
+            ref.ensure()
+        elif self.device == "cuda":
             ref.spawn()
-        return self._device_work(slot, "reference start")
+            ref.ensure(device_turns=lambda: self._device_work(slot, "reference start"))
+        else:
+            with self._device_work(slot, "reference start"):
+                ref.ensure()
 
     def _pick_slot(self, spec: Optional[TaskSpec] = None) -> int:
         """The least-loaded slot, where a slot running the task's reference counts
@@ -281,8 +286,7 @@ class Sandbox:
                 with ref.lock:
                     self._check_aborted()
                     if ref.needs_start():
-                        with self._starting(ref, slot):
-                            ref.ensure()
+                        self._start_reference(ref, slot)
             finally:
                 self.memory.leave(token)
         except Exception:  # noqa: BLE001 - see the docstring: the evaluation meets it and says why
@@ -513,8 +517,7 @@ class Sandbox:
             self._check_aborted()
             # a reference starting runs on the device (its model, a warm-up compile); one running
             # already needs nothing, and need not wait for another candidate's timing
-            with self._starting(ref, slot):
-                ref.ensure()
+            self._start_reference(ref, slot)
         result.device_name = ref.device_name or result.device_name
         self._check_aborted()
         first = (Precomputed(ref, bool(cfg.numerics.fp64_check), self._gates[slot],

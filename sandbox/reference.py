@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import secrets
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 from sandbox.failures import InfraFailure, resource_exhausted
 from sandbox.numerics import Numerics
@@ -50,12 +50,15 @@ class ReferenceWorker:
         self.device_name = ""
         self.broken = False             # set after a harness failure: the next evaluation starts afresh
 
-    def ensure(self) -> WorkerProcess:
-        """The running worker (started where there is none, or afresh after a harness failure)."""
+    def ensure(self, device_turns: Optional[Callable[[], ContextManager[Any]]] = None) -> WorkerProcess:
+        """The running worker (started where there is none, or afresh after a harness failure).
+        ``device_turns``: the slot's gate, which a starting worker asks for in turns (held while
+        the reference runs on the device, not while torch.compile generates code:
+        ``sandbox.warm_compile``); without it the caller holds the gate around the start."""
         if self.broken:
             self.broken = False
             self.discard()
-        return self._started()
+        return self._started(device_turns)
 
     def needs_start(self) -> bool:
         """Whether ``ensure`` would start a worker (and so run the reference on the device)."""
@@ -64,16 +67,16 @@ class ReferenceWorker:
     def _alive(self) -> bool:
         return self.proc is not None and self.proc.proc.poll() is None
 
-    def _started(self) -> WorkerProcess:
+    def _started(self, device_turns: Optional[Callable[[], ContextManager[Any]]] = None) -> WorkerProcess:
         if self._alive():
             return self.proc
         with self._io:
-            return self._start()
+            return self._start(device_turns)
 
     def spawn(self) -> None:
         """The worker's process started and its imports (Python, torch: 3-5 s of a 15-19 s start on a
         loaded GPU host) waited for, with no task loaded and nothing on the device, so that the
-        caller takes the slot's gate for the load alone (``Sandbox._starting``); ``ensure`` loads
+        caller takes the slot's gate for the load alone, in turns (``Sandbox._start_reference``); ``ensure`` loads
         the task into this process. Best effort: a process that fails here is replaced there."""
         with self._io:
             if self._alive() or self.broken or (self._spawned is not None and self._spawned.proc.poll() is None):
@@ -86,7 +89,7 @@ class ReferenceWorker:
                 proc.kill()
                 proc.cleanup()
 
-    def _start(self) -> WorkerProcess:
+    def _start(self, device_turns: Optional[Callable[[], ContextManager[Any]]] = None) -> WorkerProcess:
         if self._alive():
             return self.proc
         proc, self._spawned = self._spawned, None
@@ -99,7 +102,8 @@ class ReferenceWorker:
         reply = self.proc.ask({"role": "reference", "device": self.device, "out_dir": str(self.proc.out_dir),
                                "task": self.spec.__dict__, "init_seed": self.init_seed,
                                "warm_compile": self.warm_compile,
-                               "numerics": self.numerics.model_dump(mode="json")}, REFERENCE_TIMEOUT_S)
+                               "numerics": self.numerics.model_dump(mode="json")}, REFERENCE_TIMEOUT_S,
+                              device_turns=device_turns)
         if not reply.get("ok"):
             self.proc.kill()
             self.proc = None

@@ -41,6 +41,7 @@ from sandbox import handoff, runcheck, timing  # noqa: F401 - runcheck binds its
 from sandbox.harness import flatten_outputs, is_plain_tensor, make_inputs, make_model
 from sandbox.numerics import Numerics
 from sandbox.tasks import TaskSpec, exec_source, load_task
+from sandbox.warm_compile import ReferenceTurns, warm_compiled
 from sandbox.worker_util import (_PREWARMED, DeviceTurns, _copies, _equal_nan, _exc_payload, _memory_held, _recv,
                                  _save_to, _send, double_copy, run_fp64, save_outputs, warm_up)
 
@@ -67,6 +68,7 @@ class Worker:
         self.compiled = None
         self.kernel_names: list[str] = []
         self.warm_compile = bool(init.get("warm_compile"))
+        self.device_turns = bool(init.get("device_turns"))     # WorkerProcess.ask's: the gate asked for in turns
         self.profile_wanted = bool(init.get("profile"))
         self.numerics = Numerics.model_validate(init.get("numerics") or {})
         self.step = "starting"          # the harness step running now, named in a harness error
@@ -129,17 +131,17 @@ class Worker:
 
     def load_reference(self) -> dict[str, Any]:
         self.task = load_task(self.spec, validate=False)
-        reply = self._construct(self.task.Model)
+        # on cuda the parent's device gate is asked for in turns (sandbox.warm_compile): held while
+        # the model is built and while it runs, not while torch.compile generates its code
+        turns = ReferenceTurns(DeviceTurns(self.conn, self.device_turns), self.device)
+        with turns.turn("the reference's model"):
+            reply = self._construct(self.task.Model)
         if self.device == "cuda":
             reply["device_name"] = torch.cuda.get_device_name(0)
         if reply.get("ok") and self.warm_compile:
-            # Compile now, while the parent does not hold the device: the first compiled call
-            # (inductor's code generation) then overlaps with other candidates' runs.
             try:
-                self.compiled = torch.compile(self.model)
-                with torch.no_grad():
-                    self.compiled(*make_inputs(self.task, 12345, self.device, self.numerics))
-                clock.device_sync(self.device)
+                self.compiled = warm_compiled(
+                    self.model, lambda: make_inputs(self.task, 12345, self.device, self.numerics), self.device, turns)
             except Exception as exc:  # noqa: BLE001 - timed again (and reported) when asked for
                 reply["compile_error"] = f"{type(exc).__name__}: {exc}"[:2000]
                 self.compiled = None
@@ -519,8 +521,6 @@ def serve(conn: Connection) -> None:
     # gets it flipped back, and cannot tell a trial from a timed run by them.
     with worker.numerics.enforced():
         reply = worker.load_candidate() if worker.role == "candidate" else worker.load_reference()
-    if worker.role == "reference" and worker.device == "cuda":
-        torch.cuda.empty_cache()    # the warm-up compile's inputs and workspace
     _send(conn, reply)
     if not reply.get("ok"):
         return

@@ -497,36 +497,83 @@ def test_a_reference_spawned_ahead_loads_its_task_into_the_same_process_later():
 
 
 def test_on_cuda_a_starting_reference_imports_while_its_slot_is_timed_and_loads_after():
-    """``Sandbox._starting`` on cuda (the device name set by hand; the worker runs on the CPU): the
-    reference's process starts and imports while a timing holds the slot's gate, and only its load
-    waits for the timing to end. On the CPU target the whole start waits (imports share the cores)."""
+    """``Sandbox._start_reference`` on cuda (the device name set by hand; the worker runs on the
+    CPU): the reference's process starts and imports while a timing holds the slot's gate, and
+    only its load (a turn it asks for) waits for the timing to end. On the CPU target the whole
+    start waits (imports share the cores), with nothing spawned ahead."""
     sandbox = Sandbox("cpu", CFG, warm_workers=0)
     try:
         spec = _spec()
         ref = sandbox.reference(spec, 0)
         gate = sandbox._gates[0]
         sandbox.device = "cuda"
-        imported, loaded = threading.Event(), threading.Event()
+        loaded = threading.Event()
 
         def start():
-            held = sandbox._starting(ref, 0)         # spawns and imports first, off the gate
-            imported.set()
-            with held:
-                ref.ensure()
+            sandbox._start_reference(ref, 0)
             loaded.set()
 
         with gate.timing():
             t = threading.Thread(target=start)
             t.start()
-            assert imported.wait(120), "the reference's imports waited for the timing"
-            assert ref._spawned is not None and "imported" in ref._spawned.events
+            def imported():
+                worker = ref._spawned or ref.proc       # spawned, then taken by the start's load
+                return worker is not None and "imported" in worker.events
+
+            deadline = time.monotonic() + 120
+            while not imported() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert imported(), "the imports waited for the timing"
             assert not loaded.wait(0.5)              # its load waits for the timing
         t.join(300)
         assert loaded.is_set() and not ref.needs_start()
-        assert gate.account["reference start"]["n"] == 1
+        assert gate.account["reference start"]["n"] == 1         # one turn: the model (no warm-up compile)
         sandbox.device = "cpu"
         ref.close()
-        assert sandbox._starting(ref, 0) is not None and ref._spawned is None     # cpu: nothing spawned ahead
+        with gate.timing():
+            t = threading.Thread(target=start)
+            loaded.clear()
+            t.start()
+            assert not loaded.wait(1.0) and ref._spawned is None   # cpu: nothing spawned ahead, all waits
+        t.join(300)
+        assert loaded.is_set() and gate.account["reference start"]["n"] == 2
+    finally:
+        sandbox.device = "cpu"
+        sandbox.close()
+
+
+def test_on_cuda_a_reference_compiling_its_warm_up_leaves_the_slot_to_timings():
+    """A reference's warm-up ``torch.compile`` (compile timings on) asks for the slot's gate only
+    for its model and its runs (``sandbox.warm_compile``): while inductor generates and compiles
+    its code (seconds here, C++ on the CPU; 10 s and more at KernelBench's sizes on a GPU) a
+    timing on that slot gets the gate at once, where it used to wait for the whole start. The
+    device name set to cuda by hand; the worker runs on the CPU, asking for turns as on a GPU."""
+    cfg = EvalConfig(trials=2, timed_runs=3, warmup_runs=1, time_compile=True, profile=False, run_timeout_s=60.0)
+    sandbox = Sandbox("cpu", cfg, warm_workers=0)
+    try:
+        ref = sandbox.reference(_spec(), 0)
+        assert ref.warm_compile
+        gate = sandbox._gates[0]
+        sandbox.device = "cuda"
+        began = time.monotonic()
+        t = threading.Thread(target=sandbox._start_reference, args=(ref, 0))
+        t.start()
+        waits = []
+        while t.is_alive():
+            asked = time.monotonic()
+            with gate.timing():
+                waits.append(time.monotonic() - asked)
+                time.sleep(0.02)
+            time.sleep(0.05)
+        t.join()
+        start_s = time.monotonic() - began
+        asked = time.monotonic()
+        assert not ref.needs_start() and ref.ask({"op": "time", "seed": 5, "runs": 2, "warmup": 1, "compiled": True})["ok"]
+        assert time.monotonic() - asked < 0.2 * start_s, "the warm-up's compiled module was not kept: it compiled again"
+        row = gate.account["reference start"]
+        assert row["n"] >= 3, row          # the model, the warm-up inputs, the compiled forward
+        assert row["held_s"] < 0.5 * start_s, (row, start_s)
+        assert max(waits) < 0.5 * start_s, (max(waits), start_s)
     finally:
         sandbox.device = "cpu"
         sandbox.close()
