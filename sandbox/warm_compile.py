@@ -15,8 +15,9 @@ back while it only computes on the CPU:
 * the compiled call: held, except inside each dynamo compilation (``torch._dynamo.callback``'s
   start and end callbacks, which run around the trace and inductor's code generation, before
   the compiled code first runs); Triton's autotuning at the first run happens inside the turn;
-* a GPU benchmark inductor runs while it compiles (``pad_mm``'s, through the benchmark lock
-  hook that torch gives harnesses, ``set_gpu_benchmark_lock_context``) takes a turn of its own.
+* a GPU benchmark inductor runs while it compiles (``pad_mm``'s: through the benchmark lock
+  hook torch 2.13 gives harnesses, ``set_gpu_benchmark_lock_context``, or before it through its
+  ``benchmarker`` object) takes a turn of its own.
 
 Each turn ends with a device synchronisation, so nothing launched in it runs in another's
 timed window. Where a hook is missing (another torch), the turn is held across that part, as
@@ -25,7 +26,7 @@ before: slower, never less quiet.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -60,33 +61,56 @@ class ReferenceTurns:
             self.give_back()
 
 
-@contextlib.contextmanager
-def _hooks(turns: ReferenceTurns) -> Iterator[None]:
-    """The turn given back around each dynamo compilation; inductor's GPU benchmarks in turns."""
-    undo: list[Callable[[], None]] = []
-    try:
-        from torch._dynamo.callback import callback_handler
-
-        def start(_args: Any) -> None:
-            turns.give_back()
-
-        def end(_args: Any) -> None:
-            turns.take("the reference's compiled forward")
-
-        callback_handler.register_start_callback(start)
-        callback_handler.register_end_callback(end)
-        undo += [lambda: callback_handler.remove_start_callback(start),
-                 lambda: callback_handler.remove_end_callback(end)]
-    except (ImportError, AttributeError):
-        pass                    # held across the compilation too
+def _gate_benchmarks(turns: ReferenceTurns) -> Optional[Callable[[], None]]:
+    """Inductor's GPU benchmarks (``pad_mm``'s, while it compiles) each in a turn of their own;
+    what undoes it, or None where this torch offers no way to (the turn is then held across the
+    compilation). torch 2.13 gives harnesses a hook for it (``set_gpu_benchmark_lock_context``);
+    before it, every GPU benchmark goes through the ``benchmarker`` object's ``benchmark_gpu``,
+    replaced on that object for the warm-up."""
     try:
         from torch._inductor.runtime import benchmarking
+    except ImportError:
+        return None
+    hook = getattr(benchmarking, "set_gpu_benchmark_lock_context", None)
+    if hook is not None:
+        previous = hook(lambda: turns.turn("a benchmark of inductor's compilation"))
+        return lambda: hook(previous)
+    bench = getattr(benchmarking, "benchmarker", None)
+    original = getattr(bench, "benchmark_gpu", None)
+    if original is None:
+        return None
 
-        previous = benchmarking.set_gpu_benchmark_lock_context(
-            lambda: turns.turn("a benchmark of inductor's compilation"))
-        undo.append(lambda: benchmarking.set_gpu_benchmark_lock_context(previous))
-    except (ImportError, AttributeError):
-        pass                    # only reached with the start callback missing too, or none ran
+    def benchmark_gpu(*args: Any, **kwargs: Any) -> Any:
+        with turns.turn("a benchmark of inductor's compilation"):
+            return original(*args, **kwargs)
+
+    bench.benchmark_gpu = benchmark_gpu
+    return lambda: vars(bench).pop("benchmark_gpu", None)
+
+
+@contextlib.contextmanager
+def _hooks(turns: ReferenceTurns) -> Iterator[None]:
+    """The turn given back around each dynamo compilation, where inductor's GPU benchmarks can
+    be put in turns of their own (else it is held across, as before)."""
+    undo: list[Callable[[], None]] = []
+    ungate = _gate_benchmarks(turns)
+    if ungate is not None:
+        undo.append(ungate)
+        try:
+            from torch._dynamo.callback import callback_handler
+
+            def start(_args: Any) -> None:
+                turns.give_back()
+
+            def end(_args: Any) -> None:
+                turns.take("the reference's compiled forward")
+
+            callback_handler.register_start_callback(start)
+            callback_handler.register_end_callback(end)
+            undo += [lambda: callback_handler.remove_start_callback(start),
+                     lambda: callback_handler.remove_end_callback(end)]
+        except (ImportError, AttributeError):
+            pass                # held across the compilation too
     try:
         yield
     finally:
