@@ -4,10 +4,11 @@ reference, timing of reference and candidate by the same code, a check of every 
 the parent's clock cross-check, and the evidence (profiles, roofline floor)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import time
-from typing import Any, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 from sandbox import failures
 from sandbox.backends import backend_for
@@ -15,7 +16,7 @@ from sandbox.blocks import block_burst, block_plan
 from sandbox.compare import fp64_verdict
 from sandbox.phases import Stages
 from sandbox.process import WorkerProcess, worker_pids
-from sandbox.quiet import GpuWatch, IdleWatch, TimingHistory, timing_window
+from sandbox.quiet import GpuWatch, IdleWatch, TimingHistory, timing_window, unsteady
 from sandbox.reference import Precomputed, ReferenceWorker
 from sandbox.result import EvalConfig, EvalResult, FlagKind, KernelStat, OutputCheck, Status, Timing, Trial
 
@@ -47,13 +48,17 @@ class CandidateChecks:
 
     def __init__(self, config: EvalConfig, device: str, gpu: Optional[str] = None,
                  history: Optional[TimingHistory] = None, inputs_copy_on_host: bool = False,
-                 blocks: int = 1):
+                 blocks: int = 1, quiet: Callable[[], ContextManager[Any]] = contextlib.nullcontext):
         """``gpu``: the slot's GPU (a CUDA_VISIBLE_DEVICES entry, watched through NVML);
+        ``quiet``: held around a reference's second timing (``_one_window``, ``_steady``): on cuda
+        the sandbox's builds stopped (``sandbox.pool.BuildPause``), whose compilers beside the
+        timed runs' host thread are what made windows unsteady;
         ``history``: the sandbox's running medians of reference timings (``sandbox.quiet``);
         ``inputs_copy_on_host``: the candidate keeps its trials' input copies (the mutation
         check's) in host memory (``MemoryGate.plan``); ``blocks`` (``cpu`` only, else 1): the
         timed runs in that many interleaved blocks per side (``_time_in_blocks``)."""
         self.config, self.device, self.gpu, self.history = config, device, gpu, history
+        self.quiet = quiet
         self.inputs_copy_on_host = inputs_copy_on_host
         self.blocks = max(1, min(int(blocks), config.timed_runs)) if device == "cpu" else 1
 
@@ -177,11 +182,13 @@ class CandidateChecks:
                                 if outs.get("samples_path") else timed)
                 ref_wall = time.monotonic() - w0
                 result.eager_time = Timing(**eager["timing"])
+                self._one_window(ref, timed, result, compiled=False)
                 self._steady(ref, timed, result)
                 if cfg.time_compile:
                     try:
                         comp = ref.ask({**timed, "compiled": True})
                         result.compile_time = Timing(**comp["timing"])
+                        self._one_window(ref, timed, result, compiled=True)
                     except RuntimeError as exc:
                         result.stderr += f"\n[kernelloop] torch.compile of the reference failed: {exc}"
                 busy = idle.busy()
@@ -377,6 +384,26 @@ class CandidateChecks:
         result.speedup_eager = result.speedup_compile = None
         return False
 
+    def _one_window(self, ref: ReferenceWorker, timed: dict[str, Any], result: EvalResult, compiled: bool) -> None:
+        """A reference timing that is not one steady window (``sandbox.quiet.unsteady``: its median
+        far above its own fastest run) is timed again, and kept from the second window; unsteady
+        again: ``contended``. On ``cuda`` only (a shared CPU host's runs jump by themselves)."""
+        attr = "compile_time" if compiled else "eager_time"
+        first = getattr(result, attr)
+        if self.device != "cuda" or first is None:
+            return
+        why = unsteady(first)
+        if why is None:
+            return
+        result.reference_retimed += 1
+        with self.quiet():
+            again = Timing(**ref.ask({**timed, "compiled": True} if compiled else timed)["timing"])
+        setattr(result, attr, again)
+        still = unsteady(again)
+        if still is not None:
+            result.add_flag(FlagKind.contended, f"the reference's {'compiled' if compiled else 'eager'} timing was "
+                            f"not one steady window twice: {why}; timed again: {still}")
+
     def _steady(self, ref: ReferenceWorker, timed: dict[str, Any], result: EvalResult) -> None:
         """A reference eager time off its running median is timed again; still off: ``contended``.
         On ``cuda`` only: a shared CPU host's timings jump by themselves (on 2 shared cores the
@@ -389,7 +416,8 @@ class CandidateChecks:
         why = self.history.departure(key, result.eager_time.median_ms, result.eager_time.iqr_ms)
         if why is not None:
             result.reference_retimed += 1
-            result.eager_time = Timing(**ref.ask(timed)["timing"])
+            with self.quiet():
+                result.eager_time = Timing(**ref.ask(timed)["timing"])
             again = self.history.departure(key, result.eager_time.median_ms, result.eager_time.iqr_ms)
             if again is not None:
                 result.add_flag(FlagKind.contended, f"the reference's eager time departed from its running median "

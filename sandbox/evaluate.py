@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import secrets
 import sys
 import threading
@@ -216,13 +217,18 @@ class Sandbox:
         warm-up compile's runs). On cuda its process and imports come first, off the gate
         (``ReferenceWorker.spawn``: they held back the slot's timings for 3-5 s of each start),
         and the worker then asks for the gate in turns, not while torch.compile generates its code
-        (``sandbox.warm_compile``). On the CPU target the whole start stays under it: imports and
-        compilation share the timed runs' cores."""
+        (``sandbox.warm_compile``; ``KERNELLOOP_REFERENCE_TURNS=0``: the whole load under the gate,
+        to compare). On the CPU target the whole start stays under it: imports and compilation
+        share the timed runs' cores."""
         if not ref.needs_start():
             ref.ensure()
         elif self.device == "cuda":
             ref.spawn()
-            ref.ensure(device_turns=lambda: self._device_work(slot, "reference start"))
+            if os.environ.get("KERNELLOOP_REFERENCE_TURNS", "1") == "0":     # the whole load under the gate, as before
+                with self._device_work(slot, "reference start"):
+                    ref.ensure()
+            else:
+                ref.ensure(device_turns=lambda: self._device_work(slot, "reference start"))
         else:
             with self._device_work(slot, "reference start"):
                 ref.ensure()
@@ -549,7 +555,8 @@ class Sandbox:
                 stages = Stages(result)
                 try:
                     CandidateChecks(cfg, self.device, self.slots[slot], self._history, inputs_copy_on_host,
-                                    self.timing_blocks).run(
+                                    self.timing_blocks,
+                                    quiet=self._build_pause.paused if self.device == "cuda" else contextlib.nullcontext).run(
                         result, ref, cand, stages, first, self._gates[slot], self._slot_locks[slot])
                 finally:
                     stages.enter(None)

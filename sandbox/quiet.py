@@ -18,8 +18,17 @@ Three observations around each evaluation's timing (``sandbox.checks``):
   background work it waited for;
 * **a running median** per task, device and numerics (``cuda`` only: a shared CPU host's
   timings jump by themselves): a reference eager median that departs from its running median by
-  more than the measured spread is timed again; if it stays off, the evaluation is ``contended``. A contended timing never yields a clean speedup
-  (``EvalResult.clean``).
+  more than the measured spread is timed again; if it stays off, the evaluation is ``contended``;
+* **a steady window** (``cuda`` only): a reference timing (eager or compiled) whose median is
+  more than ``UNSTEADY_RATIO`` times its own fastest run is timed again; unsteady again: the
+  evaluation is ``contended``. On four H200 lanes (sessions u and v) 95% of reference medians were
+  within 5% of their fastest run, and about 2% were 1.3-3.4x it without any other flag: runs
+  2-5x slower for 30-100 ms inside the window (as if one to four other jobs shared the GPU),
+  where NVML saw no other process, and a task's first evaluations have no running median yet.
+  Such a window made level2/75's eager 6.16 ms against 3.09 in its other three evaluations,
+  and a clean "2.89x" that was 1.46x.
+
+A contended timing never yields a clean speedup (``EvalResult.clean``).
 """
 from __future__ import annotations
 
@@ -37,6 +46,25 @@ MIN_HISTORY = 3                # medians needed before a departure is judged
 REL_FLOOR = 0.10               # a departure below this fraction of the running median is never one
 IDLE_CPU_S = 0.10              # CPU seconds an idle worker may use while the reference is timed ...
 IDLE_CPU_SHARE = 0.10          # ... or this share of the reference's timing wall time, if more
+
+
+UNSTEADY_RATIO = 1.25          # a reference median this far above its fastest run is timed again ...
+UNSTEADY_MIN_MS = 0.02         # ... where it is also this much above it (launch jitter of tiny tasks is not)
+UNSTEADY_MIN_RUNS = 5
+
+
+def unsteady(timing: Any) -> Optional[str]:
+    """Why ``timing`` (a ``sandbox.result.Timing``) is not one steady window (see the module's
+    docstring), or None."""
+    samples = list(getattr(timing, "samples_ms", None) or [])
+    if len(samples) < UNSTEADY_MIN_RUNS:
+        return None
+    fastest, median = min(samples), float(timing.median_ms)
+    if fastest <= 0 or median <= UNSTEADY_RATIO * fastest or median - fastest <= UNSTEADY_MIN_MS:
+        return None
+    slow = sum(1 for x in samples if x > UNSTEADY_RATIO * fastest)
+    return (f"median {median:.4g} ms, {median / fastest:.2f}x its fastest run ({fastest:.4g} ms); "
+            f"{slow} of {len(samples)} runs over {UNSTEADY_RATIO}x it")
 
 
 class TimingHistory:

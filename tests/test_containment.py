@@ -770,3 +770,96 @@ def test_a_worker_of_the_sandbox_is_not_foreign_while_the_driver_still_lists_it(
     assert set(dict(w.foreign(os.getpid(), [], worker_pids()))) == {999_999}
     sm["use"] = 30                                  # a kernel of the ended worker still running
     assert pid in dict(w.foreign(os.getpid(), [], worker_pids()))
+
+
+# level2/75's eager timing in session v (four H200 lanes): the first eleven runs 2x, the rest quiet
+_SESSION_V_75 = [7.06912, 6.08467, 6.24253, 6.42413, 6.26077, 6.45907, 6.42394, 10.4923, 6.45366, 6.42042,
+                 6.46051, 3.09158, 3.0912, 3.10246, 3.09123, 3.09018, 3.08765, 3.09229, 3.09229, 3.09296]
+
+
+def _window(samples: list[float]) -> dict:
+    import statistics
+
+    q = statistics.quantiles(samples, n=4)
+    return {"median_ms": statistics.median(samples), "iqr_ms": q[2] - q[0], "mean_ms": statistics.fmean(samples),
+            "min_ms": min(samples), "max_ms": max(samples), "runs": len(samples), "clock": "cuda_event",
+            "samples_ms": samples}
+
+
+def test_a_window_whose_median_is_far_above_its_fastest_run_is_unsteady():
+    from sandbox.quiet import unsteady
+    from sandbox.result import Timing
+
+    why = unsteady(Timing(**_window(_SESSION_V_75)))
+    assert why is not None and "2.00x" in why and "11 of 20" in why
+    quiet = [3.09 + 0.01 * (i % 3) for i in range(20)]
+    assert unsteady(Timing(**_window(quiet))) is None
+    tiny = [0.010, 0.018, 0.016, 0.017, 0.015, 0.016, 0.019, 0.015]      # launch jitter, 0.006 ms over
+    assert unsteady(Timing(**_window(tiny))) is None
+    assert unsteady(Timing(**_timing(3.0))) is None                       # no runs kept: nothing to judge
+
+
+class _Windows:
+    """A reference worker that answers time requests with the sample lists given, in order."""
+
+    def __init__(self, *windows):
+        self.windows, self.asked = list(windows), []
+
+    def ask(self, payload):
+        self.asked.append(payload)
+        return {"ok": True, "timing": _window(self.windows.pop(0))}
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("second, contended", [(_SESSION_V_75, True), ([3.09] * 20, False)])
+def test_an_unsteady_reference_window_is_timed_again_then_flagged(compiled, second, contended):
+    """The reference's eager or compiled timing from a window with a slow stretch (session v's
+    level2/75) is timed again with the same request; the second window is kept; unsteady again,
+    the evaluation is contended and its speedup not clean. On cpu nothing is judged."""
+    import statistics
+
+    from sandbox.checks import CandidateChecks
+    from sandbox.result import Timing
+
+    checks = CandidateChecks(EvalConfig(), "cuda", "0", TimingHistory())
+    attr = "compile_time" if compiled else "eager_time"
+    r = EvalResult(status=Status.correct, task="t", device="cuda", **{attr: Timing(**_window(_SESSION_V_75))})
+    ref = _Windows(second)
+    checks._one_window(ref, {"op": "time", "seed": 1}, r, compiled=compiled)
+    assert len(ref.asked) == 1 and bool(ref.asked[0].get("compiled")) is compiled
+    assert r.reference_retimed == 1 and getattr(r, attr).median_ms == pytest.approx(statistics.median(second))
+    assert r.has_flag("contended") is contended and r.clean is not contended
+    steady = EvalResult(status=Status.correct, task="t", device="cuda", **{attr: Timing(**_window([3.09] * 20))})
+    checks._one_window(_Windows(), {}, steady, compiled=compiled)
+    assert steady.reference_retimed == 0
+    on_cpu = CandidateChecks(EvalConfig(), "cpu", None, TimingHistory())
+    r = EvalResult(status=Status.correct, task="t", device="cpu", **{attr: Timing(**_window(_SESSION_V_75))})
+    on_cpu._one_window(_Windows(), {}, r, compiled=compiled)
+    assert r.reference_retimed == 0 and not r.has_flag("contended")
+
+
+def test_a_second_reference_window_is_timed_with_the_quiet_context_held():
+    """The retime of an unsteady window runs inside ``quiet`` (on cuda the sandbox's builds
+    stopped: their compilers beside the host thread that launches the timed runs)."""
+    import contextlib
+
+    from sandbox.checks import CandidateChecks
+    from sandbox.result import Timing
+
+    held = []
+
+    @contextlib.contextmanager
+    def quiet():
+        held.append("in")
+        yield
+        held.append("out")
+
+    class _Seen(_Windows):
+        def ask(self, payload):
+            assert held == ["in"], "timed again outside the quiet context"
+            return super().ask(payload)
+
+    checks = CandidateChecks(EvalConfig(), "cuda", "0", TimingHistory(), quiet=quiet)
+    r = EvalResult(status=Status.correct, task="t", device="cuda", eager_time=Timing(**_window(_SESSION_V_75)))
+    checks._one_window(_Seen([3.09] * 20), {}, r, compiled=False)
+    assert held == ["in", "out"] and r.reference_retimed == 1 and not r.has_flag("contended")

@@ -542,12 +542,15 @@ def test_on_cuda_a_starting_reference_imports_while_its_slot_is_timed_and_loads_
         sandbox.close()
 
 
-def test_on_cuda_a_reference_compiling_its_warm_up_leaves_the_slot_to_timings():
+@pytest.mark.parametrize("turns", ["1", "0"])
+def test_on_cuda_a_reference_compiling_its_warm_up_leaves_the_slot_to_timings(monkeypatch, turns):
     """A reference's warm-up ``torch.compile`` (compile timings on) asks for the slot's gate only
     for its model and its runs (``sandbox.warm_compile``): while inductor generates and compiles
     its code (seconds here, C++ on the CPU; 10 s and more at KernelBench's sizes on a GPU) a
     timing on that slot gets the gate at once, where it used to wait for the whole start. The
-    device name set to cuda by hand; the worker runs on the CPU, asking for turns as on a GPU."""
+    device name set to cuda by hand; the worker runs on the CPU, asking for turns as on a GPU.
+    ``KERNELLOOP_REFERENCE_TURNS=0`` (to compare) holds the gate around the whole load, as before."""
+    monkeypatch.setenv("KERNELLOOP_REFERENCE_TURNS", turns)
     cfg = EvalConfig(trials=2, timed_runs=3, warmup_runs=1, time_compile=True, profile=False, run_timeout_s=60.0)
     sandbox = Sandbox("cpu", cfg, warm_workers=0)
     try:
@@ -571,6 +574,9 @@ def test_on_cuda_a_reference_compiling_its_warm_up_leaves_the_slot_to_timings():
         assert not ref.needs_start() and ref.ask({"op": "time", "seed": 5, "runs": 2, "warmup": 1, "compiled": True})["ok"]
         assert time.monotonic() - asked < 0.2 * start_s, "the warm-up's compiled module was not kept: it compiled again"
         row = gate.account["reference start"]
+        if turns == "0":
+            assert row["n"] == 1 and max(waits) > 0.3 * start_s, (row, max(waits), start_s)
+            return
         assert row["n"] >= 3, row          # the model, the warm-up inputs, the compiled forward
         assert row["held_s"] < 0.5 * start_s, (row, start_s)
         assert max(waits) < 0.5 * start_s, (max(waits), start_s)

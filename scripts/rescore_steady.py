@@ -1,0 +1,69 @@
+"""Stored evaluations re-judged by the steady-window rule (``sandbox.quiet.unsteady``), without a GPU.
+
+The judge times a reference again where its median is far above its own fastest run, and flags
+the evaluation ``contended`` where the second window is unsteady too. Stores written before that
+rule keep every run of every timing (``samples_ms``), so the rule can be applied to them after the
+fact: this copies each store given into OUT_DIR (the originals are never written) and flags, in the
+copy, each evaluation whose stored eager or compiled reference timing is unsteady. There was no
+second window then, so the copy is stricter than the live rule (which keeps an evaluation whose
+retime is steady). Read the copies with ``report`` or ``scripts/suite_table.py``.
+
+    python scripts/rescore_steady.py /tmp/rescored .gpu-store/u-l2/lane_0.db .gpu-store/u-l2/lane_1.db
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sqlite3
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from sandbox.quiet import unsteady  # noqa: E402
+from sandbox.result import Timing  # noqa: E402
+
+REFERENCE_TIMINGS = ("eager_time", "compile_time")
+
+
+def rescore(store: Path, out_dir: Path) -> tuple[Path, int, int]:
+    """The re-scored copy of ``store`` in ``out_dir``; evaluations read and flagged."""
+    dst = out_dir / "_".join(store.resolve().parts[-2:])
+    shutil.copyfile(store, dst)
+    con = sqlite3.connect(dst)
+    try:
+        rows = con.execute("select id, result from evaluations").fetchall()
+        flagged = 0
+        for eid, raw in rows:
+            result = json.loads(raw)
+            why = [f"{k}: {w}" for k in REFERENCE_TIMINGS if result.get(k)
+                   for w in [unsteady(Timing(**result[k]))] if w]
+            if not why:
+                continue
+            result.setdefault("flags", []).append(
+                {"kind": "contended", "reason": "re-scored, not one steady window: " + "; ".join(why)})
+            con.execute("update evaluations set result = ?, contended = 1 where id = ?", (json.dumps(result), eid))
+            flagged += 1
+        con.commit()
+    finally:
+        con.close()
+    return dst, len(rows), flagged
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out_dir", type=Path, help="where the re-scored copies go (created)")
+    ap.add_argument("stores", type=Path, nargs="+", help="SQLite stores to re-score (read only)")
+    args = ap.parse_args(argv)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    for store in args.stores:
+        if not store.is_file():
+            ap.error(f"no store at {store}")
+        dst, n, flagged = rescore(store, args.out_dir)
+        print(f"{store} -> {dst}: {flagged} of {n} evaluations flagged contended (an unsteady reference window)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

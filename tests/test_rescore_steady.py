@@ -1,0 +1,42 @@
+"""``scripts/rescore_steady.py``: stored evaluations re-judged by the steady-window rule, in a copy."""
+from __future__ import annotations
+
+import json
+import sqlite3
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+import rescore_steady  # noqa: E402
+
+
+def _timing(samples):
+    s = sorted(samples)
+    return {"median_ms": s[len(s) // 2], "iqr_ms": 0.0, "mean_ms": sum(s) / len(s), "min_ms": s[0],
+            "max_ms": s[-1], "runs": len(s), "clock": "cuda_event", "samples_ms": samples}
+
+
+def test_only_unsteady_reference_windows_are_flagged_and_only_in_the_copy(tmp_path):
+    store = tmp_path / "lane" / "lane_0.db"
+    store.parent.mkdir()
+    con = sqlite3.connect(store)
+    con.execute("create table evaluations (id integer primary key, result json not null, contended boolean)")
+    steady = {"eager_time": _timing([3.09] * 20), "compile_time": _timing([2.7] * 20),
+              "candidate_time": _timing([2.0] * 10 + [6.0] * 10), "flags": []}      # the candidate's is not judged
+    burst = {"eager_time": _timing([6.2] * 11 + [3.09] * 9), "flags": [{"kind": "precision", "reason": "x"}]}
+    slow_compile = {"eager_time": _timing([3.09] * 20), "compile_time": _timing([2.7] * 5 + [8.1] * 15)}
+    for i, r in enumerate((steady, burst, slow_compile), 1):
+        con.execute("insert into evaluations values (?, ?, 0)", (i, json.dumps(r)))
+    con.commit()
+    con.close()
+    out = tmp_path / "out"
+    assert rescore_steady.main([str(out), str(store)]) == 0
+    copy = sqlite3.connect(out / "lane_lane_0.db")
+    rows = {i: (json.loads(r), c) for i, r, c in copy.execute("select id, result, contended from evaluations")}
+    assert rows[1][1] == 0 and rows[1][0]["flags"] == []
+    assert rows[2][1] == 1 and [f["kind"] for f in rows[2][0]["flags"]] == ["precision", "contended"]
+    assert "eager_time" in rows[2][0]["flags"][1]["reason"]
+    assert rows[3][1] == 1 and "compile_time" in rows[3][0]["flags"][0]["reason"]
+    original = sqlite3.connect(store)
+    assert [c for (c,) in original.execute("select contended from evaluations")] == [0, 0, 0]
