@@ -77,6 +77,20 @@ DEFAULT_WARM_WORKERS = {"cuda": 4, "cpu": 2}
 # the least-loaded rule started every task's reference on every GPU (reference 15 s median on
 # GPUs 1-3 of the level-2 mix), and four GPUs gave 2.5x one.
 REFERENCE_AFFINITY = 4
+# Build workers (and the compilers they start) run this much nicer than the timed workers: a timed
+# run's host thread that waits behind a compiler for a time slice leaves the GPU idle between the
+# clock's start event and the forward's kernels (session v: reference windows with runs 2-5x slow
+# for 30-100 ms, 16 compilers on a lane's 16 cores). At nice 10 a compiler weighs about a tenth of
+# a nice-0 thread, and takes the whole of any core left idle. ``KERNELLOOP_BUILD_NICE`` sets it (0: off).
+BUILD_NICE = 10
+
+
+def build_nice() -> int:
+    raw = os.environ.get("KERNELLOOP_BUILD_NICE", str(BUILD_NICE))
+    try:
+        return max(0, min(19, int(raw)))
+    except ValueError:
+        raise ValueError(f"KERNELLOOP_BUILD_NICE must be an integer 0-19, not {raw!r}") from None
 
 
 def slot_preference(load: int, has_reference: bool) -> tuple[int, bool]:
@@ -183,7 +197,7 @@ class Sandbox:
         return env
 
     def _spawn_build(self, slot: int = 0) -> WorkerProcess:
-        return WorkerProcess("build", hide_gpu=True, env=self._build_env())
+        return WorkerProcess("build", hide_gpu=True, env=self._build_env(), nice=build_nice())
 
     def _spawn_candidate(self, slot: int) -> WorkerProcess:
         return WorkerProcess("candidate", memory_limit_mb=self.config.memory_limit_mb if self.device == "cpu" else None,

@@ -97,7 +97,8 @@ def kill_all_workers() -> int:
 
 class WorkerProcess:
     def __init__(self, role: str, hide_gpu: bool = False, memory_limit_mb: Optional[int] = None,
-                 env: Optional[dict[str, str]] = None):
+                 env: Optional[dict[str, str]] = None, nice: int = 0):
+        """``nice``: added to the worker's niceness (and so its compilers'), before it runs."""
         self.role = role
         self.device_share = 0       # device bytes its run admitted it for (sandbox.failures.candidate_oom)
         self.stopped: Optional[str] = None      # why the sandbox itself ended it (close, kill): its exit's cause
@@ -124,13 +125,16 @@ class WorkerProcess:
             child_env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
         child_env.update(env or {})
         preexec = None
-        if memory_limit_mb:
-            limit = int(memory_limit_mb) << 20
+        if memory_limit_mb or nice:
+            limit = int(memory_limit_mb or 0) << 20
 
             def preexec() -> None:  # runs in the child before exec
                 import resource
 
-                resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+                if limit:
+                    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+                if nice:
+                    os.nice(nice)
         keeper_sock, keeper_child = socket.socketpair()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "sandbox.keeper", str(keeper_child.fileno()), "--",

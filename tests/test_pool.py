@@ -753,3 +753,39 @@ def test_a_ray_slot_starts_the_reference_while_the_candidate_builds_elsewhere():
         assert [f["task_key"] for f in reply["footprints"]] == [spec.key]
     finally:
         slot.close()
+
+
+@pytest.mark.parametrize("setting, added", [(None, 10), ("0", 0), ("3", 3)])
+def test_build_workers_and_their_compilers_run_nicer_than_timed_workers(monkeypatch, setting, added):
+    """A build worker (and every compiler it starts: niceness is inherited) runs ``BUILD_NICE``
+    nicer than the sandbox, so a timed run's host thread is not left waiting behind compilers for
+    a time slice (``KERNELLOOP_BUILD_NICE`` sets it; 0 is off); a bad setting is named."""
+    import os
+
+    if setting is None:
+        monkeypatch.delenv("KERNELLOOP_BUILD_NICE", raising=False)
+    else:
+        monkeypatch.setenv("KERNELLOOP_BUILD_NICE", setting)
+    sandbox = Sandbox("cpu", CFG, warm_workers=0)
+    try:
+        worker = sandbox._spawn_build()
+        try:
+            worker.recv(120, until_event="imported")
+            ours = os.getpriority(os.PRIO_PROCESS, 0)
+            assert os.getpriority(os.PRIO_PROCESS, worker.proc.pid) == min(19, ours + added)
+            candidate = sandbox._spawn_candidate(0)
+            try:
+                assert os.getpriority(os.PRIO_PROCESS, candidate.proc.pid) == ours      # timed workers are not
+            finally:
+                candidate.kill()
+                candidate.cleanup()
+        finally:
+            worker.kill()
+            worker.cleanup()
+    finally:
+        sandbox.close()
+    monkeypatch.setenv("KERNELLOOP_BUILD_NICE", "low")
+    from sandbox.evaluate import build_nice
+
+    with pytest.raises(ValueError, match="KERNELLOOP_BUILD_NICE"):
+        build_nice()
