@@ -487,12 +487,18 @@ def test_batchnorm_over_columns_matches_on_cuda(tmp_path):
 def test_an_unrolled_loop_of_lone_small_elementwise_ops_stays_on_pytorch():
     """level3/34_VanillaRNNHidden on an H200: 256 lone tanh kernels (one per unrolled step, 8x256
     each) made the candidate 0.82x eager; such a kernel fuses nothing and only adds host glue.
-    From LONE_MIN_CALLS of them on, they stay on PyTorch; a short loop keeps its kernels."""
+    From LONE_MIN_CALLS of them on, they stay on PyTorch (where the loop is not one recurrent
+    layer: its ``recurrent=library`` variant here, unrolled_rnn.py otherwise); a short loop keeps
+    its kernels."""
     from agent.builtin import LONE_MIN_CALLS, generate
+    from agent.builtin.codegen import Knobs
+    from agent.builtin.unrolled_rnn import MIN_STEPS
 
+    assert MIN_STEPS == LONE_MIN_CALLS
     path = Path(__file__).parent / "fixtures" / "builtin" / "rnn_loop.py"
     for device in ("cuda", "cpu"):
-        many = generate(read_spec(path, {"sequence_length": 20}, name="fixtures/rnn_loop"), device)
+        many = generate(read_spec(path, {"sequence_length": 20}, name="fixtures/rnn_loop"), device,
+                        Knobs(recurrent="library"))
         assert many.choices["groups"] == [] and "_ext." not in many.source
         assert {f"tanh_{i}" for i in range(1, 20)} <= set(many.choices["excluded"])
         few = generate(read_spec(path, {"sequence_length": LONE_MIN_CALLS - 1}, name="fixtures/rnn_loop"), device)

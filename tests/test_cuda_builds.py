@@ -238,3 +238,15 @@ def test_fused_attention_builds(sandbox, precision):
     check = sandbox.build_only(spec, cand.source)
     detail = f"{precision}: {check.status} {check.error_message}\n{(check.build.log if check.build else '')[-3000:]}"
     assert check.ok and check.build is not None and check.build.extensions, detail
+
+
+def test_unrolled_elman_loop_builds(sandbox):
+    """level3/34's shape of loop (``agent/builtin/unrolled_rnn.py``) at 20 steps: the tanh RNN
+    layer's cooperative kernel and host code, called with the loop's split weights."""
+    from agent.builtin import generate
+
+    spec = read_spec(BUILTIN_FIXTURES / "rnn_loop.py", {"sequence_length": 20}, name="fixtures/rnn_loop_20")
+    cand = generate(spec, "cuda")
+    assert [g["kind"] for g in cand.choices["groups"]] == ["recurrent"]
+    check = sandbox.build_only(spec, cand.source)
+    assert check.ok, f"{check.status} {check.error_message}\n{(check.build.log if check.build else '')[-3000:]}"

@@ -21,7 +21,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from agent.builtin import attention, recurrent
+from agent.builtin import attention, recurrent, unrolled_rnn
 from agent.builtin.codegen import HEADER_PREFIX, Knobs, Rendered, body_hash, render_candidate
 from agent.builtin.dtypes import precision_of
 from agent.builtin.feedback import Feedback, _knobs_of, parse_header, read_history, variant_order
@@ -120,7 +120,13 @@ class _Generator:
         spans = attention.find(list(self.traced.gm.graph.nodes), self.infos,
                                set(self.fb.excluded) | set(self.fb.cuts) | set(excluded_extra))
         fused = spans if knobs.attention == "fused" else []
-        inside = frozenset(n.name for sp in fused for n in sp.nodes)
+        # Python loops of an Elman cell, unrolled by the trace (unrolled_rnn.py): one recurrent kernel each
+        # (a node the forward assigns to the module, Traced.rebinds, is read outside the loop: no match)
+        loops = unrolled_rnn.find(list(self.traced.gm.graph.nodes), self.traced.modules,
+                                  set(self.fb.excluded) | set(excluded_extra) |
+                                  {n.name for n in self.traced.rebinds.values()})
+        looped = loops if knobs.recurrent == "fused" else []
+        inside = frozenset(n.name for sp in fused for n in sp.nodes) | frozenset(n.name for lp in looped for n in lp.nodes)
         plan, kgroups, excluded = self.plan(knobs.fusion, excluded_extra | inside, knobs.conv)
         excluded = excluded - inside
         # nn.LSTM/GRU/RNN calls (recurrent.py): library nodes of the plan, one kernel each under recurrent="fused"
@@ -130,12 +136,13 @@ class _Generator:
 
         def extras(k: Knobs) -> list:
             return attention.codes(fused, len(plan.groups), self.infos, self.device, k) + \
-                recurrent.codes(cells, len(plan.groups) + len(fused), self.device, k)
+                recurrent.codes(cells, len(plan.groups) + len(fused), self.device, k) + \
+                unrolled_rnn.codes(looped, len(plan.groups) + len(fused) + len(cells), self.device, k)
 
         extra = extras(knobs)
         # knobs that change nothing in this plan are normalised, so equal code has equal headers
         probe = render_candidate(self.traced, plan, kgroups, self.device, knobs, {}, self.init, extra)
-        used = probe.knobs_used | ({"attention"} if spans else set()) | ({"recurrent"} if layers else set())
+        used = probe.knobs_used | ({"attention"} if spans else set()) | ({"recurrent"} if layers or loops else set())
         # a layout is "used" where the graph has a convolution it rewrites (then both are distinct code)
         has_layouts = self.layout != "nchw" or self.other("nhwc") is not None
         eff = Knobs(fusion=knobs.fusion,
