@@ -60,7 +60,7 @@ def test_the_split_column_reductions_render_for_sum_max_and_logsumexp(monkeypatc
     assert two.source.count("_colpart<int><<<") == 2
 
 
-@pytest.mark.parametrize("name", ["norm_split", "reduce_split"])
+@pytest.mark.parametrize("name", ["norm_split", "reduce_split", "norm_cols"])
 def test_the_fixtures_are_judged_correct_on_the_cpu(name):
     """The fixtures themselves (prologues, the norms or reductions, epilogues) through the CPU sandbox."""
     from builtin_candidate import judge
@@ -72,8 +72,23 @@ def test_the_fixtures_are_judged_correct_on_the_cpu(name):
     assert all(o.mismatched == 0 for t in result.trials for o in t.outputs)
 
 
+def test_batch_norm_over_few_long_columns_takes_the_split_kernels(monkeypatch):
+    """A (rows, channels) BatchNorm1d: with the split compiled in, few long columns go to _part/_fin
+    (level3/47: _cols ran one block for its 32 columns of 204800 rows, 57% of the candidate); many
+    columns, or the split off, keep _cols."""
+    spec = _spec("norm_cols")
+    on = generate(spec, "cuda")
+    assert _kinds(on) == ["norm"]
+    assert "const bool cols_split = L >= 16384 && rows < sms;" in on.source
+    assert "_cols<int><<<" in on.source and "_part<int><<<" in on.source     # both: the launch chooses
+    monkeypatch.setenv(SPLIT_REDUCE_ENV, "0")
+    off = generate(spec, "cuda")
+    assert "const bool cols_split = false;" in off.source and "_part<int><<<" not in off.source
+    compile(on.source, "cuda_candidate.py", "exec")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["norm_split", "reduce_split"])
+@pytest.mark.parametrize("name", ["norm_split", "reduce_split", "norm_cols"])
 @pytest.mark.parametrize("split", ["1", "0"])   # the split first: a short box should judge it
 def test_split_reductions_are_correct_on_a_gpu(monkeypatch, split, name):
     """The norms' rows (4-8, fewer than the SMs) and the column reductions (16 outputs) split into
