@@ -35,7 +35,8 @@ from typing import Any, Optional
 from executors.base import ExecutorError
 from executors.ray_slot import EvaluationSlot, build_on_node, spec_data
 from sandbox.admission import TaskTooLarge
-from sandbox.evaluate import sha256_text, slot_preference
+from sandbox.evaluate import sha256_text
+from sandbox.slots import slot_preference
 from sandbox.failures import MAX_INFRA_RETRIES
 from sandbox.footprint import Footprint
 from sandbox.result import EvalConfig, EvalResult, Status

@@ -49,8 +49,8 @@ from sandbox.quiet import TimingHistory
 from sandbox.process import WorkerDied, WorkerProcess, WorkerTimeout, kill_all_workers
 from sandbox.reference import Precomputed, ReferenceWorker
 from sandbox.result import BuildCheck, BuildInfo, EvalConfig, EvalResult, FlagKind, Status
-from sandbox.slots import (build_plan, cpu_thread_env, cpu_timing_blocks, cpu_timing_threads, usable_cores,
-                           visible_gpus)
+from sandbox.slots import (build_nice, build_plan, cpu_thread_env, cpu_timing_blocks, cpu_timing_threads,
+                           slot_preference, usable_cores, visible_gpus)
 from sandbox.tasks import TaskSpec
 
 
@@ -70,36 +70,6 @@ def _device_name(device: str) -> str:
 # that builds take ~4 s); session o, with 7.5 s builds, had measured no gain. The CPU keeps 2: its
 # workers share the cores with the timed runs.
 DEFAULT_WARM_WORKERS = {"cuda": 4, "cpu": 2}
-# A task's candidates stay on the GPU where its reference already runs until that GPU has this many
-# more candidates in flight than the least-loaded one. Each GPU starts its own reference worker per
-# task (its model and warm-up torch.compile: 10-19 s at KernelBench's level-2 sizes, holding back
-# that GPU's timings meanwhile), while a candidate holds a GPU for about a second: on four H200s
-# the least-loaded rule started every task's reference on every GPU (reference 15 s median on
-# GPUs 1-3 of the level-2 mix), and four GPUs gave 2.5x one.
-REFERENCE_AFFINITY = 4
-# Build workers (and the compilers they start) run this much nicer than the timed workers: a timed
-# run's host thread that waits behind a compiler for a time slice leaves the GPU idle between the
-# clock's start event and the forward's kernels (session v: reference windows with runs 2-5x slow
-# for 30-100 ms, 16 compilers on a lane's 16 cores). At nice 10 a compiler weighs about a tenth of
-# a nice-0 thread, and takes the whole of any core left idle. ``KERNELLOOP_BUILD_NICE`` sets it (0: off).
-BUILD_NICE = 10
-
-
-def build_nice() -> int:
-    raw = os.environ.get("KERNELLOOP_BUILD_NICE", str(BUILD_NICE))
-    try:
-        return max(0, min(19, int(raw)))
-    except ValueError:
-        raise ValueError(f"KERNELLOOP_BUILD_NICE must be an integer 0-19, not {raw!r}") from None
-
-
-def slot_preference(load: int, has_reference: bool) -> tuple[int, bool]:
-    """The key a slot is chosen by, least first (the local sandbox's GPUs and the Ray executor's
-    slots): its candidates in flight, ``REFERENCE_AFFINITY`` fewer where the task's reference
-    runs there; among equals, one with the reference."""
-    return load - (REFERENCE_AFFINITY if has_reference else 0), not has_reference
-
-
 class Sandbox:
     """Evaluates candidates for one device kind. Thread-safe: builds run in parallel on the CPU
     cores (up to ``build_slots``); each GPU (or the CPU) is a slot that one candidate holds

@@ -785,7 +785,7 @@ def test_build_workers_and_their_compilers_run_nicer_than_timed_workers(monkeypa
     finally:
         sandbox.close()
     monkeypatch.setenv("KERNELLOOP_BUILD_NICE", "low")
-    from sandbox.evaluate import build_nice
+    from sandbox.slots import build_nice
 
     with pytest.raises(ValueError, match="KERNELLOOP_BUILD_NICE"):
         build_nice()

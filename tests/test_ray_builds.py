@@ -17,7 +17,8 @@ from executors import ExecutorError
 from executors import ray_slot
 from executors.ray_executor import EventLog, RayExecutor, RaySlot, build_place
 from executors.ray_slot import EvaluationSlot, slot_cores
-from sandbox.evaluate import REFERENCE_AFFINITY, Sandbox
+from sandbox.evaluate import Sandbox
+from sandbox.slots import REFERENCE_AFFINITY
 from sandbox.result import EvalConfig, EvalResult, Status
 from sandbox.slots import build_plan, usable_cores
 from sandbox.tasks import TaskSpec

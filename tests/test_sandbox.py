@@ -15,6 +15,7 @@ from sandbox.numerics import Numerics
 from sandbox.compare import compare_outputs, fp64_errors, fp64_verdict
 from sandbox.evaluate import Sandbox
 from sandbox.result import EvalConfig, FlagKind, Status
+from sandbox.slots import REFERENCE_AFFINITY
 from sandbox.tasks import read_spec
 from sandbox.timing import summarize
 
@@ -367,8 +368,8 @@ def test_candidates_spread_over_gpu_slots_and_workers_see_only_theirs(monkeypatc
     # candidates in flight than the least-loaded one (a reference start costs a GPU 10-19 s)
     sb2 = Sandbox("cuda", EvalConfig(), arch="9.0a")
     sb2.reference(spec, 1)
-    picks = [sb2._pick_slot(spec) for _ in range(ev.REFERENCE_AFFINITY + 2)]
-    assert picks == [1] * (ev.REFERENCE_AFFINITY + 1) + [0], picks
+    picks = [sb2._pick_slot(spec) for _ in range(REFERENCE_AFFINITY + 2)]
+    assert picks == [1] * (REFERENCE_AFFINITY + 1) + [0], picks
     assert sb2._pick_slot() == 0                            # a call without a task: the least loaded
     sb2.release(spec)
     assert sb2._refs == {}
