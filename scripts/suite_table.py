@@ -11,7 +11,9 @@ task's evaluations from all of them, and prints in markdown:
 * per kind of task (GEMM/Matmul, Conv2d, Conv3d, ConvTranspose, other) and over all: tasks, clean
   tasks, geomeans vs eager and vs compile, tasks faster than compile, the slowest vs compile;
 * the geomean vs compile of the best after each round (a task's best so far: it never falls, so
-  the table shows what each round added).
+  the table shows what each round added);
+* how many evaluated attempts were ``contended`` (and how many of those for an unsteady reference
+  window, ``sandbox.quiet.unsteady``).
 
 Numerics and device are each run's own; runs that differ in either are refused.
 
@@ -107,6 +109,12 @@ def table(records: list[AttemptRecord]) -> str:
             + ", ".join(f"round {r} {_fmt(geomean(list(v.values())))} ({len(v)} tasks)" for r, v in by_round.items()),
             f"the same over the {len(first)} tasks clean in round {rounds[0] if rounds else '-'} (one set throughout): "
             + ", ".join(f"round {r} {_fmt(geomean([v[t] for t in first]))}" for r, v in by_round.items())]
+    # how quiet the device was (sandbox.quiet): contended attempts are never clean, so they thin the table
+    judged = [r for r in records if r.status is not None]
+    contended = [r for r in judged if "contended" in r.flags]
+    unsteady = [r for r in contended if any("steady window" in why for why in r.flag_reasons)]
+    out.append(f"contended: {len(contended)} of {len(judged)} evaluated attempts"
+               f" ({len(unsteady)} of them a reference timing that was not one steady window)")
     return "\n".join(out)
 
 

@@ -51,3 +51,19 @@ def test_kinds_and_the_refusal_of_mixed_runs(tmp_path, capsys):
         db.execute("update runs set device_name = 'another GPU' where id = ?", (info.run_b,))
     assert main([str(info.db_path)]) == 2
     assert "differ in device or numerics" in capsys.readouterr().err
+
+
+def test_the_table_counts_contended_attempts_and_the_unsteady_windows_among_them(tmp_path):
+    info = build_fixture_store(tmp_path)
+    try:
+        records, _ = read([f"{info.db_path}:{info.run_a}"])
+    finally:
+        info.store.close()
+    judged = [r for r in records if r.status is not None]
+    assert "contended: 0 of %d evaluated attempts (0 of them" % len(judged) in table(records)
+    judged[0].flags.append("contended")
+    judged[0].flag_reasons.append("the reference's eager timing was not one steady window twice: ...")
+    judged[1].flags.append("contended")
+    judged[1].flag_reasons.append("the GPU was not quiet while the reference was timed: pid 1 used 4% of the SMs")
+    assert f"contended: 2 of {len(judged)} evaluated attempts (1 of them a reference timing that was not one " \
+           "steady window)" in table(records)
