@@ -17,12 +17,17 @@ def _row(text: str, task: str) -> list[str]:
     return [c.strip() for c in line.strip("|").split("|")]
 
 
-def test_a_suite_table_takes_each_tasks_best_and_its_best_after_each_round(tmp_path):
+def _run_a(tmp_path):
+    """The fixture store's run A, read as the table reads it: its records and (device, numerics) pairs."""
     info = build_fixture_store(tmp_path)
     try:
-        records, seen = read([f"{info.db_path}:{info.run_a}"])
+        return read([f"{info.db_path}:{info.run_a}"])
     finally:
         info.store.close()
+
+
+def test_a_suite_table_takes_each_tasks_best_and_its_best_after_each_round(tmp_path):
+    records, seen = _run_a(tmp_path)
     assert len(seen) == 1
     text = table(records)
     # matmul: round 0 a compile error, round 1 1.5x compile, round 2 (its child) 1.875x
@@ -54,11 +59,7 @@ def test_kinds_and_the_refusal_of_mixed_runs(tmp_path, capsys):
 
 
 def test_the_table_counts_contended_attempts_and_the_unsteady_windows_among_them(tmp_path):
-    info = build_fixture_store(tmp_path)
-    try:
-        records, _ = read([f"{info.db_path}:{info.run_a}"])
-    finally:
-        info.store.close()
+    records, _ = _run_a(tmp_path)
     judged = [r for r in records if r.status is not None]
     assert "contended: 0 of %d evaluated attempts (0 of them" % len(judged) in table(records)
     judged[0].flags.append("contended")
