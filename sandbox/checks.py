@@ -384,6 +384,14 @@ class CandidateChecks:
         result.speedup_eager = result.speedup_compile = None
         return False
 
+    def _time_again(self, ref: ReferenceWorker, timed: dict[str, Any], result: EvalResult,
+                    compiled: bool = False) -> Timing:
+        """The reference (its compiled module where ``compiled``) timed again with ``quiet`` held,
+        counted in ``reference_retimed``."""
+        result.reference_retimed += 1
+        with self.quiet():
+            return Timing(**ref.ask({**timed, "compiled": True} if compiled else timed)["timing"])
+
     def _one_window(self, ref: ReferenceWorker, timed: dict[str, Any], result: EvalResult, compiled: bool) -> None:
         """A reference timing that is not one steady window (``sandbox.quiet.unsteady``: its median
         far above its own fastest run) is timed again, and kept from the second window; unsteady
@@ -395,9 +403,7 @@ class CandidateChecks:
         why = unsteady(first)
         if why is None:
             return
-        result.reference_retimed += 1
-        with self.quiet():
-            again = Timing(**ref.ask({**timed, "compiled": True} if compiled else timed)["timing"])
+        again = self._time_again(ref, timed, result, compiled)
         setattr(result, attr, again)
         still = unsteady(again)
         if still is not None:
@@ -415,9 +421,7 @@ class CandidateChecks:
         key = (result.task_sha256 or result.task, result.device_name, self.config.numerics.label)
         why = self.history.departure(key, result.eager_time.median_ms, result.eager_time.iqr_ms)
         if why is not None:
-            result.reference_retimed += 1
-            with self.quiet():
-                result.eager_time = Timing(**ref.ask(timed)["timing"])
+            result.eager_time = self._time_again(ref, timed, result)
             again = self.history.departure(key, result.eager_time.median_ms, result.eager_time.iqr_ms)
             if again is not None:
                 result.add_flag(FlagKind.contended, f"the reference's eager time departed from its running median "
