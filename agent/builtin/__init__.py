@@ -122,7 +122,7 @@ class _Generator:
         fused = spans if knobs.attention == "fused" else []
         # Python loops of an Elman cell, unrolled by the trace (unrolled_rnn.py): one recurrent kernel each
         # (a node the forward assigns to the module, Traced.rebinds, is read outside the loop: no match)
-        loops = unrolled_rnn.find(list(self.traced.gm.graph.nodes), self.traced.modules,
+        loops = unrolled_rnn.find(list(self.traced.gm.graph.nodes), self.traced.modules, self.infos,
                                   set(self.fb.excluded) | set(excluded_extra) |
                                   {n.name for n in self.traced.rebinds.values()})
         looped = loops if knobs.recurrent == "fused" else []

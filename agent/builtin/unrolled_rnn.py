@@ -6,7 +6,7 @@ Per step ``t`` the trace holds::
     g_t = x[t]                      # getitem of the 3-d input, the step's index
     c_t = cat((g_t, h_{t-1}), 1)    # h_{-1}: the initial state, any (B, H) float32 node
     a_t = i2h(c_t)                  # one nn.Linear for every step: (I + H) -> H
-    h_t = tanh(a_t)                 # nn.Tanh, torch.tanh or .tanh()
+    h_t = tanh(a_t)                 # nn.Tanh, torch.tanh or .tanh() (the plan's classification)
     y_t = h2o(h_t)                  # one nn.Linear for every step: H -> O
     stack([y_0, ..., y_{T-1}], 0)
 
@@ -42,13 +42,6 @@ def _only_user(n: Node, user: Node) -> bool:
     return set(n.users) == {user}
 
 
-def _is_tanh(n: Node, modules: dict[str, nn.Module]) -> bool:
-    if n.op == "call_module":
-        return isinstance(modules.get(str(n.target)), nn.Tanh)
-    return (n.op == "call_function" and n.target in (torch.tanh, torch.nn.functional.tanh)) or \
-        (n.op == "call_method" and n.target == "tanh")
-
-
 def _dim(n: Node, default: int = 0) -> Any:
     return n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else default)
 
@@ -60,7 +53,7 @@ class Loop:
         self.layer, self.i2h, self.h2o, self.h0, self.nodes, self.steps = layer, i2h, h2o, h0, nodes, steps
 
 
-def _match(stack: Node, modules: dict[str, nn.Module]) -> Optional[Loop]:
+def _match(stack: Node, modules: dict[str, nn.Module], infos: dict[Node, Any]) -> Optional[Loop]:
     if stack.op != "call_function" or stack.target is not torch.stack or _dim(stack) != 0:
         return None
     outs = stack.args[0]
@@ -75,7 +68,7 @@ def _match(stack: Node, modules: dict[str, nn.Module]) -> Optional[Loop]:
             return None
         h = y.args[0]
         last = t == len(outs) - 1
-        if not isinstance(h, Node) or not _is_tanh(h, modules) or len(h.args) != 1:
+        if not isinstance(h, Node) or infos[h].op != "tanh" or len(h.args) != 1:
             return None
         a = h.args[0]
         if not isinstance(a, Node) or a.op != "call_module" or len(a.args) != 1 or a.kwargs or not _only_user(a, h):
@@ -131,12 +124,13 @@ def _layer(stack: Node, modules: dict[str, nn.Module], i2h: str, h2o: str, x: An
     return Loop(layer, i2h, h2o, h0, nodes, steps)
 
 
-def find(gm_nodes: list[Node], modules: dict[str, nn.Module], blocked: set[str]) -> list[Loop]:
+def find(gm_nodes: list[Node], modules: dict[str, nn.Module], infos: dict[Node, Any], blocked: set[str]) -> list[Loop]:
     """Every unrolled loop of the graph, none with a ``blocked`` node (left to PyTorch, or a
-    failure the feedback narrowed)."""
+    failure the feedback narrowed); ``infos``: the plan's classification (``plan.classify_graph``),
+    which names the tanh of every form (module, function, method)."""
     found = []
     for n in gm_nodes:
-        loop = _match(n, modules) if n.name not in blocked else None
+        loop = _match(n, modules, infos) if n.name not in blocked else None
         if loop is not None and not any(m.name in blocked for m in loop.nodes):
             found.append(loop)
     return found
