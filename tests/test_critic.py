@@ -1091,3 +1091,18 @@ def test_critique_command_prints_the_markdown(store, tmp_path):
     assert res.exit_code == 2
     res = CliRunner().invoke(app, ["999", "--db", str(tmp_path / "critic.db")])
     assert res.exit_code == 2 and "no run 999" in res.output
+
+
+def test_a_launch_bound_reference_and_a_graph_replay_are_named_from_the_profiles():
+    """The reference's kernels fill a third of its eager forward: the critic says it is launch-bound,
+    with the candidate's own busy time, and that the candidate replays its forward from a CUDA graph."""
+    ref = [KernelStat(name="void at::native::conv_kernel<float>", count=30, total_us=800.0, share=0.8),
+           KernelStat(name="void at::native::relu_kernel<float>", count=30, total_us=200.0, share=0.2)]
+    prof = [KernelStat(name="void at::native::conv_kernel<float>", count=30, total_us=800.0, share=0.85),
+            KernelStat(name="kl_g0_kernel", count=30, total_us=140.0, share=0.15, own=True)]
+    r = correct_result(cand=1.25, eager=3.3887, profile=prof, reference=ref, floor=None)
+    src = "class ModelNew:\n    def forward(self, x):\n        return _kl_graphed(self, self._kl_forward, (x,))\n"
+    a = analyze([view(1, r, src)])
+    assert "the reference is launch-bound" in a.markdown and "replayed from a CUDA graph" in a.markdown, a.markdown
+    plain = analyze([view(1, correct_result())])
+    assert "launch-bound" not in plain.markdown

@@ -154,7 +154,8 @@ class _Generator:
                     attention=knobs.attention if "attention" in used else DEFAULT_KNOBS.attention,
                     recurrent=knobs.recurrent if "recurrent" in used else DEFAULT_KNOBS.recurrent,
                     conv=knobs.conv if "conv" in used else DEFAULT_KNOBS.conv,
-                    conv_tile=knobs.conv_tile if "conv_tile" in used else DEFAULT_KNOBS.conv_tile)
+                    conv_tile=knobs.conv_tile if "conv_tile" in used else DEFAULT_KNOBS.conv_tile,
+                    graph=knobs.graph if "graph" in used else "off")
         # (where the knob is used it is kept as asked, so the probe ran the same GEMMs)
         extra = extras(eff)
         header = self.header(plan, kgroups + [c.kg for c in extra], eff, excluded, [g.node.name for g in probe.tc])
@@ -263,7 +264,9 @@ def _propose_one(spec: TaskSpec, device: str, round: int, sample: int,
     # (only where a convolution is rewritten to channels-last: elsewhere both layouts are one code)
     nchw_convs = device == "cpu" or (numerics is not None and "conv" in numerics.tf32_classes(device))
     nchw_first = nchw_convs and gen.other("nhwc") is not None
-    for knobs in variant_order(fb, precision, nchw_first, direct_second=nchw_convs):
+    # the CUDA-graph replay where it applies to this forward (graphed.py), else every setting without it
+    graphs = "graph" in gen.render(DEFAULT_KNOBS).knobs_used
+    for knobs in variant_order(fb, precision, nchw_first, direct_second=nchw_convs, graphs=graphs):
         if set(knobs.as_dict().items()) & forbidden:
             continue
         r = gen.render(knobs)
@@ -277,7 +280,7 @@ def _propose_one(spec: TaskSpec, device: str, round: int, sample: int,
     if chosen is None:
         # every knob setting was tried: leave everything to PyTorch if that is new, else repeat the best
         everything = frozenset(n.name for n, i in gen.infos.items() if i.fusible)
-        r = gen.render(Knobs(matmul="ieee", recurrent="library"), everything)
+        r = gen.render(Knobs(matmul="ieee", recurrent="library", graph="off"), everything)
         if body_hash(r.source) not in fb.seen and body_hash(r.source) not in picked:
             chosen = r
         else:

@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 import jinja2
 from torch.fx import Node
 
-from agent.builtin import pysource
+from agent.builtin import graphed, pysource
 from agent.builtin.conv import rendered_tile, shared_floats, tile_shape
 from agent.builtin.dtypes import at_type, c_type
 from agent.builtin.gemm import TcGemm, tc3_gemms
@@ -39,6 +39,7 @@ class Knobs:
     recurrent: str = "fused"   # fused (nn.LSTM/GRU/RNN with their own time loop, see recurrent.py) | library
     conv: str = "library"      # library (cuDNN/oneDNN) | direct (small-K convolutions as fp32 FMA kernels with their epilogue, see conv.py)
     conv_tile: str = "4x8"     # the direct convolution's CUDA tile: output rows x channels per thread (conv.TILES)
+    graph: str = "replay"      # replay (the forward replayed from a CUDA graph where it launches many kernels, see graphed.py) | off
 
     def as_dict(self) -> dict[str, Any]:
         # the fields are strings, bools and ints: a shallow dict (``asdict`` deep-copies, and the
@@ -402,6 +403,11 @@ def render_candidate(traced: Traced, plan: Plan, kgroups: list[KernelGroup], dev
     digest = hashlib.sha256((cpp_source + cuda_source).encode()).hexdigest()[:16]
     ext_name = f"kl_builtin_{device}_{digest}"
     forward = emit_forward(traced, plan, codes, tc, to_cl)
+    # the launch-bound forward replayed from a CUDA graph (graphed.py): a knob where it applies
+    graph_ok = graphed.offered(traced, plan.infos, {n for c in codes for n in c.kg.nodes}, len(codes), device)
+    graph = graph_ok and knobs.graph == "replay"
+    if graph:
+        forward = graphed.wrap_forward(forward, [n for n in traced.gm.graph.nodes if n.op == "placeholder"])
     if init:
         forward = "\n".join(["    def __init__(self, *args, **kwargs):", *("        " + line for line in init),
                               "", forward])
@@ -410,6 +416,8 @@ def render_candidate(traced: Traced, plan: Plan, kgroups: list[KernelGroup], dev
         used |= c.uses_knobs
     if qualifying:
         used.add("matmul")
+    if graph_ok:
+        used.add("graph")
     spec = traced.spec
     summary = _summary(plan, codes, tc, traced.precision, shared)
     functions = [c.kg.name for c in own] + sorted(tc_fns) + (["kl_to_cl"] if to_cl else [])
@@ -420,7 +428,7 @@ def render_candidate(traced: Traced, plan: Plan, kgroups: list[KernelGroup], dev
         prelude=pysource.task_prelude(spec), constants=pysource.constants_block(traced.constants),
         cpp_source=cpp_source, cuda_source=cuda_source, ext_name=ext_name,
         functions=repr(functions), layers=pysource.layers_class(spec),
-        forward=forward)
+        forward=forward, graph_runtime=render("graph_replay.py.j2", warmups=graphed.WARMUPS) if graph else "")
     return Rendered(source=source, header=header, groups=codes, knobs_used=used, tc=tc, shared=shared)
 
 

@@ -32,6 +32,7 @@ from agent.builtin.attention import ATTENTION_MODES
 from agent.builtin.codegen import BLOCK_SIZES, HEADER_PREFIX, Knobs, body_hash
 from agent.builtin.conv import DEFAULT_TILE, tile_names
 from agent.builtin.gemm import MATMUL_MODES
+from agent.builtin.graphed import GRAPH_MODES
 from agent.builtin.layout import LAYOUTS
 from agent.builtin.plan import FUSION_MODES, narrow
 from agent.builtin.recurrent import RECURRENT_MODES
@@ -129,6 +130,8 @@ def _knobs_of(header: dict[str, Any]) -> dict[str, Any]:
         knobs["layout"] = "nchw"     # written before the layout knob: convolutions ran in NCHW
     if knobs and "recurrent" not in knobs:
         knobs["recurrent"] = "library"   # written before the recurrent knob: nn.LSTM/GRU/RNN ran as the library's
+    if knobs and "graph" not in knobs:
+        knobs["graph"] = "off"           # written before the graph knob: no CUDA graph
     return knobs
 
 
@@ -291,22 +294,24 @@ DEFAULT_ORDER = [
 ]
 # (the direct convolution with each of its tiles in NCHW only: the channels-last graph keeps cuDNN)
 _CONVS = [("library", DEFAULT_TILE)] + [("direct", t) for t in tile_names()]
-ALL_KNOBS = [Knobs(f, v, b, r, m, lay, a, rec, cv, tile) for cv, tile in _CONVS for f in FUSION_MODES
+ALL_KNOBS = [Knobs(f, v, b, r, m, lay, a, rec, cv, tile, gr) for cv, tile in _CONVS for f in FUSION_MODES
              for v in (True, False) for b in BLOCK_SIZES for r in ("onepass", "twopass") for m in MATMUL_MODES
-             for lay in LAYOUTS for a in ATTENTION_MODES for rec in RECURRENT_MODES
+             for lay in LAYOUTS for a in ATTENTION_MODES for rec in RECURRENT_MODES for gr in GRAPH_MODES
              if cv == "library" or lay == "nchw"]
 _ALL_INDEX = {k: i for i, k in enumerate(ALL_KNOBS)}
 # Around the best, one-knob changes are tried in this order: the GEMM's mode and the convolutions'
 # layout first (the GEMM or the convolution dominates the time of every task that has one).
-_PRIORITY = {"matmul": 0, "layout": 0, "conv": 0, "attention": 1, "recurrent": 1, "block": 2, "conv_tile": 2,
+_PRIORITY = {"matmul": 0, "layout": 0, "conv": 0, "graph": 0, "attention": 1, "recurrent": 1, "block": 2, "conv_tile": 2,
              "vec": 3, "reduce": 4, "fusion": 5}
 
 
 def variant_order(fb: Feedback, precision: Optional[str] = None, nchw_first: bool = False,
-                  direct_second: bool = False) -> list[Knobs]:
+                  direct_second: bool = False, graphs: bool = False) -> list[Knobs]:
     """Knob settings to try, best first: around the fastest correct attempt, else the default
     order. Under fp16/bf16 (``precision``, else the feedback's) every setting has
-    ``matmul="ieee"``: there is no split-TF32 GEMM to try.
+    ``matmul="ieee"``: there is no split-TF32 GEMM to try. Without ``graphs`` (the task's forward is
+    not one the CUDA-graph replay applies to, graphed.py) every setting has ``graph="off"``; with it,
+    and no best yet, the first setting's twin without the graph comes second.
 
     ``nchw_first``: the convolutions' own layout (``nchw``) comes first, its direct-convolution
     twin second (where the task has a small-K convolution; else it is the first again, skipped)
@@ -339,9 +344,13 @@ def variant_order(fb: Feedback, precision: Optional[str] = None, nchw_first: boo
         first = DEFAULT_ORDER
         if nchw_first:
             first = [DEFAULT_ORDER[3], DEFAULT_ORDER[4], DEFAULT_ORDER[0]] + DEFAULT_ORDER[1:3] + DEFAULT_ORDER[5:]
+        if graphs:        # the first's twin without the CUDA graph second
+            first = [first[0], replace(first[0], graph="off")] + [k for k in first[1:] if k != replace(first[0], graph="off")]
         order = first + [k for k in ALL_KNOBS if k not in first]
     if precision != "fp32":
         order = list(dict.fromkeys(replace(k, matmul="ieee") for k in order))
+    if not graphs:
+        order = list(dict.fromkeys(replace(k, graph="off") for k in order))
     good = [k for k in order if fb.knob_ok(k)]
     kept = set(good)
     order = good + [k for k in order if k not in kept]

@@ -34,7 +34,7 @@ LOSS = 1.02                 # a step 2% slower than its parent counts as a loss
 LIBRARY_BOUND = 0.15        # own kernels below this share of the profile: library-bound
 KERNEL_BOUND = 0.5          # own kernels at or above it: the kernels' own knobs first
 KERNEL_ONLY = ("block", "vec", "reduce", "conv_tile")
-STRUCTURAL = ("matmul", "layout", "conv")
+STRUCTURAL = ("matmul", "layout", "conv", "graph")
 
 
 @dataclass

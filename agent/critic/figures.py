@@ -188,6 +188,14 @@ def result_evidence(result: Any, label: str) -> Evidence:
         ev.add(len(ks), "plain", f"{w}: number of {gname} kernels")
     for name in ("profile", "reference_profile"):
         ev.add(len(getattr(result, name) or []), "plain", f"{w}: number of {name} kernels")
+    # the GPU's busy time per forward, and its share of the side's median (a launch-bound forward)
+    for prof_name, timing in (("profile", result.candidate_time), ("reference_profile", result.eager_time)):
+        prof = getattr(result, prof_name) or []
+        if prof:
+            busy = sum(k.total_us for k in prof) / 1e3
+            ev.add(busy, "time", f"{w}: sum of {prof_name} kernels' total_us")
+            if timing is not None and timing.median_ms > 0:
+                ev.add(100.0 * busy / timing.median_ms, "percent", f"{w}: {prof_name} busy share of its median")
     return ev
 
 

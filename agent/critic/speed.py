@@ -90,6 +90,11 @@ def explain_correct(a: AttemptView, r: EvalResult, d: Diagnosis, ctx: TaskContex
             details.append(f"new work the reference does not do: {kernel_list(other)} of its time "
                            f"(copies, allocations or extra ops)")
             why_numbers["other_share"] = sum(k.share for k in other)
+        launch = launch_bound(a, r)
+        if launch:
+            details.append(launch[0])
+            summary.append(launch[0])
+            why_numbers.update(launch[1])
     elif r.profile and own:
         details.append(f"its own kernels: {kernel_list(own)} of its time")
         why_numbers["own_share"] = sum(k.share for k in own)
@@ -157,3 +162,26 @@ def explain_correct(a: AttemptView, r: EvalResult, d: Diagnosis, ctx: TaskContex
     if any(f.category == "latent_overflow" for f in d.findings):
         short += ", latent overflow risk"
     d.short = short
+
+
+LAUNCH_BOUND = 0.5      # the reference's kernels busy for at most this share of its eager forward
+
+
+def launch_bound(a: AttemptView, r: EvalResult) -> Optional[tuple[str, dict[str, Any]]]:
+    """Where the reference's kernels fill at most half of its eager forward, the rest is the host
+    launching them: the sentence saying so (with the candidate's own busy share, and whether it
+    replays its forward from a CUDA graph), and its numbers. None otherwise."""
+    if not (r.reference_profile and r.profile and r.eager_time and r.candidate_time):
+        return None
+    ref_ms = sum(k.total_us for k in r.reference_profile) / 1000.0
+    cand_ms = sum(k.total_us for k in r.profile) / 1000.0
+    eager, cand = r.eager_time.median_ms, r.candidate_time.median_ms
+    if eager <= 0 or cand <= 0 or ref_ms > LAUNCH_BOUND * eager:
+        return None
+    graph = "_kl_graphed(" in (a.source or "") or "a CUDA graph replaying them" in (r.stderr or "")
+    text = (f"the reference is launch-bound: its kernels run {fmt_ms(ref_ms)} of its {fmt_ms(eager)} forward "
+            f"({fmt_pct(ref_ms / eager)}), the rest is the host launching them; the candidate's kernels run "
+            f"{fmt_ms(cand_ms)} of its {fmt_ms(cand)}"
+            + (", its forward replayed from a CUDA graph (one launch)" if graph else ""))
+    return text, {"reference_busy_ms": ref_ms, "candidate_busy_ms": cand_ms, "graph_replay": graph}
+

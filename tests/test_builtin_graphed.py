@@ -1,0 +1,141 @@
+"""The ``graph`` knob (``agent/builtin/graphed.py``): where the CUDA-graph replay is offered, what the
+candidate's forward becomes, the graph-free twin as round 0's second candidate, and on a GPU the
+replay judged correct, its batch-norm buffers updated once per call and a replay that skips the
+input copy judged incorrect."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from agent.builtin import generate, propose
+from agent.builtin.codegen import Knobs
+from sandbox.tasks import read_spec
+
+NET = Path(__file__).parent / "fixtures" / "builtin" / "graph_net.py"
+
+
+def _spec(tmp_path: Path | None = None, edit=None, **overrides):
+    path = NET
+    if edit is not None:
+        path = tmp_path / "graph_edit.py"
+        path.write_text(edit(NET.read_text()))
+    return read_spec(path, overrides, name="fixtures/graph_net")
+
+
+def test_a_launch_bound_network_is_replayed_from_a_graph_on_cuda_only():
+    cand = generate(_spec(), "cuda")
+    assert cand.choices["knobs"]["graph"] == "replay"
+    src = cand.source
+    assert "    def _kl_forward(self, x):" in src
+    assert "        return _kl_graphed(self, self._kl_forward, (x,))" in src
+    assert "def _kl_capture(model, fn, args):" in src and "torch.cuda.CUDAGraph()" in src
+    compile(src, "candidate.py", "exec")
+    off = generate(_spec(), "cuda", Knobs(graph="off"))
+    assert off.choices["knobs"]["graph"] == "off" and "_kl_graphed" not in off.source
+    assert "    def forward(self, x):" in off.source
+    cpu = generate(_spec(), "cpu")
+    assert cpu.choices["knobs"]["graph"] == "off" and "_kl_graphed" not in cpu.source
+
+
+def test_round_zero_measures_the_graph_against_its_graph_free_twin():
+    first, second = (propose(_spec(), "cuda", 0, s, []) for s in (0, 1))
+    k0, k1 = first.choices["knobs"], second.choices["knobs"]
+    assert (k0["graph"], k1["graph"]) == ("replay", "off")
+    assert {n for n in k0 if k0[n] != k1[n]} == {"graph"}
+
+
+@pytest.mark.parametrize("edit, why", [
+    (lambda s: s.replace("x = F.relu(x + y)", "x = F.relu(x + F.dropout(y, 0.1))"), "draws random numbers"),
+    (lambda s: s.replace("        return torch.tanh", "        self.last = x\n        return torch.tanh"),
+     "assigns a module attribute"),
+    (lambda s: s.replace("self.bn1 = nn.BatchNorm2d(channels)", "self.bn1 = nn.BatchNorm2d(channels, momentum=None)"),
+     "reads its step count on the host"),
+], ids=["dropout", "rebind", "momentum-none"])
+def test_not_offered_where_a_replay_would_differ_from_the_forward(tmp_path, edit, why):
+    cand = generate(_spec(tmp_path, edit), "cuda")
+    assert cand.choices["knobs"]["graph"] == "off", why
+    assert "_kl_graphed" not in cand.source
+
+
+def test_not_offered_where_the_copies_outweigh_the_launches():
+    """Inputs and outputs copied per call: a large image is not worth a graph (level 2's sizes)."""
+    big = generate(_spec(size=512), "cuda")
+    assert big.choices["knobs"]["graph"] == "off"
+
+
+def test_not_offered_for_a_forward_of_few_launches(tmp_path):
+    few = "\n".join([
+        "import torch", "import torch.nn as nn", "",
+        "class Model(nn.Module):",
+        "    def __init__(self):", "        super().__init__()", "        self.fc = nn.Linear(8, 8)", "",
+        "    def forward(self, x):", "        return torch.relu(self.fc(x))", "",
+        "def get_inputs():", "    return [torch.rand(2, 8)]", "",
+        "def get_init_inputs():", "    return []", ""])
+    path = tmp_path / "few.py"
+    path.write_text(few)
+    cand = generate(read_spec(path, {}, name="fixtures/few"), "cuda")
+    assert cand.choices["groups"] and cand.choices["knobs"]["graph"] == "off"
+
+
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+def test_the_replay_is_judged_correct_and_its_kernels_are_its_own():
+    """The sandbox judges the graph candidate: correct, no no-custom-kernel flag (the profile shows
+    its kernels replayed); the same candidate replaying without copying the call's inputs in
+    (the first call's output for every input) is judged incorrect."""
+    _cuda()
+    from sandbox.evaluate import evaluate
+    from sandbox.numerics import Numerics
+    from sandbox.result import EvalConfig, FlagKind, Status
+
+    spec = _spec()
+    cand = propose(spec, "cuda", 0, 0, [])
+    assert cand.choices["knobs"]["graph"] == "replay"
+    cfg = EvalConfig(numerics=Numerics(), trials=3, warmup_runs=2, timed_runs=5, time_compile=False, profile=True)
+    result = evaluate(spec, cand.source, "cuda", cfg)
+    assert result.status is Status.correct, (result.status, result.error_message, result.stderr[-2000:])
+    assert not any(f.kind == FlagKind.no_custom_kernel for f in result.flags), result.flags
+    assert "a CUDA graph replaying them" in result.stderr, result.stderr[-2000:]
+    stale = cand.source.replace("        s.copy_(a)\n", "        pass\n")
+    assert stale != cand.source
+    wrong = evaluate(spec, stale, "cuda", cfg)
+    assert wrong.status is Status.incorrect, (wrong.status, wrong.error_message)
+
+
+@pytest.mark.gpu
+def test_the_replay_updates_the_buffers_once_per_call_and_keeps_earlier_outputs():
+    """Three calls on fresh inputs: outputs as the reference's, batch norm's running statistics and
+    step counts as the reference's after each call (the warm-ups undone), and the first call's
+    output unchanged by the later replays (outputs are clones)."""
+    _cuda()
+    import types
+
+    from sandbox.harness import make_model
+    from sandbox.tasks import load_task
+
+    spec = _spec()
+    task = load_task(spec)
+    cand = propose(spec, "cuda", 0, 0, [])
+    mod = types.ModuleType("graph_candidate")
+    exec(compile(cand.source, "graph_candidate.py", "exec"), mod.__dict__)
+    ref = make_model(task.namespace["Model"], task, 0, "cuda", None)
+    new = make_model(mod.ModelNew, task, 0, "cuda", None)
+    outs = []
+    with torch.no_grad():
+        for i in range(3):
+            torch.manual_seed(100 + i)
+            x = torch.rand(4, 3, 8, 8, device="cuda")
+            want, got = ref(x), new(x)
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+            outs.append((got, got.clone()))
+            for (name, a), (_, b) in zip(ref.named_buffers(), new.named_buffers()):
+                torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-3, msg=lambda m: f"{name} after call {i}: {m}")
+    assert new.__dict__.get("_kl_graphs") and not any(isinstance(e, str) for e in new._kl_graphs.values())
+    for got, copy in outs:
+        assert torch.equal(got, copy)
