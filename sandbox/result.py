@@ -147,6 +147,13 @@ class Timing(BaseModel):
     # side's block before or after it; k > 1 (cpu): k short blocks interleaved with the other side's,
     # the order alternating (ABBA), the median over all runs. See ``convention``.
     blocks: Optional[int] = None
+    # The timing thread's own account of the window (warm-up included; sandbox.timing.time_runs): its
+    # CPU time, the wall time, and how often the kernel preempted it. A launch-bound forward's host
+    # thread is busy the whole window, so CPU time well below the wall time, or many preemptions, say
+    # the host's other work took its core (quiet.host_contended).
+    host_cpu_ms: Optional[float] = None
+    host_wall_ms: Optional[float] = None
+    host_preempted: Optional[int] = None
 
     @property
     def convention(self) -> str:

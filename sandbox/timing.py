@@ -6,7 +6,9 @@ docstring gives the policy) and summarises the runs: median and IQR of the per-r
 from __future__ import annotations
 
 import os
+import resource
 import statistics
+import time
 from typing import Any, Callable, Optional, Sequence
 
 from hardware.clock import time_samples
@@ -43,6 +45,19 @@ def time_runs(fn: Callable[..., Any], make_args: Callable[[int], Sequence[Any]],
     """Time ``fn(*make_args(i))`` for ``runs`` runs (``hardware.clock.time_samples``) and summarise them
     (on cpu with the median minor page faults per timed call, ``Timing.page_faults``)."""
     faults: Optional[list[int]] = [] if device != "cuda" else None
+    cpu0, wall0, pre0 = time.thread_time(), time.perf_counter(), _preemptions()
     samples, clock = time_samples(fn, make_args, device, warmup=warmup, runs=runs, flush_l2=flush_l2,
                                   on_output=on_output, faults=faults)
-    return summarize(samples, clock, faults)
+    cpu, wall, pre = time.thread_time() - cpu0, time.perf_counter() - wall0, _preemptions()
+    t = summarize(samples, clock, faults)
+    t.host_cpu_ms, t.host_wall_ms = round(cpu * 1e3, 3), round(wall * 1e3, 3)
+    t.host_preempted = pre - pre0 if pre is not None and pre0 is not None else None
+    return t
+
+
+def _preemptions() -> Optional[int]:
+    """Involuntary context switches of the calling thread so far (Linux; None elsewhere)."""
+    try:
+        return int(resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)).ru_nivcsw)
+    except (OSError, ValueError, AttributeError):
+        return None
