@@ -411,7 +411,8 @@ class CandidateChecks:
                             f"not one steady window twice: {why}; timed again: {still}")
 
     def _steady(self, ref: ReferenceWorker, timed: dict[str, Any], result: EvalResult) -> None:
-        """A reference eager time off its running median is timed again; still off: ``contended``.
+        """A reference eager time far above the task's fastest so far (``TimingHistory.slower``) or
+        off its running median is timed again; still so: ``contended``.
         On ``cuda`` only: a shared CPU host's timings jump by themselves (on 2 shared cores the
         suite's reference medians moved between 0.3 and 15 ms from one evaluation to the next), so
         there it would flag honest candidates; on ``cpu`` the candidate's processes are swept and
@@ -419,12 +420,15 @@ class CandidateChecks:
         if self.history is None or result.eager_time is None or self.device != "cuda":
             return
         key = (result.task_sha256 or result.task, result.device_name, self.config.numerics.label)
-        why = self.history.departure(key, result.eager_time.median_ms, result.eager_time.iqr_ms)
+        def off(t: Timing) -> Optional[str]:
+            return self.history.slower(key, t.median_ms) or self.history.departure(key, t.median_ms, t.iqr_ms)
+
+        why = off(result.eager_time)
         if why is not None:
             result.eager_time = self._time_again(ref, timed, result)
-            again = self.history.departure(key, result.eager_time.median_ms, result.eager_time.iqr_ms)
+            again = off(result.eager_time)
             if again is not None:
-                result.add_flag(FlagKind.contended, f"the reference's eager time departed from its running median "
+                result.add_flag(FlagKind.contended, f"the reference's eager time was off the task's earlier ones "
                                 f"twice: {why}; timed again: {again}")
         self.history.add(key, result.eager_time.median_ms, result.eager_time.iqr_ms)
 

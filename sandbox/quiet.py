@@ -67,12 +67,33 @@ def unsteady(timing: Any) -> Optional[str]:
             f"{slow} of {len(samples)} runs over {UNSTEADY_RATIO}x it")
 
 
+def slower(median_ms: float, fastest_ms: Optional[float]) -> Optional[str]:
+    """Why a reference median is far above the fastest median of the same task seen before
+    (``UNSTEADY_RATIO`` and ``UNSTEADY_MIN_MS``, as for one window's runs), or None."""
+    if fastest_ms is None or fastest_ms <= 0:
+        return None
+    if median_ms <= UNSTEADY_RATIO * fastest_ms or median_ms - fastest_ms <= UNSTEADY_MIN_MS:
+        return None
+    return f"median {median_ms:.4g} ms, {median_ms / fastest_ms:.2f}x the task's fastest median so far ({fastest_ms:.4g} ms)"
+
+
 class TimingHistory:
-    """Running medians of reference timings, per (task, device, kind). Thread-safe."""
+    """Running medians of reference timings, per (task, device, kind), and the fastest of each.
+    Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._medians: dict[tuple[str, str, str], deque[tuple[float, float]]] = {}
+        self._fastest: dict[tuple[str, str, str], float] = {}
+
+    def slower(self, key: tuple[str, str, str], median_ms: float) -> Optional[str]:
+        """Why ``median_ms`` is far above the fastest median recorded for ``key`` (module's ``slower``).
+        A launch-bound reference's whole window can run 1.3-3.4x slow and still be steady (session w's
+        level-3 lanes: 28_VisionTransformer 13.3 ms seconds after 3.9 ms), which neither
+        ``unsteady`` nor the running median (three evaluations needed) sees."""
+        with self._lock:
+            fastest = self._fastest.get(key)
+        return slower(median_ms, fastest)
 
     def departure(self, key: tuple[str, str, str], median_ms: float, iqr_ms: float) -> Optional[str]:
         """Why ``median_ms`` is off its running median (None where it is not, or too few are known).
@@ -94,6 +115,8 @@ class TimingHistory:
     def add(self, key: tuple[str, str, str], median_ms: float, iqr_ms: float = 0.0) -> None:
         with self._lock:
             self._medians.setdefault(key, deque(maxlen=HISTORY)).append((median_ms, iqr_ms))
+            if median_ms > 0:
+                self._fastest[key] = min(median_ms, self._fastest.get(key, median_ms))
 
 
 class IdleWatch:

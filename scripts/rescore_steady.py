@@ -6,7 +6,10 @@ rule keep every run of every timing (``samples_ms``), so the rule can be applied
 fact: this copies each store given into OUT_DIR (the originals are never written) and flags, in the
 copy, each evaluation whose stored eager or compiled reference timing is unsteady. There was no
 second window then, so the copy is stricter than the live rule (which keeps an evaluation whose
-retime is steady). Read the copies with ``report`` or ``scripts/suite_table.py``.
+retime is steady). It also flags each evaluation whose eager median is far above the fastest eager
+median of the same task in the store (``sandbox.quiet.slower``: a whole window slow and steady, as
+launch-bound references ran in session w's lanes); the live rule compares with the evaluations before
+it only, this one with all of them. Read the copies with ``report`` or ``scripts/suite_table.py``.
 
     python scripts/rescore_steady.py /tmp/rescored .gpu-store/u-l2/lane_0.db .gpu-store/u-l2/lane_1.db
 """
@@ -21,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sandbox.quiet import unsteady  # noqa: E402
+from sandbox.quiet import slower, unsteady  # noqa: E402
 from sandbox.result import Timing  # noqa: E402
 
 REFERENCE_TIMINGS = ("eager_time", "compile_time")
@@ -34,11 +37,20 @@ def rescore(store: Path, out_dir: Path) -> tuple[Path, int, int]:
     con = sqlite3.connect(dst)
     try:
         rows = con.execute("select id, result from evaluations").fetchall()
+        results = {eid: json.loads(raw) for eid, raw in rows}
+        fastest: dict[str, float] = {}
+        for result in results.values():
+            task, eager = _task(result), (result.get("eager_time") or {}).get("median_ms")
+            if eager:
+                fastest[task] = min(eager, fastest.get(task, eager))
         flagged = 0
-        for eid, raw in rows:
-            result = json.loads(raw)
+        for eid, result in results.items():
             why = [f"{k}: {w}" for k in REFERENCE_TIMINGS if result.get(k)
                    for w in [unsteady(Timing(**result[k]))] if w]
+            if result.get("eager_time"):
+                far = slower(result["eager_time"]["median_ms"], fastest.get(_task(result)))
+                if far:
+                    why.append(f"eager_time: {far.replace('so far', 'in the store')}")
             if not why:
                 continue
             result.setdefault("flags", []).append(
@@ -51,6 +63,10 @@ def rescore(store: Path, out_dir: Path) -> tuple[Path, int, int]:
     return dst, len(rows), flagged
 
 
+def _task(result: dict) -> str:
+    return str(result.get("task_sha256") or result.get("task") or "")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out_dir", type=Path, help="where the re-scored copies go (created)")
@@ -61,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         if not store.is_file():
             ap.error(f"no store at {store}")
         dst, n, flagged = rescore(store, args.out_dir)
-        print(f"{store} -> {dst}: {flagged} of {n} evaluations flagged contended (an unsteady reference window)")
+        print(f"{store} -> {dst}: {flagged} of {n} evaluations flagged contended (an unsteady reference window, "
+              "or an eager median over 1.25x the task's fastest in the store)")
     return 0
 
 

@@ -863,3 +863,36 @@ def test_a_second_reference_window_is_timed_with_the_quiet_context_held():
     r = EvalResult(status=Status.correct, task="t", device="cuda", eager_time=Timing(**_window(_SESSION_V_75)))
     checks._one_window(_Seen([3.09] * 20), {}, r, compiled=False)
     assert held == ["in", "out"] and r.reference_retimed == 1 and not r.has_flag("contended")
+
+
+def test_a_window_far_above_the_tasks_fastest_median_is_named_from_the_second_evaluation_on():
+    """A launch-bound reference's whole window can run slow and steady (28_VisionTransformer: 13.3 ms
+    seconds after 3.9): from the task's second evaluation on, a median over 1.25x the fastest seen
+    is timed again (``CandidateChecks._steady``); below that, or a few microseconds above, it is not."""
+    from sandbox.quiet import slower
+
+    h, key = TimingHistory(), ("task", "cuda", "fp32/default")
+    assert h.slower(key, 13.3) is None                   # nothing known yet
+    h.add(key, 3.93, 0.13)
+    why = h.slower(key, 13.29)
+    assert why is not None and "3.38x the task's fastest median so far (3.93 ms)" in why
+    assert h.slower(key, 4.5) is None                    # within 1.25x
+    h.add(key, 13.29, 5.2)                               # a slow one recorded does not move the fastest
+    assert h.slower(key, 13.0) is not None
+    assert slower(0.030, 0.015) is None                  # 2x, but 15 us: launch jitter of a tiny task
+    assert h.slower(("other", "cuda", "fp32/default"), 13.3) is None
+
+
+@pytest.mark.parametrize("again, contended", [(13.3, True), (3.95, False)])
+def test_the_second_evaluation_slow_and_steady_is_timed_again_then_flagged(again, contended):
+    from sandbox.checks import CandidateChecks
+    from sandbox.result import Timing
+
+    checks = CandidateChecks(EvalConfig(), "cuda", "0", TimingHistory())
+    first = EvalResult(status=Status.correct, task="t", device="cuda", eager_time=Timing(**_timing(3.93)))
+    checks._steady(_Ref([]), {}, first)
+    r = EvalResult(status=Status.correct, task="t", device="cuda", eager_time=Timing(**_timing(13.29)))
+    ref = _Ref([again])
+    checks._steady(ref, {}, r)
+    assert ref.asked == 1 and r.eager_time.median_ms == again
+    assert r.has_flag("contended") is contended

@@ -40,3 +40,23 @@ def test_only_unsteady_reference_windows_are_flagged_and_only_in_the_copy(tmp_pa
     assert rows[3][1] == 1 and "compile_time" in rows[3][0]["flags"][0]["reason"]
     original = sqlite3.connect(store)
     assert [c for (c,) in original.execute("select contended from evaluations")] == [0, 0, 0]
+
+
+def test_an_eager_window_slow_and_steady_against_the_tasks_fastest_is_flagged(tmp_path):
+    """28_VisionTransformer in session w: 13.3 ms in one evaluation, 3.9 in its twin's, both steady."""
+    store = tmp_path / "lane" / "lane_1.db"
+    store.parent.mkdir()
+    con = sqlite3.connect(store)
+    con.execute("create table evaluations (id integer primary key, result json not null, contended boolean)")
+    for i, (task, eager) in enumerate((("vit", 13.29), ("vit", 3.93), ("vit", 4.2), ("other", 13.29)), 1):
+        r = {"task": task, "eager_time": _timing([eager] * 20), "flags": []}
+        con.execute("insert into evaluations values (?, ?, 0)", (i, json.dumps(r)))
+    con.commit()
+    con.close()
+    out = tmp_path / "out"
+    assert rescore_steady.main([str(out), str(store)]) == 0
+    copy = sqlite3.connect(out / "lane_lane_1.db")
+    flagged = {i: c for i, c in copy.execute("select id, contended from evaluations")}
+    assert flagged == {1: 1, 2: 0, 3: 0, 4: 0}
+    (reason,) = [f["reason"] for f in json.loads(copy.execute("select result from evaluations where id = 1").fetchone()[0])["flags"]]
+    assert "3.38x the task's fastest median in the store (3.93 ms)" in reason
