@@ -264,7 +264,7 @@ def test_headers_written_before_the_knob_read_back_as_ieee():
     source = "\n".join(lines)
     h = parse_header(source)
     assert "matmul" not in h["knobs"]
-    assert Knobs(**h["knobs"]) == Knobs()                   # still constructs (the new default)
+    assert Knobs(**h["knobs"]) == Knobs(graph="off")        # still constructs (the new default; no CUDA graph here)
     assert _knobs_of(h)["matmul"] == "ieee"                 # but it ran PyTorch's fp32 GEMM
     history = [_attempt(1, source, _result(Status.correct, 5.6))]
     fb = read_history(history, "cuda")

@@ -6,7 +6,7 @@ through the sandbox's own build stage, in a worker with the GPU hidden, exactly 
 so these tests also prove the sandbox hands its workers the architecture to build for.
 
 What is built: the builtin proposer's CUDA candidates for every task of tasks/seeds and
-tasks/level2 (two knob settings that take different template paths), the CUDA fixtures of the
+tasks/level2 (two knob settings that take different template paths, the second with 64-bit indices too), the CUDA fixtures of the
 critic (one must fail at the line the manifest names), and the honest and compile-error
 candidates of the adversarial suite.
 """
@@ -41,10 +41,13 @@ def sandbox():
 
 @pytest.mark.parametrize("knobs", ["default", "scalar_twopass_128"])
 @pytest.mark.parametrize("path", TASKS, ids=[f"{p.parent.name}/{p.stem}" for p in TASKS])
-def test_builtin_candidate_builds(sandbox, path, knobs):
+def test_builtin_candidate_builds(sandbox, path, knobs, monkeypatch):
     from agent.builtin import generate
     from agent.builtin.codegen import Knobs
+    from agent.builtin.kernels import NARROW_ENV
 
+    if knobs != "default":
+        monkeypatch.setenv(NARROW_ENV, "0")     # the 64-bit instantiations too (kernels.narrow_indices_on)
     spec = read_spec(path)
     k = Knobs() if knobs == "default" else Knobs(vec=False, reduce="twopass", block=128)
     cand = generate(spec, "cuda", k)

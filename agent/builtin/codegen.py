@@ -15,7 +15,7 @@ from agent.builtin import graphed, pysource
 from agent.builtin.conv import rendered_tile, shared_floats, tile_shape
 from agent.builtin.dtypes import at_type, c_type
 from agent.builtin.gemm import TcGemm, tc3_gemms
-from agent.builtin.kernels import LANES, KernelGroup, split_reduce_on
+from agent.builtin.kernels import LANES, NARROW_MAX_ELEMENTS, KernelGroup, narrow_indices_on, split_reduce_on
 from agent.builtin.layout import forward_statement, uses_to_channels_last
 from agent.builtin.c_expr import c_float
 from agent.builtin.plan import Plan
@@ -141,8 +141,15 @@ class GroupCode:
                         blocks_per_sm=max(2048 // self.knobs.block, 1) * 2,
                         chunk=self.knobs.block * 32, tile=max(self.knobs.block // 4, 16),
                         pool=kg.core_info.params if kg.kind == "pool" else None,
-                        conv=self._conv_ctx() if kg.kind == "conv" else None)
+                        conv=self._conv_ctx() if kg.kind == "conv" else None,
+                        narrow=self.narrow)
         return source if self.device == "cuda" else cpu_math(source)
+
+    @property
+    def narrow(self) -> bool:
+        """Whether the CUDA kernel is built with 32-bit indices only (``kernels.narrow_indices_on``)."""
+        largest = self.kg.largest
+        return self.device == "cuda" and narrow_indices_on() and largest is not None and largest <= NARROW_MAX_ELEMENTS
 
     # wrapper ---------------------------------------------------------------------------
     def wrapper(self) -> dict[str, Any]:
