@@ -86,6 +86,11 @@ class TimingHistory:
         self._medians: dict[tuple[str, str, str], deque[tuple[float, float]]] = {}
         self._fastest: dict[tuple[str, str, str], float] = {}
 
+    def known(self, key: tuple[str, str, str]) -> bool:
+        """Whether a median of ``key`` was recorded."""
+        with self._lock:
+            return key in self._fastest
+
     def slower(self, key: tuple[str, str, str], median_ms: float) -> Optional[str]:
         """Why ``median_ms`` is far above the fastest median recorded for ``key`` (module's ``slower``).
         A launch-bound reference's whole window can run 1.3-3.4x slow and still be steady (session w's
