@@ -17,22 +17,28 @@ def _timing(samples):
             "max_ms": s[-1], "runs": len(s), "clock": "cuda_event", "samples_ms": samples}
 
 
-def test_only_unsteady_reference_windows_are_flagged_and_only_in_the_copy(tmp_path):
-    store = tmp_path / "lane" / "lane_0.db"
+def _rescored(tmp_path: Path, name: str, results: list[dict]) -> tuple[Path, sqlite3.Connection]:
+    """A store of ``results`` (one evaluation each) in ``tmp_path/lane``, re-scored into ``tmp_path/out``:
+    the original's path and the copy, open."""
+    store = tmp_path / "lane" / name
     store.parent.mkdir()
     con = sqlite3.connect(store)
     con.execute("create table evaluations (id integer primary key, result json not null, contended boolean)")
-    steady = {"eager_time": _timing([3.09] * 20), "compile_time": _timing([2.7] * 20),
-              "candidate_time": _timing([2.0] * 10 + [6.0] * 10), "flags": []}      # the candidate's is not judged
-    burst = {"eager_time": _timing([6.2] * 11 + [3.09] * 9), "flags": [{"kind": "precision", "reason": "x"}]}
-    slow_compile = {"eager_time": _timing([3.09] * 20), "compile_time": _timing([2.7] * 5 + [8.1] * 15)}
-    for i, r in enumerate((steady, burst, slow_compile), 1):
+    for i, r in enumerate(results, 1):
         con.execute("insert into evaluations values (?, ?, 0)", (i, json.dumps(r)))
     con.commit()
     con.close()
     out = tmp_path / "out"
     assert rescore_steady.main([str(out), str(store)]) == 0
-    copy = sqlite3.connect(out / "lane_lane_0.db")
+    return store, sqlite3.connect(out / f"lane_{name}")
+
+
+def test_only_unsteady_reference_windows_are_flagged_and_only_in_the_copy(tmp_path):
+    steady = {"eager_time": _timing([3.09] * 20), "compile_time": _timing([2.7] * 20),
+              "candidate_time": _timing([2.0] * 10 + [6.0] * 10), "flags": []}      # the candidate's is not judged
+    burst = {"eager_time": _timing([6.2] * 11 + [3.09] * 9), "flags": [{"kind": "precision", "reason": "x"}]}
+    slow_compile = {"eager_time": _timing([3.09] * 20), "compile_time": _timing([2.7] * 5 + [8.1] * 15)}
+    store, copy = _rescored(tmp_path, "lane_0.db", [steady, burst, slow_compile])
     rows = {i: (json.loads(r), c) for i, r, c in copy.execute("select id, result, contended from evaluations")}
     assert rows[1][1] == 0 and rows[1][0]["flags"] == []
     assert rows[2][1] == 1 and [f["kind"] for f in rows[2][0]["flags"]] == ["precision", "contended"]
@@ -44,18 +50,9 @@ def test_only_unsteady_reference_windows_are_flagged_and_only_in_the_copy(tmp_pa
 
 def test_an_eager_window_slow_and_steady_against_the_tasks_fastest_is_flagged(tmp_path):
     """28_VisionTransformer in session w: 13.3 ms in one evaluation, 3.9 in its twin's, both steady."""
-    store = tmp_path / "lane" / "lane_1.db"
-    store.parent.mkdir()
-    con = sqlite3.connect(store)
-    con.execute("create table evaluations (id integer primary key, result json not null, contended boolean)")
-    for i, (task, eager) in enumerate((("vit", 13.29), ("vit", 3.93), ("vit", 4.2), ("other", 13.29)), 1):
-        r = {"task": task, "eager_time": _timing([eager] * 20), "flags": []}
-        con.execute("insert into evaluations values (?, ?, 0)", (i, json.dumps(r)))
-    con.commit()
-    con.close()
-    out = tmp_path / "out"
-    assert rescore_steady.main([str(out), str(store)]) == 0
-    copy = sqlite3.connect(out / "lane_lane_1.db")
+    _, copy = _rescored(tmp_path, "lane_1.db", [{"task": task, "eager_time": _timing([eager] * 20), "flags": []}
+                                                for task, eager in (("vit", 13.29), ("vit", 3.93), ("vit", 4.2),
+                                                                    ("other", 13.29))])
     flagged = {i: c for i, c in copy.execute("select id, contended from evaluations")}
     assert flagged == {1: 1, 2: 0, 3: 0, 4: 0}
     (reason,) = [f["reason"] for f in json.loads(copy.execute("select result from evaluations where id = 1").fetchone()[0])["flags"]]
