@@ -45,8 +45,9 @@ def narrow_indices_on() -> bool:
     task's sizes is built with 32-bit indices only (``KernelGroup.largest``): its launch refuses larger
     tensors with the reason instead of running a 64-bit instantiation, which is no longer compiled.
     Every kernel was compiled for ``int`` and ``long long`` indices, and the second is never run at
-    KernelBench's level-2 and level-3 sizes: dropping it took nvcc's time for level2/12, 17 and 23's
-    kernels from 4.5, 7.4-10.3 and 7.4 s to 2.2, 4.6 and 4.9 s (this host's 2 cores). On by default;
+    KernelBench's level-2 and level-3 sizes: dropping it took nvcc's time for the device code to 0.76x
+    (geomean of 8 level-2 tasks, ``scripts/bench_nvcc_index.py``; 0.55x for level2/23's norm and
+    reductions) on a 2-core host. On by default;
     ``KERNELLOOP_CUDA_NARROW_INDEX=0`` builds both."""
     return os.environ.get(NARROW_ENV, "1") != "0"
 
