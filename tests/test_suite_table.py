@@ -68,3 +68,23 @@ def test_the_table_counts_contended_attempts_and_the_unsteady_windows_among_them
     judged[1].flag_reasons.append("the GPU was not quiet while the reference was timed: pid 1 used 4% of the SMs")
     assert f"contended: 2 of {len(judged)} evaluated attempts (1 of them a reference timing that was not one " \
            "steady window)" in table(records)
+
+
+def test_the_conservative_line_takes_each_tasks_fastest_reference_and_counts_contended_candidates():
+    """A graph candidate (0.5 ms) flagged contended because its evaluation's eager window ran slow
+    (13 ms) counts against the task's fastest eager (4 ms) and compile (2 ms): 8x and 4x; a candidate
+    flagged for anything else does not count."""
+    from evals.metrics import AttemptRecord
+    from suite_table import fastest_reference
+
+    recs = [AttemptRecord(attempt_id=1, task="t", round=0, status="correct", clean=False, flags=["contended"],
+                          candidate_ms=0.5, eager_ms=13.0, compile_ms=11.0),
+            AttemptRecord(attempt_id=2, task="t", round=0, status="correct", clean=True,
+                          candidate_ms=3.0, eager_ms=4.0, compile_ms=2.0),
+            AttemptRecord(attempt_id=3, task="u", round=0, status="correct", clean=False, flags=["suspicious"],
+                          candidate_ms=0.1, eager_ms=1.0, compile_ms=1.0),
+            AttemptRecord(attempt_id=4, task="u", round=0, status="correct", clean=True,
+                          candidate_ms=1.0, eager_ms=2.0, compile_ms=1.0)]
+    line = fastest_reference(recs)
+    # t: 4 / 0.5 = 8x eager, 2 / 0.5 = 4x compile; u: 1 / 1 = 1x both (the suspicious 0.1 ms is not counted)
+    assert "geomean vs eager 2.83x, vs compile 2.00x over 2 tasks" in line, line
