@@ -65,6 +65,7 @@ class _Generator:
         self.init = init                    # the candidate's __init__ lines (nhwc: weight conversion)
         self._others: dict[str, Optional[_Generator]] = {}
         self._conv_infos: Optional[dict] = None
+        self._rendered: dict[tuple[Knobs, frozenset], Rendered] = {}
 
     def infos_for(self, conv: str) -> dict:
         """The plan's classification under the ``conv`` knob: ``direct`` makes every supported
@@ -112,6 +113,14 @@ class _Generator:
         return self._plans[key]
 
     def render(self, knobs: Knobs, excluded_extra: frozenset = frozenset()) -> Rendered:
+        """The candidate for ``knobs`` (rendered once per generator: a proposal asks for the default's
+        first, to learn whether the CUDA-graph knob applies, and then again in its variant order)."""
+        key = (knobs, frozenset(excluded_extra))
+        if key not in self._rendered:
+            self._rendered[key] = self._render(knobs, frozenset(excluded_extra))
+        return self._rendered[key]
+
+    def _render(self, knobs: Knobs, excluded_extra: frozenset) -> Rendered:
         if knobs.layout != self.layout and self.layout == "nchw":
             other = self.other(knobs.layout)
             if other is not None:
