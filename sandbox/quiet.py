@@ -53,6 +53,12 @@ UNSTEADY_MIN_MS = 0.02         # ... where it is also this much above it (launch
 UNSTEADY_MIN_RUNS = 5
 
 
+def _far_above(median_ms: float, fastest_ms: Optional[float]) -> bool:
+    """Whether a median is more than ``UNSTEADY_RATIO`` times ``fastest_ms`` and ``UNSTEADY_MIN_MS`` above it."""
+    return (fastest_ms is not None and fastest_ms > 0 and median_ms > UNSTEADY_RATIO * fastest_ms
+            and median_ms - fastest_ms > UNSTEADY_MIN_MS)
+
+
 def unsteady(timing: Any) -> Optional[str]:
     """Why ``timing`` (a ``sandbox.result.Timing``) is not one steady window (see the module's
     docstring), or None."""
@@ -60,7 +66,7 @@ def unsteady(timing: Any) -> Optional[str]:
     if len(samples) < UNSTEADY_MIN_RUNS:
         return None
     fastest, median = min(samples), float(timing.median_ms)
-    if fastest <= 0 or median <= UNSTEADY_RATIO * fastest or median - fastest <= UNSTEADY_MIN_MS:
+    if not _far_above(median, fastest):
         return None
     slow = sum(1 for x in samples if x > UNSTEADY_RATIO * fastest)
     return (f"median {median:.4g} ms, {median / fastest:.2f}x its fastest run ({fastest:.4g} ms); "
@@ -70,9 +76,7 @@ def unsteady(timing: Any) -> Optional[str]:
 def slower(median_ms: float, fastest_ms: Optional[float]) -> Optional[str]:
     """Why a reference median is far above the fastest median of the same task seen before
     (``UNSTEADY_RATIO`` and ``UNSTEADY_MIN_MS``, as for one window's runs), or None."""
-    if fastest_ms is None or fastest_ms <= 0:
-        return None
-    if median_ms <= UNSTEADY_RATIO * fastest_ms or median_ms - fastest_ms <= UNSTEADY_MIN_MS:
+    if not _far_above(median_ms, fastest_ms):
         return None
     return f"median {median_ms:.4g} ms, {median_ms / fastest_ms:.2f}x the task's fastest median so far ({fastest_ms:.4g} ms)"
 
