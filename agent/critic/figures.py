@@ -94,6 +94,11 @@ def kernel_groups(result: Any) -> dict[str, list[Any]]:
     }
 
 
+def busy_ms(profile: list[Any]) -> float:
+    """Milliseconds the GPU ran a profile's kernels in one forward (its rows' ``total_us`` summed)."""
+    return sum(k.total_us for k in profile) / 1e3
+
+
 def result_evidence(result: Any, label: str) -> Evidence:
     """Every figure one ``EvalResult`` stores, plus the documented one-step derivations."""
     ev = Evidence()
@@ -192,7 +197,7 @@ def result_evidence(result: Any, label: str) -> Evidence:
     for prof_name, timing in (("profile", result.candidate_time), ("reference_profile", result.eager_time)):
         prof = getattr(result, prof_name) or []
         if prof:
-            busy = sum(k.total_us for k in prof) / 1e3
+            busy = busy_ms(prof)
             ev.add(busy, "time", f"{w}: sum of {prof_name} kernels' total_us")
             if timing is not None and timing.median_ms > 0:
                 ev.add(100.0 * busy / timing.median_ms, "percent", f"{w}: {prof_name} busy share of its median")

@@ -6,6 +6,7 @@ from typing import Any, Optional
 
 from agent.critic.diagnosis import Diagnosis, TaskContext, evidence_ref
 from agent.critic.failures import latent_overflow
+from agent.critic.figures import busy_ms
 from agent.critic.numbers import (
     fmt_ms,
     fmt_num,
@@ -173,8 +174,7 @@ def launch_bound(a: AttemptView, r: EvalResult) -> Optional[tuple[str, dict[str,
     replays its forward from a CUDA graph), and its numbers. None otherwise."""
     if not (r.reference_profile and r.profile and r.eager_time and r.candidate_time):
         return None
-    ref_ms = sum(k.total_us for k in r.reference_profile) / 1000.0
-    cand_ms = sum(k.total_us for k in r.profile) / 1000.0
+    ref_ms, cand_ms = busy_ms(r.reference_profile), busy_ms(r.profile)
     eager, cand = r.eager_time.median_ms, r.candidate_time.median_ms
     if eager <= 0 or cand <= 0 or ref_ms > LAUNCH_BOUND * eager:
         return None
