@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -29,12 +28,11 @@ sys.path.insert(0, str(ROOT))
 
 def _device_code(spec, narrow: str) -> str:
     from agent.builtin import generate
+    from agent.builtin.codegen import cuda_source_of
     from agent.builtin.kernels import NARROW_ENV
 
     os.environ[NARROW_ENV] = narrow
-    source = generate(spec, "cuda").source
-    m = re.search(r'_CUDA_SOURCE = r"""\n(.*?)\n"""', source, re.S)
-    return m.group(1) if m else ""
+    return cuda_source_of(generate(spec, "cuda").source)
 
 
 def main() -> int:

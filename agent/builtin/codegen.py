@@ -439,6 +439,13 @@ def render_candidate(traced: Traced, plan: Plan, kgroups: list[KernelGroup], dev
     return Rendered(source=source, header=header, groups=codes, knobs_used=used, tc=tc, shared=shared)
 
 
+def cuda_source_of(candidate: str) -> str:
+    """A CUDA candidate's device code (its ``_CUDA_SOURCE``, which includes only cuda_runtime.h: nvcc
+    compiles it without torch's headers); empty where it has none."""
+    m = re.search(r'_CUDA_SOURCE = r"""\n(.*?)\n"""', candidate, re.S)
+    return m.group(1) if m else ""
+
+
 def share_kernels(codes: list[GroupCode]) -> dict[str, str]:
     """Groups whose kernel and wrapper are another group's but for names -> that group's name.
 
