@@ -117,7 +117,9 @@ def test_an_ill_conditioned_resnet_keeps_the_kernels_that_give_pytorchs_bits(dev
     """level3/10_ResNet101 under TF32 convolutions: every batch norm stays on PyTorch, and so did
     everything fused with one (no custom kernel: flagged). The residual ``out += identity; relu``
     and the stem's ``relu -> max pool`` give PyTorch's own bits in any implementation: rendered
-    again without the batch norms, they are groups of their own and keep their kernels. The
+    again without the batch norms, they are groups of their own and keep their kernels, and so do
+    the lone ``relu`` after ``bn1`` and the two ``t * 2**20`` (one exact operator each: the
+    candidate's own work inside a CUDA graph, as for the MobileNets' ReLUs). The
     ``out * scale + shift`` group (an FMA where nvcc or GCC's AVX-512 clone contracts it) does not."""
     from sandbox.numerics import Numerics
 
@@ -125,19 +127,20 @@ def test_an_ill_conditioned_resnet_keeps_the_kernels_that_give_pytorchs_bits(dev
     verdict = replay_verdict(spec, Numerics(), device)
     assert verdict.ran and verdict.ill_conditioned and not verdict.semantic, verdict.notes
     assert verdict.ref_fp64_rel_rms > 1e-2
-    assert verdict.exact == {"add+relu": 1, "relu+max_pool2d": 1}, verdict.notes
+    assert verdict.exact == {"add+relu": 1, "relu+max_pool2d": 1, "relu": 1, "mul": 2}, verdict.notes
     assert {"bn0", "bn1", "bn2", "mul", "add_1"} <= verdict.excluded
-    assert not {"add", "relu_2", "relu", "maxpool"} & verdict.excluded
+    assert not {"add", "relu_2", "relu", "maxpool", "relu_1", "mul_1", "mul_2"} & verdict.excluded
     cand = propose(spec, device, 0, 0, [], Numerics())
     groups = [(g["kind"], g["ops"], g["nodes"]) for g in cand.choices["groups"]]
-    assert groups == [("pool", ["relu", "max_pool2d"], ["relu", "maxpool"]), ("ew", ["add", "relu"], ["add", "relu_2"])]
-    assert cand.choices["replay"]["exact"] == {"add+relu": 1, "relu+max_pool2d": 1}
+    assert groups == [("pool", ["relu", "max_pool2d"], ["relu", "maxpool"]), ("ew", ["relu"], ["relu_1"]),
+                      ("ew", ["add", "relu"], ["add", "relu_2"]), ("ew", ["mul"], ["mul_1"]), ("ew", ["mul"], ["mul_2"])]
+    assert cand.choices["replay"]["exact"] == {"add+relu": 1, "relu+max_pool2d": 1, "relu": 1, "mul": 2}
     assert cand.choices["replay"]["unverifiable"] == verdict.unverifiable
     # the batch norms and the multiply-add run as the reference calls them; NCHW, the library's convolutions
     for line in ("v_bn0 = self.bn0(", "v_bn1 = self.bn1(", "v_bn2 = self.bn2("):
         assert line in cand.source
     assert "channels_last" not in cand.source and cand.choices["knobs"]["conv"] == "library"
-    assert not any("batch_norm" in g["ops"] or "mul" in g["ops"] for g in cand.choices["groups"])
+    assert not any("batch_norm" in g["ops"] or "mul" in g["nodes"] or "add_1" in g["nodes"] for g in cand.choices["groups"])
 
 
 def test_the_ill_conditioned_resnets_kernels_are_correct_and_clean_in_the_cpu_sandbox():
@@ -147,7 +150,7 @@ def test_the_ill_conditioned_resnets_kernels_are_correct_and_clean_in_the_cpu_sa
 
     spec = _spec(RESIDUAL)
     cand = propose(with_device_sizes(spec, "cpu"), "cpu", 0, 0, [], Numerics())
-    assert [g["ops"] for g in cand.choices["groups"]] == [["relu", "max_pool2d"], ["add", "relu"]]
+    assert [g["ops"] for g in cand.choices["groups"]] == [["relu", "max_pool2d"], ["relu"], ["add", "relu"], ["mul"], ["mul"]]
     result = judge(spec, cand.source, "cpu")
     assert result.status is Status.correct, (result.status, result.error_message,
                                              result.build.first_error if result.build else None)
@@ -306,6 +309,29 @@ def test_level3_sweep_traces_and_renders_every_task(capsys):
     from agent.builtin.pool import fused_on
 
     assert ("6_GoogleNetInceptionModule" in with_kernels) == fused_on("cuda")     # its max pool (pool.py)
+
+
+@pytest.mark.kernelbench
+@pytest.mark.skipif(not (KERNELBENCH / "level3").is_dir(), reason="../shared/KernelBench is not present")
+@pytest.mark.parametrize("task, op", [("19_MobileNetV1", "relu"), ("20_MobileNetV2", "hardtanh"),
+                                      ("24_EfficientNetB2", "relu")])
+def test_ill_conditioned_mobilenets_keep_their_lone_exact_kernels_in_a_cuda_graph(task, op):
+    """Session w: their batch norms at batch 2-10 accept only PyTorch's bits, every group rounded, and
+    the candidate was the reference's own forward (no kernel: flagged, so no clean attempt). A lone
+    ReLU (ReLU6: hardtanh) gives PyTorch's bits in any implementation, so it keeps its kernel, and
+    the forward (PyTorch's convolutions and batch norms, the kernels between them) is replayed from
+    a CUDA graph; its graph-free twin is the second sample."""
+    from sandbox.numerics import Numerics
+
+    spec = read_spec(KERNELBENCH / "level3" / f"{task}.py", name=f"level3/{task}")
+    cand = propose(spec, "cuda", 0, 0, [], Numerics())
+    replayed = cand.choices["replay"]
+    assert set(replayed["exact"]) == {op} and replayed["exact"][op] >= 10, replayed
+    assert {tuple(g["ops"]) for g in cand.choices["groups"]} == {(op,)}
+    assert cand.choices["knobs"]["graph"] == "replay" and "_kl_graphed(" in cand.source
+    assert "channels_last" not in cand.source and "batch_norm" not in str(cand.choices["groups"])
+    twin = propose(spec, "cuda", 0, 1, [], Numerics())
+    assert twin.choices["knobs"]["graph"] == "off" and {tuple(g["ops"]) for g in twin.choices["groups"]} == {(op,)}
 
 
 DEEP = FIXTURES / "deep_train_bn.py"

@@ -85,10 +85,12 @@ def node_gives_pytorch_bits(n: Node, info: Any) -> bool:
 
 def gives_pytorch_bits(kg: Any, infos: dict[Node, Any]) -> bool:
     """Whether the kernel of group ``kg`` computes PyTorch's own bits: an elementwise chain or a
-    max pool (with its prologue and epilogue) of two nodes or more (a lone operator's kernel only
-    matches PyTorch's own), each node a selection or one IEEE operation
-    (``node_gives_pytorch_bits``), with no multiply and add in one kernel (an FMA: see ``_PRODUCTS``)."""
-    if kg.kind not in ("ew", "pool") or len(kg.nodes) < 2:
+    max pool (with its prologue and epilogue), each node a selection or one IEEE operation
+    (``node_gives_pytorch_bits``), with no multiply and add in one kernel (an FMA: see ``_PRODUCTS``).
+    A lone operator counts: its kernel alone only matches PyTorch's, but it is the candidate's own
+    work inside the CUDA graph that replays the rest (``graphed.py``; MobileNets and EfficientNetB2,
+    whose batch norms at batch 2-10 accept nothing but PyTorch's bits, keep their ReLUs and adds)."""
+    if kg.kind not in ("ew", "pool") or not kg.nodes:
         return False
     if not all(node_gives_pytorch_bits(n, infos[n]) for n in kg.nodes):
         return False
