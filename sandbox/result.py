@@ -154,6 +154,12 @@ class Timing(BaseModel):
     host_cpu_ms: Optional[float] = None
     host_wall_ms: Optional[float] = None
     host_preempted: Optional[int] = None
+    # The clocks when the window ended (sandbox.timing.clocks): the frequency of the core the timing
+    # thread last ran on, and the GPU's SM clock (NVML, cuda only). Slow yet steady reference windows
+    # (session w: one task's eager 1.9-5.2 ms on a quiet host, its thread on the CPU throughout) are
+    # read against them.
+    host_cpu_mhz: Optional[float] = None
+    gpu_sm_mhz: Optional[float] = None
 
     @property
     def convention(self) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import resource
 import statistics
+import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -52,7 +53,39 @@ def time_runs(fn: Callable[..., Any], make_args: Callable[[int], Sequence[Any]],
     t = summarize(samples, clock, faults)
     t.host_cpu_ms, t.host_wall_ms = round(cpu * 1e3, 3), round(wall * 1e3, 3)
     t.host_preempted = pre - pre0 if pre is not None and pre0 is not None else None
+    t.host_cpu_mhz, t.gpu_sm_mhz = clocks(device)
     return t
+
+
+def clocks(device: str) -> tuple[Optional[float], Optional[float]]:
+    """The current frequency (MHz) of the core the calling thread last ran on (Linux cpufreq, else
+    /proc/cpuinfo), and on cuda the current device's SM clock (NVML through ``torch.cuda.clock_rate``);
+    None for what this host cannot tell."""
+    cpu_mhz: Optional[float] = None
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/stat") as f:
+            core = int(f.read().rsplit(")", 1)[1].split()[36])      # field 39, "processor"
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{core}/cpufreq/scaling_cur_freq") as f:
+                cpu_mhz = round(int(f.read()) / 1e3, 1)
+        except OSError:
+            with open("/proc/cpuinfo") as f:
+                blocks = f.read().split("\n\n")
+            for b in blocks:
+                fields = dict(line.split(":", 1) for line in b.splitlines() if ":" in line)
+                if fields and int(fields.get("processor\t", "-1")) == core and "cpu MHz\t\t" in fields:
+                    cpu_mhz = round(float(fields["cpu MHz\t\t"]), 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    sm_mhz: Optional[float] = None
+    if device == "cuda":
+        try:
+            import torch
+
+            sm_mhz = float(torch.cuda.clock_rate())
+        except Exception:  # noqa: BLE001 - no NVML (nvidia-ml-py) here: the clock is simply not known
+            pass
+    return cpu_mhz, sm_mhz
 
 
 def _preemptions() -> Optional[int]:

@@ -6,7 +6,7 @@ twin's, seconds apart (28_VisionTransformer 13.3 against 3.9 ms). This evaluates
 candidate and its graph-free twin alternately, ``--repeats`` times each, in one sandbox (one
 reference worker, as a run has), on a host with nothing else running, and prints per evaluation the
 eager, compile and candidate medians with the timing thread's own account of its window (CPU ms /
-wall ms, preemptions: ``Timing.host_*``). Equal eager medians across the two kinds: the lanes' host
+wall ms, preemptions, the core's and the GPU's clocks: ``Timing.host_*``, ``Timing.gpu_sm_mhz``). Equal eager medians across the two kinds: the lanes' host
 was the cause; slower beside graphs: the candidate's process was.
 
     source scripts/gpu_env.sh && python3 scripts/graph_eager_check.py --kb .kb 28_VisionTransformer 9_ResNet18
@@ -56,7 +56,8 @@ def main() -> int:
                         continue
                     eager[kind].append(e.median_ms)
                     print(f"{name} {kind:5s} #{i}: {r.status.value} eager {e.median_ms:.3f} ms "
-                          f"(host cpu/wall {e.host_cpu_ms}/{e.host_wall_ms} ms, preempted {e.host_preempted}) "
+                          f"(host cpu/wall {e.host_cpu_ms}/{e.host_wall_ms} ms, preempted {e.host_preempted}, "
+                          f"CPU {e.host_cpu_mhz} MHz, SM {e.gpu_sm_mhz} MHz) "
                           f"compile {c.median_ms if c else float('nan'):.3f} cand {t.median_ms:.3f} "
                           f"(host cpu/wall {t.host_cpu_ms}/{t.host_wall_ms}) x{r.speedup_eager or 0:.2f} "
                           f"retimed {r.reference_retimed} flags {[f.kind.value for f in r.flags]}", flush=True)

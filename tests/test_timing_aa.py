@@ -105,3 +105,17 @@ def test_an_aa_evaluation_times_the_candidate_on_no_more_fresh_pages_than_the_re
             c, e = r.candidate_time.page_faults, r.eager_time.page_faults
             assert c is not None and e is not None
             assert c <= e + 4, f"the candidate's timed calls faulted {c} pages each, the reference's {e}"
+
+
+def test_a_timing_records_the_timing_threads_window_and_its_cores_clock():
+    """``Timing.host_*`` (the thread's CPU and wall time, its preemptions) and the clock of the core
+    it ran on, read where Linux tells it; no SM clock off the GPU."""
+    import sys
+
+    from sandbox.timing import time_runs
+
+    t = time_runs(lambda: sum(range(20000)), lambda i: (), "cpu", warmup=1, runs=5, flush_l2=False)
+    assert t.host_wall_ms and t.host_cpu_ms and 0 < t.host_cpu_ms <= t.host_wall_ms * 1.05 + 1
+    assert t.gpu_sm_mhz is None
+    if sys.platform.startswith("linux"):
+        assert t.host_cpu_mhz is not None and 100 < t.host_cpu_mhz < 10000, t.host_cpu_mhz
