@@ -89,6 +89,7 @@ class TimingHistory:
         self._lock = threading.Lock()
         self._medians: dict[tuple[str, str, str], deque[tuple[float, float]]] = {}
         self._fastest: dict[tuple[str, str, str], float] = {}
+        self._fastest_timing: dict[tuple[str, str, str], Any] = {}
 
     def known(self, key: tuple[str, str, str]) -> bool:
         """Whether a median of ``key`` was recorded."""
@@ -121,11 +122,18 @@ class TimingHistory:
         return (f"median {median_ms:.4g} ms, running median {centre:.4g} ms over {len(seen)} evaluations "
                 f"(spread {spread:.3g} ms)")
 
-    def add(self, key: tuple[str, str, str], median_ms: float, iqr_ms: float = 0.0) -> None:
+    def fastest_timing(self, key: tuple[str, str, str]) -> Any:
+        """The ``Timing`` of the fastest median recorded for ``key`` with its timing (None if none was)."""
+        with self._lock:
+            return self._fastest_timing.get(key)
+
+    def add(self, key: tuple[str, str, str], median_ms: float, iqr_ms: float = 0.0, timing: Any = None) -> None:
         with self._lock:
             self._medians.setdefault(key, deque(maxlen=HISTORY)).append((median_ms, iqr_ms))
-            if median_ms > 0:
-                self._fastest[key] = min(median_ms, self._fastest.get(key, median_ms))
+            if median_ms > 0 and median_ms <= self._fastest.get(key, median_ms):
+                self._fastest[key] = median_ms
+                if timing is not None:
+                    self._fastest_timing[key] = timing
 
 
 class IdleWatch:

@@ -160,6 +160,10 @@ class Timing(BaseModel):
     # read against them.
     host_cpu_mhz: Optional[float] = None
     gpu_sm_mhz: Optional[float] = None
+    # A reference window measured earlier in the run, standing in for this evaluation's (sandbox.checks
+    # ``_steady``: this one was far above the task's fastest twice; the fastest is used, so the
+    # speedup is the lower one)
+    from_earlier: bool = False
 
     @property
     def convention(self) -> str:
