@@ -14,7 +14,10 @@ from __future__ import annotations
 import re
 from typing import Any, Optional
 
-_OWN_GROUP = re.compile(r"\bkl_g(\d+)(?:_kernel\w*)?\b")
+# a group's kernels are ``kl_gN`` and ``kl_gN_<what>`` (``_kernel4``, a two-pass norm's ``_part`` and
+# ``_fin``, ``_regs``, ``_cols``, ...: the templates' names); session x's 47_NetVlad counted only its
+# ``_kernel4`` group, so the slowest one (a norm's ``_part`` + ``_fin``, 0.21 of 1.41 ms) was never blamed
+_OWN_GROUP = re.compile(r"\bkl_g(\d+)(?:_[A-Za-z]\w*)?\b")
 
 
 def group_times(result: Any) -> dict[str, float]:
