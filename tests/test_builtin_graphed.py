@@ -46,6 +46,39 @@ def test_round_zero_measures_the_graph_against_its_graph_free_twin():
     assert {n for n in k0 if k0[n] != k1[n]} == {"graph"}
 
 
+def _seen(cand, attempt_id: int, ms: float, *flags: str, sample: int = 0):
+    from agent.types import AttemptView
+    from sandbox.result import EvalResult, Flag, FlagKind, Status, Timing
+
+    t = Timing(median_ms=ms, iqr_ms=0.01, mean_ms=ms, min_ms=ms, max_ms=ms, runs=20, clock="cuda_event")
+    result = EvalResult(status=Status.correct, task="fixtures/graph_net", device="cuda", candidate_time=t,
+                        speedup_eager=2.0 / ms, flags=[Flag(kind=FlagKind(f), reason="test") for f in flags])
+    return AttemptView(attempt_id=attempt_id, round=0, sample=sample, parse_status="ok", source=cand.source,
+                       result=result)
+
+
+def test_a_candidate_only_flagged_contended_is_measured_once_more():
+    """Session x: 7_GoogleNetInceptionV1's graph candidate met a GPU slow for seconds and was flagged
+    ``contended`` (the harness's condition, not the candidate's); round 1 then measured its twin (0.48x
+    eager), which became the clean best. Now round 1's first sample measures the same source again
+    (its header says so), the second takes the next variant; once measured twice, or where a clean
+    attempt is faster, or flagged for anything else, it is not measured again."""
+    from agent.builtin.codegen import body_hash
+
+    graph, twin = (propose(_spec(), "cuda", 0, s, []) for s in (0, 1))
+    history = [_seen(graph, 1, 0.5, "contended"), _seen(twin, 2, 1.5, sample=1)]
+    again, other = (propose(_spec(), "cuda", 1, s, history) for s in (0, 1))
+    assert body_hash(again.source) == body_hash(graph.source)
+    assert again.choices["repeat"] is True and again.choices["remeasure"] == 1
+    assert body_hash(other.source) not in {body_hash(graph.source), body_hash(twin.source)}
+    assert "remeasure" not in other.choices
+    for later in ([*history, _seen(again, 3, 0.6, "contended")],                  # measured twice
+                  [_seen(graph, 1, 0.5, "contended"), _seen(twin, 2, 0.4, sample=1)],   # a clean one is faster
+                  [_seen(graph, 1, 0.5, "contended", "suspicious"), _seen(twin, 2, 1.5, sample=1)]):
+        nxt = propose(_spec(), "cuda", 2, 0, later)
+        assert "remeasure" not in nxt.choices and body_hash(nxt.source) != body_hash(graph.source)
+
+
 @pytest.mark.parametrize("edit, why", [
     (lambda s: s.replace("x = F.relu(x + y)", "x = F.relu(x + F.dropout(y, 0.1))"), "draws random numbers"),
     (lambda s: s.replace("        return torch.tanh", "        self.last = x\n        return torch.tanh"),

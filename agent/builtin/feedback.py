@@ -74,6 +74,11 @@ class Feedback:
     precision: str = "fp32"                        # the run's (Numerics.precision)
     best_attempt: Optional[int] = None             # the attempt id of ``best``
     search: Optional[SearchState] = None           # what the measured parent -> child steps say (search.py)
+    # a correct attempt that only the harness's ``contended`` flag kept from being clean, faster as
+    # measured than every clean one and measured once: its header and attempt id (``remeasured``)
+    remeasure: Optional[dict[str, Any]] = None
+    remeasure_attempt: Optional[int] = None
+    remeasure_hash: Optional[str] = None
 
     def knob_ok(self, k: Knobs) -> bool:
         items = frozenset(k.as_dict().items())
@@ -229,6 +234,7 @@ def read_history(history: list[AttemptView], device: str, precision: str = "fp32
     if fb.best is None and correct:
         fb.best, fb.best_attempt = correct[0][1], correct[0][0].attempt_id
     fb.search = read_search(correct, fb.best_attempt)
+    remeasured(correct, fb)
     for att, h in ours:
         status = att.result.status.value if hasattr(att.result.status, "value") else str(att.result.status)
         if status not in FAILED:
@@ -359,3 +365,31 @@ def variant_order(fb: Feedback, precision: Optional[str] = None, nchw_first: boo
         if direct is not None:
             order = [order[0], direct] + [k for k in order[1:] if k != direct]
     return order
+
+
+def remeasured(correct: list[tuple[AttemptView, dict[str, Any]]], fb: Feedback) -> None:
+    """Set ``fb.remeasure`` to the correct attempt to measure once more, if there is one: flagged
+    ``contended`` and nothing else that disqualifies (the reference's window or the GPU was disturbed:
+    the harness's condition, not the candidate's fault), faster as measured than every clean attempt,
+    and its source evaluated once. Session x: 7_GoogleNetInceptionV1's CUDA-graph candidate met a
+    GPU slow for seconds (its own replay 4.4 ms against 1.15 in a quiet check) and was flagged; the
+    next round measured its graph-free twin (0.48x eager), which became the clean best."""
+    from sandbox.result import DISQUALIFYING_FLAGS, FlagKind
+
+    def timed(att: AttemptView) -> Optional[float]:
+        t = getattr(att.result, "candidate_time", None)
+        return t.median_ms if t is not None and t.median_ms > 0 else None
+
+    clean = [timed(a) for a, _ in correct if a.result.clean and timed(a) is not None]
+    count: dict[str, int] = {}
+    for a, _ in correct:
+        count[body_hash(a.source)] = count.get(body_hash(a.source), 0) + 1
+    for att, h in sorted(correct, key=lambda ah: timed(ah[0]) or float("inf")):
+        kinds = {f.kind for f in att.result.flags if f.kind in DISQUALIFYING_FLAGS}
+        t = timed(att)
+        if kinds != {FlagKind.contended} or t is None or count[body_hash(att.source)] > 1:
+            continue
+        if not clean or t < min(clean):
+            fb.remeasure, fb.remeasure_attempt, fb.remeasure_hash = h, att.attempt_id, body_hash(att.source)
+            fb.notes.append(f"attempt {att.attempt_id} (correct, flagged contended only, {t:.4g} ms): measured again")
+        return
