@@ -437,10 +437,10 @@ class CandidateChecks:
             again = off(result.eager_time)
             fastest = self.history.fastest_timing(key)
             if again is not None and self.history.slower(key, result.eager_time.median_ms) and fastest is not None:
-                # slow but steady twice (session w and x: a launch-bound reference's host thread runs
-                # 1.3-1.9x slow for seconds, on the CPU throughout, at full CPU and SM clocks; the
-                # candidate's window beside it is not): the task's fastest window stands in, so the
-                # speedup is the lower one, as if measured in the reference's best condition
+                # slow but steady twice (sessions w and x: windows of a launch-bound reference 1.3-3.4x
+                # slow for seconds, with the SM clock at its maximum and no other process on the GPU;
+                # the harness's condition, not the candidate's): the task's fastest window stands in,
+                # so the speedup is the lower one, as if measured in the reference's best condition
                 result.stderr += (f"\n[kernelloop] the reference's eager time was far above the task's fastest twice "
                                   f"({why}; timed again: {again}): its fastest window ({fastest.median_ms:.4g} ms) "
                                   f"is used instead, so the speedup is the lower one")

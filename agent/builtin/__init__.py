@@ -18,7 +18,6 @@ GEMM is for ``fp32`` only.
 from __future__ import annotations
 
 import copy
-
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
