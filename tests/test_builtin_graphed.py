@@ -62,7 +62,8 @@ def test_a_candidate_only_flagged_contended_is_measured_once_more():
     ``contended`` (the harness's condition, not the candidate's); round 1 then measured its twin (0.48x
     eager), which became the clean best. Now round 1's first sample measures the same source again
     (its header says so), the second takes the next variant; once measured twice, or where a clean
-    attempt is faster, or flagged for anything else, it is not measured again."""
+    attempt is faster, or it measured slower than eager, or flagged for anything else, it is not
+    measured again."""
     from agent.builtin.codegen import body_hash
 
     graph, twin = (propose(_spec(), "cuda", 0, s, []) for s in (0, 1))
@@ -72,9 +73,11 @@ def test_a_candidate_only_flagged_contended_is_measured_once_more():
     assert again.choices["repeat"] is True and again.choices["remeasure"] == 1
     assert body_hash(other.source) not in {body_hash(graph.source), body_hash(twin.source)}
     assert "remeasure" not in other.choices
+    assert "attempt 1 (correct, flagged contended only): measured again" in again.notes
     for later in ([*history, _seen(again, 3, 0.6, "contended")],                  # measured twice
                   [_seen(graph, 1, 0.5, "contended"), _seen(twin, 2, 0.4, sample=1)],   # a clean one is faster
-                  [_seen(graph, 1, 0.5, "contended", "suspicious"), _seen(twin, 2, 1.5, sample=1)]):
+                  [_seen(graph, 1, 0.5, "contended", "suspicious"), _seen(twin, 2, 1.5, sample=1)],
+                  [_seen(graph, 1, 2.5, "contended"), _seen(twin, 2, 3.0, sample=1)]):  # slower than eager
         nxt = propose(_spec(), "cuda", 2, 0, later)
         assert "remeasure" not in nxt.choices and body_hash(nxt.source) != body_hash(graph.source)
 

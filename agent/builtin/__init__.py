@@ -285,6 +285,7 @@ def _propose_one(spec: TaskSpec, device: str, round: int, sample: int,
         header = {**again.header, "repeat": True, "remeasure": fb.remeasure_attempt}
         chosen = copy.copy(again)   # (the generator's renderings are memoized: not changed in place)
         chosen.header, chosen.source = header, _rewrite_header(again.source, header)
+        fb.notes.append(f"attempt {fb.remeasure_attempt} (correct, flagged contended only): measured again")
     sample -= again is not None
     for knobs in variant_order(fb, precision, nchw_first, direct_second=nchw_convs, graphs=graphs) if chosen is None else ():
         if set(knobs.as_dict().items()) & forbidden:
