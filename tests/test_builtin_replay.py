@@ -272,7 +272,8 @@ def test_replayed_candidates_are_correct_in_the_sandbox(path):
 
 
 # measured on this branch: 40 of 50 (36-42 run their nn.LSTM/GRU in recurrent.py's kernels; 34 loops over
-# its input's size and is traced specialised on it; 29, 30, 33, 35 and 46-49 are untraceable; 6 and 32 have
+# its input's size and is traced specialised on it; 29, 30, 33, 35 and 46-47 are untraceable, and 48-49 where
+# einops is not installed (with it: the meta tracer, fused masked_fill; 42 of 50); 6 and 32 have
 # nothing between library calls, 6 but its max pool: a kernel of pool.py's where the CUDA pools are on)
 LEVEL3_MIN_WITH_KERNELS = 40   # 34_VanillaRNNHidden's loop: one recurrent layer (unrolled_rnn.py), not 256 lone tanh
 
@@ -372,3 +373,52 @@ def test_a_task_too_large_for_the_replay_is_replayed_at_a_smaller_batch(monkeypa
     monkeypatch.setattr(replay, "MAX_REDUCED_ELEMENTS", 1_000)
     verdict = replay_verdict(_spec(DEEP))
     assert not verdict.ran and any("too large" in n for n in verdict.notes)
+
+
+SEGSUM = FIXTURES / "segsum.py"
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_mask_sized_inside_the_forward_is_traced_and_its_masked_fill_fused(device):
+    """level3/48-49 (Mamba2) were untraceable: ``torch.ones(T, T)`` with ``T`` read off a tensor the
+    forward computed. The last tracer (``trace._MetaShapeTracer``) answers every shape, specialising
+    the trace on the input's shape, and ``masked_fill`` (its bool mask read as a float) fuses with the
+    subtraction before it and the exp after it."""
+    from agent.builtin.trace import trace_task
+
+    spec = _spec(SEGSUM)
+    traced = trace_task(spec, device)
+    assert traced.ok, traced.error
+    assert traced.shapes == {"A": (4, 64, 4)}
+    cand = propose(spec, device, 0, 0, [])
+    assert [g["ops"] for g in cand.choices["groups"]] == [["sub", "masked_fill", "exp"]]
+    assert ".to(torch.float32)" in cand.source            # the mask, as the kernel reads it
+    compile(cand.source, "candidate.py", "exec")
+
+
+def test_the_fused_masked_fill_is_correct_and_clean_in_the_cpu_sandbox():
+    from builtin_candidate import judge
+    from sandbox.result import FlagKind, Status
+
+    spec = _spec(SEGSUM)
+    cand = propose(with_device_sizes(spec, "cpu"), "cpu", 0, 0, [])
+    result = judge(spec, cand.source, "cpu")
+    assert result.status is Status.correct, (result.status, result.error_message,
+                                             result.build.first_error if result.build else None)
+    assert not any(f.kind is FlagKind.no_custom_kernel for f in result.flags), result.flags
+
+
+@pytest.mark.kernelbench
+@pytest.mark.skipif(not (KERNELBENCH / "level3").is_dir(), reason="../shared/KernelBench is not present")
+@pytest.mark.parametrize("task", ["48_Mamba2ReturnY", "49_Mamba2ReturnFinalState"])
+def test_mamba2_is_traced_with_its_einops_calls_as_leaves(task):
+    pytest.importorskip("einops", reason="KernelBench's Mamba2 tasks import einops")
+    from agent.builtin.trace import trace_task
+
+    spec = read_spec(KERNELBENCH / "level3" / f"{task}.py", name=f"level3/{task}")
+    traced = trace_task(spec, "cuda")
+    assert traced.ok, traced.error
+    assert traced.shapes == {"X": (2048, 128, 8, 64)}
+    cand = propose(spec, "cuda", 0, 0, [])
+    assert ["sub", "masked_fill", "exp"] in [g["ops"] for g in cand.choices["groups"]]
+    assert "from einops import rearrange" in cand.source

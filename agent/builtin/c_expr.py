@@ -86,6 +86,8 @@ def ew_expr(op: str, args: list[str], params: dict[str, Any]) -> str:
     if op in ("add_alpha", "sub_alpha"):
         sign = "+" if op == "add_alpha" else "-"
         return f"({args[0]} {sign} {p['alpha']} * {args[1]})"
+    if op == "masked_fill":            # the mask as a float: 0 or 1
+        return f"({args[1]} != 0.f ? {p['value']} : {args[0]})"
     if op == "cube":
         return f"({args[0]} * {args[0]} * {args[0]})"
     if op in BINARY:

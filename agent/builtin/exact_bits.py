@@ -12,7 +12,7 @@ import torch
 from torch.fx import Node
 
 # operators that select or copy a value and never round: any implementation gives PyTorch's bits
-_EXACT = {"relu", "neg", "abs", "clamp_min", "clamp_max", "clamp", "hardtanh", "maximum", "minimum"}
+_EXACT = {"relu", "neg", "abs", "clamp_min", "clamp_max", "clamp", "hardtanh", "maximum", "minimum", "masked_fill"}
 # one IEEE-754 basic operation of two float32 values: correctly rounded in PyTorch's CPU and CUDA
 # kernels (add and sub as a + 1 * b, exact in either order or fused; div as a / b where the divisor
 # is a tensor) and in the generated kernels (``c_expr.BINARY``: `(a + b)` in float, each node's

@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+import torch
 from torch.fx import Node
 
 from agent.builtin.dtypes import c_type, is_half, value_dtype
@@ -94,6 +95,8 @@ class Input:
         from agent.builtin.pysource import attr_path, var
         if isinstance(self.value, ModuleAttr):
             return attr_path(f"{self.value.path}.{self.value.attr}")
+        if value_dtype(self.value) == torch.bool:       # masked_fill's mask, read as a float (below)
+            return f"{var(self.value)}.to(torch.float32)"
         return var(self.value)
 
     @property
@@ -102,7 +105,10 @@ class Input:
 
     @property
     def dtype(self):
-        return value_dtype(self.value)
+        # a bool tensor (masked_fill's mask, the only one the plan lets in: plan._float_mask) reaches
+        # the kernel as float32, converted by the candidate's Python (``py``)
+        d = value_dtype(self.value)
+        return torch.float32 if d == torch.bool else d
 
     @property
     def ctype(self) -> str:

@@ -160,6 +160,9 @@ _reg([F.relu6], ["relu6"], _fn("relu6", ("inplace",), inplace=False))
 _reg([torch.clamp, torch.clip], ["clamp", "clip", "clamp_", "clip_"], _fn("clamp", ("min", "max"), min=None, max=None))
 _reg([torch.clamp_min], ["clamp_min", "clamp_min_"], _fn("clamp_min", ("min",), min=None))
 _reg([torch.clamp_max], ["clamp_max", "clamp_max_"], _fn("clamp_max", ("max",), max=None))
+# a selection by a bool mask (level3/48-49, Mamba2's ``segsum``: ``x.masked_fill(~mask, -inf)`` between
+# a subtraction and an exp); the mask reaches the kernel as the run's float (``kernels.Input``)
+_reg([torch.masked_fill], ["masked_fill", "masked_fill_"], _fn("masked_fill", ("value",), 2))
 _reg([torch.max], ["max"], _fn("max2", ("dim", "keepdim"), dim=None, keepdim=False))
 _reg([torch.min], ["min"], _fn("min2", ("dim", "keepdim"), dim=None, keepdim=False))
 for _m in ("add_", "sub_", "mul_", "div_"):
@@ -446,6 +449,13 @@ def _from_spec(node: Node, spec: dict, skip_self: bool) -> OpInfo:
         raise Unsupported("dropout with p>0 is random: it stays on PyTorch")
     if op == "contiguous":
         return OpInfo("alias", "contiguous", [operands[0]])
+    if op == "masked_fill":
+        x, mask = operands
+        value = params.get("value")
+        mask_meta = tensor_meta(mask)
+        if not isinstance(x, Node) or mask_meta is None or mask_meta.dtype != torch.bool or not _scalar(value):
+            raise Unsupported("masked_fill: only a tensor, a bool mask tensor and a number")
+        return OpInfo("ew", "masked_fill", [x, mask], {"value": float(value)})
     # elementwise
     for o in operands:
         if not (isinstance(o, Node) or _scalar(o)):

@@ -19,8 +19,9 @@ Knobs that shape the plan:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
+import torch
 from torch.fx import Node
 
 from agent.builtin.dtypes import dtype_name, supported, value_dtype
@@ -90,6 +91,12 @@ def effective_users(node: Node, infos: dict[Node, OpInfo]) -> list[Node]:
     return out
 
 
+def _float_mask(info: OpInfo, t: Any) -> bool:
+    """``masked_fill``'s bool mask, which the kernel reads as a float (``kernels.Input.dtype``)."""
+    return info.op == "masked_fill" and len(info.operands) == 2 and t is info.operands[1] \
+        and value_dtype(t) == torch.bool
+
+
 def _check_dtypes(infos: dict[Node, OpInfo]) -> None:
     """The kernels load and store float32, float16 and bfloat16 (computing in float); an operator
     with a tensor of any other dtype stays on PyTorch."""
@@ -97,7 +104,7 @@ def _check_dtypes(infos: dict[Node, OpInfo]) -> None:
         if not info.fusible:
             continue
         tensors = [o for o in info.operands if isinstance(o, (Node, ModuleAttr))]
-        bad = [value_dtype(t) for t in [node, *tensors] if not supported(value_dtype(t))]
+        bad = [value_dtype(t) for t in [node, *tensors] if not supported(value_dtype(t)) and not _float_mask(info, t)]
         if bad and info.kind == "pool":
             info.kind = "library"           # a pooling call as the reference makes it
             continue

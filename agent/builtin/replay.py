@@ -130,6 +130,8 @@ def _pair(a: Any, b: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _plan_ew(op: str, args: list[Any], params: dict[str, Any]) -> torch.Tensor:
+    if op == "masked_fill":
+        return args[0].masked_fill(args[1].bool(), params["value"])
     if op in ("add_alpha", "sub_alpha"):
         b = args[1] * params["alpha"]
         return args[0] + b if op == "add_alpha" else args[0] - b

@@ -10,7 +10,9 @@ A forward whose Python control flow reads an input's shape (``seq_len, batch, _ 
 then ``for t in range(seq_len)``, KernelBench's level3/34) cannot be traced symbolically: a
 last attempt answers those questions with the example inputs' sizes (``_ShapeTracer``), so the
 loop unrolls. Such a trace holds only for inputs of those shapes: ``Traced.shapes`` names
-them, and the candidate refuses any other (``codegen.emit_forward``).
+them, and the candidate refuses any other (``codegen.emit_forward``). A size read off a tensor
+the forward computed (Mamba2's ``torch.ones(T, T)``) needs every proxy to carry a meta tensor: the
+very last attempt (``_MetaShapeTracer``), its einops calls leaves of the graph.
 
 The trace is taken in the run's precision, as the sandbox builds the models (KernelBench's
 casts, through the ``Numerics`` helpers): tensors among the init inputs, the model's
@@ -23,6 +25,7 @@ import inspect
 import re
 import operator
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -30,6 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
+from torch.fx.experimental.meta_tracer import MetaTracer
 from torch.fx.passes.shape_prop import ShapeProp
 
 from agent.builtin.dtypes import cast_model, cast_values, precision_of
@@ -193,9 +197,10 @@ def _symbolic_trace(model: nn.Module, inputs: list) -> tuple[GraphModule, dict[s
     """``symbolic_trace``; where that fails, again with the model's buffers as proxies (a forward
     that slices a buffer by a traced size, ``self.bias[:, :, :T, :T]`` in minGPT's causal
     attention, indexes a real tensor with a proxy otherwise); where that fails too, with the
-    inputs' shapes answered concretely (``_ShapeTracer``). Returns the graph module, the
-    shapes of the inputs it specialised on (empty but for the last way) and the module
-    attributes the forward assigned (``_rebound``).
+    inputs' shapes answered concretely (``_ShapeTracer``), and last with every tensor's shape
+    answered concretely (``_MetaShapeTracer``). Returns the graph module, the shapes of the
+    inputs it specialised on (empty but for the last two ways) and the module attributes the
+    forward assigned (``_rebound``).
 
     Every way traces the forward as ``get_inputs()`` calls it: a parameter that the inputs leave
     to its default (level3/35_LSTM's ``h0=None``, then drawn with ``torch.randn`` in forward) is
@@ -214,12 +219,20 @@ def _symbolic_trace(model: nn.Module, inputs: list) -> tuple[GraphModule, dict[s
     def shaped() -> torch.fx.Tracer:
         return _ShapeTracer(model, inputs)
 
-    ways = (plain, buffers_as_proxies, shaped)
+    def meta_shaped() -> torch.fx.Tracer:
+        return _MetaShapeTracer(model, inputs)
+
+    ways = (plain, buffers_as_proxies, shaped, meta_shaped)
     for i, way in enumerate(ways):
         tracer = way()
         saved = _module_state(model)
         try:
-            graph = tracer.trace(model, concrete_args=concrete)
+            if isinstance(tracer, _MetaShapeTracer):
+                with warnings.catch_warnings():     # (its note on every node it cannot give a meta tensor)
+                    warnings.simplefilter("ignore", UserWarning)
+                    graph = tracer.trace(model, meta_args=tracer.meta_args, concrete_args=concrete)
+            else:
+                graph = tracer.trace(model, concrete_args=concrete)
         except Exception:  # noqa: BLE001 - the next way, or the last way's own error
             _restore_module_state(model, saved)
             if i == len(ways) - 1:
@@ -230,7 +243,8 @@ def _symbolic_trace(model: nn.Module, inputs: list) -> tuple[GraphModule, dict[s
         rebinds = _rebound(model, saved)
         _restore_module_state(model, saved)
         gm = _forward_names(GraphModule(tracer.root, graph, type(model).__name__), concrete)
-        return gm, (tracer.used if isinstance(tracer, _ShapeTracer) else {}), rebinds
+        used = tracer.used if isinstance(tracer, (_ShapeTracer, _MetaShapeTracer)) else {}
+        return gm, used, rebinds
     raise AssertionError("unreachable")
 
 
@@ -365,6 +379,34 @@ class _ShapeTracer(torch.fx.Tracer):
                     graph.erase_node(a)
             return answer
         return super().to_bool(obj)
+
+
+# Python types a forward passes as dtypes (``torch.ones(T, T, dtype=bool)``): an fx argument must be a torch.dtype
+_PY_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
+
+
+class _MetaShapeTracer(MetaTracer):
+    """The last way: every proxy carries a meta tensor (``torch.fx.experimental.meta_tracer``), so
+    every shape question is answered concretely, a tensor computed inside the forward included
+    (level3/48-49, Mamba2: ``T = x.size(-1)`` of a rearranged parameter, then ``torch.ones(T, T)``).
+    The forward's einops calls (``from einops import rearrange``, as KernelBench's tasks import
+    them) are leaves of the graph, run as the reference runs them; a Python type passed as a dtype
+    is the torch dtype it stands for. The trace holds for inputs of the example's shapes only:
+    ``used`` names every tensor input, as ``_ShapeTracer`` names those it read."""
+
+    def __init__(self, model: nn.Module, inputs: list):
+        forward = getattr(type(model).forward, "__globals__", {})
+        leaves = tuple({id(f): f for f in forward.values()
+                        if callable(f) and str(getattr(f, "__module__", "") or "").split(".")[0] == "einops"}.values())
+        super().__init__(autowrap_functions=leaves)
+        self.meta_args = {p.name: torch.empty_like(v, device="meta")
+                          for p, v in zip(_positional(model), inputs) if isinstance(v, torch.Tensor)}
+        self.used = {name: tuple(t.shape) for name, t in self.meta_args.items()}
+
+    def create_arg(self, a: Any) -> Any:
+        if isinstance(a, type) and a in _PY_DTYPES:
+            return _PY_DTYPES[a]
+        return super().create_arg(a)
 
 
 def _is_device_of(a: Any) -> bool:
