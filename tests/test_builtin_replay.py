@@ -272,8 +272,8 @@ def test_replayed_candidates_are_correct_in_the_sandbox(path):
 
 
 # measured on this branch: 40 of 50 (36-42 run their nn.LSTM/GRU in recurrent.py's kernels; 34 loops over
-# its input's size and is traced specialised on it; 29, 30, 33, 35 and 46-47 are untraceable, and 48-49 where
-# einops is not installed (with it: the meta tracer, fused masked_fill; 42 of 50); 6 and 32 have
+# its input's size and is traced specialised on it; 29, 30, 33, 35 and 46-49 are untraceable (48-49 are traced
+# since session x where einops is installed: trace._MetaShapeTracer); 6 and 32 have
 # nothing between library calls, 6 but its max pool: a kernel of pool.py's where the CUDA pools are on)
 LEVEL3_MIN_WITH_KERNELS = 40   # 34_VanillaRNNHidden's loop: one recurrent layer (unrolled_rnn.py), not 256 lone tanh
 
