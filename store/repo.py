@@ -47,13 +47,17 @@ def upsert_task(session: Session, spec: TaskSpec) -> Task:
 def cached_evaluation(session: Session, sha256: str, task_key: str, device_name: str,
                       torch_version: str, config: EvalConfig) -> Optional[Evaluation]:
     """An earlier evaluation of the same candidate on the same device, torch and config, judged with
-    its processes contained and every timed run checked (rows from before m006 are not reused)."""
+    its processes contained and every timed run checked (rows from before m006 are not reused), and
+    on ``cuda`` on a quiet device: a ``contended`` GPU evaluation says what the harness met, not what
+    the candidate does, so the candidate is measured again (``agent.builtin.feedback.remeasured`` asks
+    for that). A shared CPU host's bursts flag one evaluation in a few; those verdicts are reused."""
     return session.scalar(
         sa.select(Evaluation)
         .where(Evaluation.candidate_sha256 == sha256, Evaluation.task_key == task_key,
                Evaluation.device_name == device_name, Evaluation.torch_version == torch_version,
                Evaluation.config_hash == config.hash(), Evaluation.reused_from.is_(None),
                Evaluation.status != "infra_error",     # a harness failure is no verdict to reuse
+               sa.or_(Evaluation.device != "cuda", Evaluation.contended.is_not(True)),
                Evaluation.stray_processes_killed.is_not(None))
         .order_by(Evaluation.id).limit(1))
 

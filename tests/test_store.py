@@ -168,4 +168,13 @@ def test_evaluations_judged_before_containment_are_not_reused(store_url):
         hit = cached_evaluation(s, "c" * 64, "key", "cpu0", "2.x", config)
         assert hit is not None and (hit.stray_processes_killed, hit.timed_runs_checked, hit.contended) == (1, 20, False)
         assert len(s.scalars(sa.select(Evaluation)).all()) == 2
+    # a contended GPU evaluation is no verdict to reuse: the harness met a disturbed device, and the
+    # same candidate is measured again (a CPU one is: a shared host's bursts flag one in a few)
+    for device, sha, reused in (("cuda", "d", False), ("cpu", "e", True)):
+        disturbed = result.model_copy(update={"candidate_sha256": sha * 64, "device": device}, deep=True)
+        disturbed.add_flag("contended", "the device was not quiet")
+        with store.session() as s:
+            s.add(evaluation_row(disturbed, "key", None, None))
+        with store.reader() as s:
+            assert (cached_evaluation(s, sha * 64, "key", "cpu0", "2.x", config) is not None) is reused, device
     store.close()
