@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import agent.builtin as builtin
-from agent.builtin import propose, replay_verdict
+from agent.builtin import generate, propose, replay_verdict
 from sandbox.tasks import read_spec, with_device_sizes
 
 FIXTURES = Path(__file__).parent / "fixtures" / "builtin"
@@ -406,6 +406,23 @@ def test_the_fused_masked_fill_is_correct_and_clean_in_the_cpu_sandbox():
     assert result.status is Status.correct, (result.status, result.error_message,
                                              result.build.first_error if result.build else None)
     assert not any(f.kind is FlagKind.no_custom_kernel for f in result.flags), result.flags
+
+
+@pytest.mark.kernelbench
+@pytest.mark.skipif(not (KERNELBENCH / "level3").is_dir(), reason="../shared/KernelBench is not present")
+def test_swin_mlp_is_traced_as_the_cpu_builds_it():
+    """level3/29_SwinMLP: its ``__init__`` calls ``.item()`` (no meta model), and each block asserts
+    ``L == H * W`` of a computed tensor's shape (no symbolic trace). The meta tracer traces a meta
+    copy of the CPU-built model, answering the assertion as the example takes it; the candidate's
+    layer norms, GELUs and residual adds are kernels of their own."""
+    from agent.builtin.trace import trace_task
+
+    spec = read_spec(KERNELBENCH / "level3" / "29_SwinMLP.py", name="level3/29_SwinMLP")
+    traced = trace_task(spec, "cuda")
+    assert traced.ok and traced.how == "cpu", traced.error
+    assert traced.shapes == {"x": (10, 3, 224, 224)}
+    ops = {op for g in generate(spec, "cuda").choices["groups"] for op in g["ops"]}
+    assert {"layer_norm", "gelu", "add"} <= ops
 
 
 @pytest.mark.kernelbench

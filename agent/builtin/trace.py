@@ -21,6 +21,7 @@ parameters and buffers and the floating-point inputs in float16 or bfloat16 unde
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import re
 import operator
@@ -225,24 +226,27 @@ def _symbolic_trace(model: nn.Module, inputs: list) -> tuple[GraphModule, dict[s
     ways = (plain, buffers_as_proxies, shaped, meta_shaped)
     for i, way in enumerate(ways):
         tracer = way()
-        saved = _module_state(model)
+        # the meta tracer runs every submodule on meta tensors: it traces a meta copy of a model
+        # whose weights are real (the CPU way), and the graph module reads the real model's
+        target = tracer.meta_model if isinstance(tracer, _MetaShapeTracer) else model
+        saved = _module_state(target)
         try:
             if isinstance(tracer, _MetaShapeTracer):
                 with warnings.catch_warnings():     # (its note on every node it cannot give a meta tensor)
                     warnings.simplefilter("ignore", UserWarning)
-                    graph = tracer.trace(model, meta_args=tracer.meta_args, concrete_args=concrete)
+                    graph = tracer.trace(target, meta_args=tracer.meta_args, concrete_args=concrete)
             else:
-                graph = tracer.trace(model, concrete_args=concrete)
+                graph = tracer.trace(target, concrete_args=concrete)
         except Exception:  # noqa: BLE001 - the next way, or the last way's own error
-            _restore_module_state(model, saved)
+            _restore_module_state(target, saved)
             if i == len(ways) - 1:
                 raise
             continue
         # before the graph module copies the attributes its get_attr nodes read: the forward's
         # assignments left proxies on the model
-        rebinds = _rebound(model, saved)
-        _restore_module_state(model, saved)
-        gm = _forward_names(GraphModule(tracer.root, graph, type(model).__name__), concrete)
+        rebinds = _rebound(target, saved)
+        _restore_module_state(target, saved)
+        gm = _forward_names(GraphModule(model, graph, type(model).__name__), concrete)
         used = tracer.used if isinstance(tracer, (_ShapeTracer, _MetaShapeTracer)) else {}
         return gm, used, rebinds
     raise AssertionError("unreachable")
@@ -401,12 +405,22 @@ class _MetaShapeTracer(MetaTracer):
         super().__init__(autowrap_functions=leaves)
         self.meta_args = {p.name: torch.empty_like(v, device="meta")
                           for p, v in zip(_positional(model), inputs) if isinstance(v, torch.Tensor)}
+        real = any(not t.is_meta for t in [*model.parameters(), *model.buffers()])
+        self.meta_model = copy.deepcopy(model).to("meta") if real else model
         self.used = {name: tuple(t.shape) for name, t in self.meta_args.items()}
 
     def create_arg(self, a: Any) -> Any:
         if isinstance(a, type) and a in _PY_DTYPES:
             return _PY_DTYPES[a]
         return super().create_arg(a)
+
+    def to_bool(self, obj: torch.fx.Proxy) -> bool:
+        """Control flow over numbers the meta tensors answer (``assert L == H * W`` of a computed
+        tensor's shape) goes as the example takes it; over anything else, the tracer's error."""
+        meta = getattr(obj, "_tensor_meta", None)
+        if isinstance(meta, (bool, int)):
+            return bool(meta)
+        return super().to_bool(obj)
 
 
 def _is_device_of(a: Any) -> bool:
