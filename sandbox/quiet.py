@@ -88,8 +88,8 @@ class TimingHistory:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._medians: dict[tuple[str, str, str], deque[tuple[float, float]]] = {}
-        self._fastest: dict[tuple[str, str, str], float] = {}
-        self._fastest_timing: dict[tuple[str, str, str], Any] = {}
+        # the fastest median of each key, with its ``Timing`` where one was given
+        self._fastest: dict[tuple[str, str, str], tuple[float, Any]] = {}
 
     def known(self, key: tuple[str, str, str]) -> bool:
         """Whether a median of ``key`` was recorded."""
@@ -102,7 +102,7 @@ class TimingHistory:
         level-3 lanes: 28_VisionTransformer 13.3 ms seconds after 3.9 ms), which neither
         ``unsteady`` nor the running median (three evaluations needed) sees."""
         with self._lock:
-            fastest = self._fastest.get(key)
+            fastest = self._fastest[key][0] if key in self._fastest else None
         return slower(median_ms, fastest)
 
     def departure(self, key: tuple[str, str, str], median_ms: float, iqr_ms: float) -> Optional[str]:
@@ -123,17 +123,16 @@ class TimingHistory:
                 f"(spread {spread:.3g} ms)")
 
     def fastest_timing(self, key: tuple[str, str, str]) -> Any:
-        """The ``Timing`` of the fastest median recorded for ``key`` with its timing (None if none was)."""
+        """The ``Timing`` of the fastest median recorded for ``key`` (None where none was, or it was
+        recorded without its timing)."""
         with self._lock:
-            return self._fastest_timing.get(key)
+            return self._fastest[key][1] if key in self._fastest else None
 
     def add(self, key: tuple[str, str, str], median_ms: float, iqr_ms: float = 0.0, timing: Any = None) -> None:
         with self._lock:
             self._medians.setdefault(key, deque(maxlen=HISTORY)).append((median_ms, iqr_ms))
-            if median_ms > 0 and median_ms <= self._fastest.get(key, median_ms):
-                self._fastest[key] = median_ms
-                if timing is not None:
-                    self._fastest_timing[key] = timing
+            if median_ms > 0 and median_ms <= self._fastest.get(key, (median_ms, None))[0]:
+                self._fastest[key] = (median_ms, timing)
 
 
 class IdleWatch:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -381,14 +382,13 @@ def remeasured(correct: list[tuple[AttemptView, dict[str, Any]]], fb: Feedback) 
         return t.median_ms if t is not None and t.median_ms > 0 else None
 
     clean = [timed(a) for a, _ in correct if a.result.clean and timed(a) is not None]
-    count: dict[str, int] = {}
-    for a, _ in correct:
-        count[body_hash(a.source)] = count.get(body_hash(a.source), 0) + 1
+    hashes = {a.attempt_id: body_hash(a.source) for a, _ in correct}
+    count = Counter(hashes.values())
     for att, h in sorted(correct, key=lambda ah: timed(ah[0]) or float("inf")):
         kinds = {f.kind for f in att.result.flags if f.kind in DISQUALIFYING_FLAGS}
         t = timed(att)
-        if kinds != {FlagKind.contended} or t is None or count[body_hash(att.source)] > 1:
+        if kinds != {FlagKind.contended} or t is None or count[hashes[att.attempt_id]] > 1:
             continue
         if (att.result.speedup_eager or 0.0) >= 1.0 and (not clean or t < min(clean)):
-            fb.remeasure, fb.remeasure_attempt, fb.remeasure_hash = h, att.attempt_id, body_hash(att.source)
+            fb.remeasure, fb.remeasure_attempt, fb.remeasure_hash = h, att.attempt_id, hashes[att.attempt_id]
         return
