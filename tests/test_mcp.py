@@ -74,6 +74,12 @@ def _json(res) -> dict:
     return json.loads(res.content[0].text)
 
 
+def _judged(flags: list[dict]) -> list[dict]:
+    """The flags that judge the candidate: `contended` says how quiet the machine was while it was timed
+    (two measurements of one candidate may differ in it), so it is left out where verdicts are compared."""
+    return [f for f in flags if f["kind"] != "contended"]
+
+
 def _error(res) -> str:
     assert res.is_error, res.content[0].text[:500]
     return res.content[0].text
@@ -157,7 +163,8 @@ def test_an_agent_session_is_judged_stored_and_reported_as_eval_judges(tmp_path)
 
     assert out["cancelled"] and "evaluation of attempt 1 stopped" in (tmp_path / "server.err").read_text()
     h, c = out["honest"], out["cheat"]
-    assert h["status"] == "correct" and h["clean"] and h["flags"] == [], h
+    assert h["status"] == "correct" and _judged(h["flags"]) == [], h
+    assert h["clean"] is (h["flags"] == []), h
     assert h["speedup_eager"] > 0 and "speedup_compile" in h and h["speedup_compile"] is None     # --no-compile
     assert h["numerics"] == "fp32/default" and "medians of 3 timed runs" in h["convention"]
     assert h["floor_fraction"] is None or 0 < h["floor_fraction"] <= 1.5
@@ -172,7 +179,9 @@ def test_an_agent_session_is_judged_stored_and_reported_as_eval_judges(tmp_path)
     assert [p for p, _ in progress] == sorted(p for p, _ in progress)
     # history: this session's attempts, best (clean) first
     hist = out["history"]["attempts"]
-    assert [a["attempt_id"] for a in hist] == [h["attempt_id"], c["attempt_id"]] and hist[0]["clean"]
+    assert sorted(a["attempt_id"] for a in hist) == [h["attempt_id"], c["attempt_id"]]
+    if h["clean"]:      # a contended honest attempt is not clean, and then the faster of the two leads
+        assert [a["attempt_id"] for a in hist] == [h["attempt_id"], c["attempt_id"]] and hist[0]["clean"]
     assert [a["status"] for a in out["history_cancelled"]["attempts"]] == ["not evaluated (interrupted)"]
     assert out["baseline"]["in_this_session"][0]["eager_ms"] == h["eager_ms"]
 
@@ -224,7 +233,7 @@ def test_an_agent_session_is_judged_stored_and_reported_as_eval_judges(tmp_path)
     ev = runner.invoke(app, ["eval", TASK, str(cand), "--device", "cpu", *OPTIONS, "--json"])
     assert ev.exit_code == 0, ev.output
     data = json.loads(ev.output[ev.output.index("{"):])
-    assert data["status"] == c["status"] and data["flags"] == c["flags"]
+    assert data["status"] == c["status"] and _judged(data["flags"]) == _judged(c["flags"])
     assert data["config"]["numerics"]["precision"] == "fp32" and c["numerics"] == "fp32/default"
     assert _tagged(tag) == []
 
