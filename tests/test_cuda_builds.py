@@ -253,3 +253,32 @@ def test_unrolled_elman_loop_builds(sandbox):
     assert [g["kind"] for g in cand.choices["groups"]] == ["recurrent"]
     check = sandbox.build_only(spec, cand.source)
     assert check.ok, f"{check.status} {check.error_message}\n{(check.build.log if check.build else '')[-3000:]}"
+
+
+def test_masked_fill_chain_builds(sandbox):
+    """The bool-masked selection (``sub -> masked_fill -> exp`` of Mamba2's segment sum, the mask
+    converted to float32 on the host side) compiles: the fixture of tests/fixtures/builtin/segsum.py."""
+    from agent.builtin import generate
+
+    spec = read_spec(BUILTIN_FIXTURES / "segsum.py", name="fixtures/segsum")
+    cand = generate(spec, "cuda")
+    assert "masked_fill" in cand.covered_ops and ".to(torch.float32))" in cand.source     # the bool mask as 0/1
+    check = sandbox.build_only(spec, cand.source)
+    assert check.ok, f"{check.status} {check.error_message}\n{(check.build.log if check.build else '')[-3000:]}"
+
+
+@pytest.mark.kernelbench
+@pytest.mark.parametrize("task", ["29_SwinMLP", "48_Mamba2ReturnY", "49_Mamba2ReturnFinalState"])
+def test_meta_traced_level3_networks_build(sandbox, task):
+    """The level-3 networks only the meta tracer traces (trace._MetaShapeTracer) build as whole
+    candidates, host glue and kernels, at KernelBench's sizes."""
+    from agent.builtin import generate
+    from evals.kernelbench import kernelbench_root
+
+    if task.startswith("48_") or task.startswith("49_"):
+        pytest.importorskip("einops")
+    spec = read_spec(kernelbench_root() / "level3" / f"{task}.py", name=f"level3/{task}")
+    cand = generate(spec, "cuda")
+    assert cand.covered_ops, cand.choices
+    check = sandbox.build_only(spec, cand.source)
+    assert check.ok, f"{task}: {check.status} {check.error_message}\n{(check.build.log if check.build else '')[-3000:]}"
