@@ -6,6 +6,7 @@ device code compiles."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 
 from agent.builtin import generate
 from agent.builtin.codegen import Knobs, cuda_source_of
-from agent.builtin.kernels import NARROW_ENV, NARROW_MAX_ELEMENTS
+from agent.builtin.kernels import NARROW_ENV, NARROW_MAX_ELEMENTS, STATIC_VARIANTS_ENV
 from sandbox.tasks import read_spec
 
 FIXTURES = Path(__file__).parent / "fixtures" / "builtin"
@@ -61,6 +62,49 @@ def test_both_variants_device_code_compiles(tmp_path, monkeypatch, narrow, knobs
     monkeypatch.setenv(NARROW_ENV, narrow)
     cu = tmp_path / "kernels.cu"
     cu.write_text(cuda_source_of(generate(read_spec(NET, name="fixtures/graph_net"), "cuda", knobs).source))
+    done = subprocess.run([_nvcc(), "-O1", "-arch=sm_90a", "-std=c++17", "-c", str(cu), "-o", str(tmp_path / "k.o")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+REACH = FIXTURES / "reach_mix.py"       # a LayerNorm over 64, a sum over rows of 4096, a mean over a middle dim
+LEFT_OUT = "built for the task's sizes; these tensors need its {} kernel, which was not compiled"
+
+
+def test_norms_and_reductions_compile_only_the_kernels_their_sizes_pick(monkeypatch):
+    """``KernelGroup.reach``: the launch's choice, read at the task's sizes, decides which kernels
+    are compiled; the launch refuses with the reason where another would be needed; the split
+    kernels (long rows, few outputs) are left out only below the lengths that could pick them."""
+    cand = generate(read_spec(REACH, name="fixtures/reach_mix"), "cuda")
+    assert [g["kind"] for g in cand.choices["groups"]] == ["norm", "reduce", "reduce"]
+    cu = cuda_source_of(cand.source)
+    kernels = re.findall(r"__global__ void __launch_bounds__\(\d+\) (\w+)\(", cu)
+    assert kernels == ["kl_g0_warp", "kl_g1_block", "kl_g2_col"], kernels
+    norm, row_sum, col_mean = _block(cu, "kl_g0"), _block(cu, "kl_g1"), _block(cu, "kl_g2")
+    assert LEFT_OUT.format("block-per-row") in norm and "_part<" not in norm
+    assert LEFT_OUT.format("warp-per-row") in row_sum and LEFT_OUT.format("column") in row_sum
+    assert LEFT_OUT.format("warp-per-row") in col_mean and LEFT_OUT.format("block-per-row") in col_mean
+    monkeypatch.setenv(STATIC_VARIANTS_ENV, "0")
+    every = cuda_source_of(generate(read_spec(REACH, name="fixtures/reach_mix"), "cuda").source)
+    every_kernels = re.findall(r"__global__ void __launch_bounds__\(\d+\) (\w+)\(", every)
+    assert {"kl_g0_block", "kl_g0_warp", "kl_g1_warp", "kl_g1_col", "kl_g2_block"} <= set(every_kernels)
+    assert "which was not compiled" not in every
+
+
+def test_long_rows_keep_the_split_kernels_the_gpu_may_pick():
+    """Rows of 16384 or more may go to the split statistics where the rows are fewer than the SMs
+    (read from the GPU at launch): they stay compiled, beside the block per row."""
+    cand = generate(read_spec(FIXTURES / "norm_split.py", name="fixtures/norm_split"), "cuda")
+    cu = cuda_source_of(cand.source)
+    assert "_part<int><<<" in cu and "_block<int><<<" in cu and "warp-per-row kernel, which was not compiled" in cu
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="needs nvcc (CUDA_HOME/bin/nvcc)")
+@pytest.mark.parametrize("static", ["1", "0"])
+def test_static_variants_device_code_compiles(tmp_path, monkeypatch, static):
+    monkeypatch.setenv(STATIC_VARIANTS_ENV, static)
+    cu = tmp_path / "kernels.cu"
+    cu.write_text(cuda_source_of(generate(read_spec(REACH, name="fixtures/reach_mix"), "cuda").source))
     done = subprocess.run([_nvcc(), "-O1", "-arch=sm_90a", "-std=c++17", "-c", str(cu), "-o", str(tmp_path / "k.o")],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -15,7 +15,8 @@ from agent.builtin import graphed, pysource
 from agent.builtin.conv import rendered_tile, shared_floats, tile_shape
 from agent.builtin.dtypes import at_type, c_type
 from agent.builtin.gemm import TcGemm, tc3_gemms
-from agent.builtin.kernels import LANES, NARROW_MAX_ELEMENTS, KernelGroup, narrow_indices_on, split_reduce_on
+from agent.builtin.kernels import (LANES, NARROW_MAX_ELEMENTS, LAUNCH_VARIANTS, KernelGroup, narrow_indices_on,
+                                   split_reduce_on, static_variants_on)
 from agent.builtin.layout import forward_statement, uses_to_channels_last
 from agent.builtin.c_expr import c_float
 from agent.builtin.plan import Plan
@@ -142,8 +143,16 @@ class GroupCode:
                         chunk=self.knobs.block * 32, tile=max(self.knobs.block // 4, 16),
                         pool=kg.core_info.params if kg.kind == "pool" else None,
                         conv=self._conv_ctx() if kg.kind == "conv" else None,
-                        narrow=self.narrow)
+                        narrow=self.narrow, reach=self.reach)
         return source if self.device == "cuda" else cpu_math(source)
+
+    @property
+    def reach(self) -> dict[str, bool]:
+        """The norm or reduction kernels compiled (``KernelGroup.reach``): those the launch can pick at
+        the task's sizes where the group is built for them (``narrow``), every one elsewhere."""
+        if self.narrow and static_variants_on():
+            return self.kg.reach()
+        return dict.fromkeys(LAUNCH_VARIANTS, True)
 
     @property
     def narrow(self) -> bool:

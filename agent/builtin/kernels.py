@@ -53,6 +53,19 @@ def narrow_indices_on() -> bool:
     return os.environ.get(NARROW_ENV, "1") != "0"
 
 
+STATIC_VARIANTS_ENV = "KERNELLOOP_CUDA_STATIC_VARIANTS"
+LAUNCH_VARIANTS = ("block", "warp", "cols", "split")
+
+
+def static_variants_on() -> bool:
+    """Whether a CUDA norm or reduction group built for the task's sizes (32-bit indices only)
+    compiles only the kernels its launch can pick at those sizes (``KernelGroup.reach``): the launch
+    chooses among a block per row, a warp per row, column kernels and split ones by the sizes, and the
+    others were compiled never to run. A launch that would need one left out refuses with the reason.
+    On by default; ``KERNELLOOP_CUDA_STATIC_VARIANTS=0`` compiles every one."""
+    return os.environ.get(STATIC_VARIANTS_ENV, "1") != "0"
+
+
 def split_reduce_on() -> bool:
     """Whether long reductions with few outputs are split over several blocks on cuda, each block
     a chunk, its partial results merged in chunk order by a second kernel:
@@ -287,6 +300,50 @@ class KernelGroup:
         if any(sh is None for sh in shapes):
             return None
         return max(_numel(sh) for sh in shapes)
+
+    def reach(self) -> dict[str, bool]:
+        """Which of a norm's or a reduction's CUDA kernels (``LAUNCH_VARIANTS``) its launch can pick at
+        the task's sizes (every one for other groups and unknown sizes)."""
+        sp = self.p_shape
+        if self.kind not in ("norm", "reduce") or sp is None or any(not isinstance(d, int) for d in sp):
+            return dict.fromkeys(LAUNCH_VARIANTS, True)
+        return self._norm_reach(sp) if self.kind == "norm" else self._reduce_reach(sp)
+
+    def _reduce_reach(self, sp) -> dict[str, bool]:
+        """``cuda_reduce.cu.j2``'s launch, read at the task's sizes (outer x R x inner around the
+        reduced dims): rows of R contiguous elements (inner 1, R >= 32) go to a warp per row (with
+        its in-register variant) up to 1024 and to a block per row past it; other shapes to the
+        column kernel, and where R >= 4096 to the split column kernels (when outputs are fewer than
+        the SMs hold, which the launch reads from the GPU: kept for any GPU)."""
+        dims = self.core_info.params.get("dims")
+        if not dims:
+            return dict.fromkeys(LAUNCH_VARIANTS, True)
+        d0, d1 = dims[0], dims[-1]
+        reduced, inner = _numel(sp[d0:d1 + 1]), _numel(sp[d1 + 1:])
+        rows = inner == 1 and reduced >= 32
+        return {"block": rows and reduced > 1024, "warp": rows and reduced <= 1024, "cols": not rows,
+                "split": not rows and reduced >= 4096}
+
+    def _norm_reach(self, sp) -> dict[str, bool]:
+        """``cuda_norm.cu.j2``'s launch, read at the task's sizes: the row length ``L`` (layer norm: the
+        normalised dims; group norm: a group's channels x spatial; instance norm: the spatial size;
+        batch norm: batch x spatial) picks a warp per row (``L <= 1024``) or a block per row; the
+        split statistics run only where ``L >= 16384`` (and rows are fewer than the SMs, which the
+        launch reads from the GPU: kept for any GPU); BatchNorm over a spatial size of 1 with more
+        than one row in the batch takes the column tiles, the only path there below 16384."""
+        p, rank = self.core_info.params, len(sp)
+        if self.op == "layer_norm":
+            n_batch, spatial, length = 0, 0, _numel(sp[rank - p["nd"]:])
+        else:
+            n_batch, spatial = sp[0], _numel(sp[2:])
+            length = {"group_norm": sp[1] // max(p.get("groups", 1), 1) * spatial, "instance_norm": spatial,
+                      "batch_norm": n_batch * spatial}.get(self.op)
+            if length is None:
+                return dict.fromkeys(LAUNCH_VARIANTS, True)
+        cols = self.op == "batch_norm" and spatial == 1 and n_batch > 1
+        split = length >= 16384
+        rows = not cols or split         # the column tiles take every launch below 16384
+        return {"block": rows and length > 1024, "warp": rows and length <= 1024, "cols": cols, "split": split}
 
     @property
     def dtypes(self) -> set:
