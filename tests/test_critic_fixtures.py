@@ -89,7 +89,16 @@ class Evaluations:
                                source=parsed.source, result=None, parse_error=parsed.error)
         if name not in self.results:
             spec = task_spec(fx, self.device)
-            self.results[name] = self.sandbox().evaluate(spec, source)
+            result = self.sandbox().evaluate(spec, source)
+            # A correct candidate flagged `contended` was timed on a disturbed machine (CI's 2 cores
+            # run a llama.cpp server beside the suite): it has no clean verdict, so no "best" or
+            # "faster" finding. Measured again, as the builtin proposer does (feedback.remeasured),
+            # up to twice; the build is cached.
+            for _ in range(2):
+                if not (result.status.value == "correct" and result.has_flag("contended")):
+                    break
+                result = self.sandbox().evaluate(spec, source)
+            self.results[name] = result
         return AttemptView(attempt_id=attempt_id, round=1, sample=attempt_id, parse_status="ok", source=source,
                            result=self.results[name], evaluation_id=1000 + attempt_id)
 
