@@ -18,6 +18,14 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "triton: needs the triton package (the `test` extra installs it)")
     config.addinivalue_line("markers", "kernelbench: reads the real KernelBench checkout (KERNELLOOP_KERNELBENCH or "
                                        "../shared/KernelBench); skipped where it is missing, failed where CI is set")
+    # The tests' own process computes with one intra-op thread, as the sandbox's CPU workers time
+    # (sandbox.slots.cpu_timing_threads): beside the real-server tests' llama.cpp server (one
+    # thread, nice 10) torch's two OpenMP threads waited on each other, and the level-3 replay tests
+    # of test_builtin_replay.py took 103-200 s each against 4.5-5.7 s with one thread (2026-11-28,
+    # the server running beside both). Workers and child processes set their own counts.
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def triton_missing() -> str | None:
