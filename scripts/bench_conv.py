@@ -154,6 +154,8 @@ def bench(path: Path, extra: dict[str, Path], warmup: int, reps: int, prof: bool
         xs = make_inputs(task, 2, "cuda", num)
         want = ref(*xs)
         row["ms"]["eager"] = _time(ref, xs, warmup, reps)
+        if prof:
+            _profile("eager", ref, xs)
         comp = torch.compile(make_model(task.Model, task, 1, "cuda", num))
         row["ms"]["compile"] = _time(comp, xs, warmup, reps)
         if prof:
@@ -165,7 +167,7 @@ def bench(path: Path, extra: dict[str, Path], warmup: int, reps: int, prof: bool
                 row["err"][label] = float((got.float() - want.float()).abs().max())
                 row["ok"][label] = bool(torch.allclose(got.float(), want.float(), atol=1e-2, rtol=1e-2))
                 row["ms"][label] = _time(model, xs, warmup, reps)
-                if prof and label == "nhwc":
+                if prof:
                     _profile(label, model, xs)
             except Exception as exc:  # noqa: BLE001
                 row["err"][label] = f"{type(exc).__name__}: {str(exc)[-300:]}"
@@ -183,7 +185,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--profile", action="append", default=[], help="a task whose GPU kernels to list (compile, nhwc)")
+    ap.add_argument("--profile", action="append", default=[], help="a task whose GPU kernels to list (eager, compile, each candidate); 'all': every task")
     a = ap.parse_args()
     kb = Path(a.kb)
     extra = {s.split("=", 1)[0]: Path(s.split("=", 1)[1]) for s in a.sources}
@@ -204,7 +206,7 @@ def main() -> int:
           f"(cuDNN TF32 {torch.backends.cudnn.allow_tf32}); ms = median of {a.reps} CUDA-event timings")
     rows = []
     for p in paths:
-        row = bench(p, extra, a.warmup, a.reps, p.stem in a.profile, layouts)
+        row = bench(p, extra, a.warmup, a.reps, p.stem in a.profile or "all" in a.profile, layouts)
         rows.append(row)
         ms = row["ms"]
         parts = [f"eager {ms['eager']:.3f}", f"compile {ms['compile']:.3f}"]
