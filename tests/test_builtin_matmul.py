@@ -61,11 +61,15 @@ def test_the_rule():
     assert not tc3_worthwhile("cuda", 16384, 4096, 512)                     # K too short
     assert not tc3_worthwhile("cuda", 10 ** 6, 255, 4096)                   # N too narrow
     assert not tc3_worthwhile("cuda", 2 ** 33 // (256 * 1024) - 1, 256, 1024)   # too small overall
-    # 1_MLP at KernelBench's sizes: 128 rows; the split of a 16384x16384 weight costs as much as
-    # the GEMM (the candidate ran 0.66x eager): cuBLAS's SGEMM stays
+    # 1_MLP at KernelBench's sizes: 128 rows; splitting a 16384x16384 weight on every call costs as
+    # much as the GEMM (the candidate ran 0.66x eager): cuBLAS's SGEMM stays, unless the weight is an
+    # nn.Linear's, whose split is kept across calls
     assert not tc3_worthwhile("cuda", 128, 16384, 16384)
     assert not tc3_worthwhile("cuda", 1023, 16384, 16384) and tc3_worthwhile("cuda", 1024, 16384, 16384)
     assert tc3_worthwhile("cuda", 1024, 8192, 8192)                            # the level-2 GEMMs of 1024 rows
+    assert tc3_worthwhile("cuda", 128, 16384, 16384, cached_weight=True)
+    assert not tc3_worthwhile("cuda", 127, 16384, 16384, cached_weight=True)
+    assert not tc3_worthwhile("cpu", 1024, 16384, 16384, cached_weight=True)
 
 
 def test_nn_linear_runs_split_tf32_by_default_on_cuda():
@@ -74,7 +78,7 @@ def test_nn_linear_runs_split_tf32_by_default_on_cuda():
     src = cand.source
     assert cand.choices["knobs"]["matmul"] == "tc3" and cand.choices["tc3"] == ["linear"]
     assert parse_header(src) == cand.choices
-    assert "v_linear = _ext.kl_tc_linear(x, self.linear.weight, self.linear.bias)" in src
+    assert "v_linear = _ext.kl_tc_linear(x, self.linear.weight, self.linear.bias, True)" in src
     assert re.search(r"# linear: .*split-TF32 tensor-core GEMMs, K-chunked accumulation", _forward(src))
     assert "self.linear(" not in _forward(src)
     doc = src.split('"""')[1]
@@ -110,7 +114,7 @@ def test_only_the_wide_linear_of_two_qualifies():
     cand = generate(spec, "cuda")
     assert cand.choices["tc3"] == ["linear1"]                     # N = 4096; linear2 has N = 16
     fwd = _forward(cand.source)
-    assert "_ext.kl_tc_linear(x, self.linear1.weight, self.linear1.bias)" in fwd
+    assert "_ext.kl_tc_linear(x, self.linear1.weight, self.linear1.bias, True)" in fwd
     assert "v_linear2 = self.linear2(" in fwd
     assert "Library operators kept on PyTorch: linear2." in cand.source
 
@@ -170,9 +174,9 @@ def test_linear_without_bias_and_functional_linear(tmp_path):
     cand = generate(spec, "cuda")
     fwd = _forward(cand.source)
     assert cand.choices["tc3"] == ["nobias", "linear", "linear_1"]
-    assert "v_nobias = _ext.kl_tc_linear(x, self.nobias.weight, None)" in fwd     # M = 16 * 512
-    assert "v_linear = _ext.kl_tc_linear(v_nobias, v_w, v_b)" in fwd
-    assert re.search(r"v_linear_1 = _ext\.kl_tc_linear\(v_relu, v_v, None\)", fwd)
+    assert "v_nobias = _ext.kl_tc_linear(x, self.nobias.weight, None, True)" in fwd     # M = 16 * 512: its split kept
+    assert "v_linear = _ext.kl_tc_linear(v_nobias, v_w, v_b, False)" in fwd   # F.linear: split every call
+    assert re.search(r"v_linear_1 = _ext\.kl_tc_linear\(v_relu, v_v, None, False\)", fwd)
 
 
 def test_a_candidate_whose_only_code_is_the_gemm_builds_an_extension():
@@ -383,31 +387,119 @@ def test_kl_tc_linear_is_as_accurate_as_fp32_linear():
         w = torch.randn(N, K, device="cuda", generator=g) / K ** 0.5
         b = torch.randn(N, device="cuda", generator=g)
         ref = F.linear(x.double(), w.double(), b.double())
-        ours = ext.kl_tc_linear(x, w, b)
+        ours = ext.kl_tc_linear(x, w, b, False)
         assert torch.backends.cuda.matmul.allow_tf32 is False
         theirs = F.linear(x, w, b)
         assert ours.shape == theirs.shape and ours.dtype == torch.float32
         e_ours, e_theirs = _rel_rms(ours, ref), _rel_rms(theirs, ref)
         assert e_ours <= 2 * e_theirs + 4 * torch.finfo(torch.float32).eps, (e_ours, e_theirs)
         torch.backends.cuda.matmul.allow_tf32 = True
-        ext.kl_tc_linear(x, w, b)
+        ext.kl_tc_linear(x, w, b, False)
         assert torch.backends.cuda.matmul.allow_tf32 is True
         torch.backends.cuda.matmul.allow_tf32 = False
         with pytest.raises(RuntimeError):
-            ext.kl_tc_linear(x, w[:, :-1], b)
+            ext.kl_tc_linear(x, w[:, :-1], b, False)
         assert torch.backends.cuda.matmul.allow_tf32 is False
         # an odd K (no float4 path), a 3-D input, no bias
         x3 = torch.randn(3, 500, 1030, device="cuda", generator=g)
         w3 = torch.randn(300, 1030, device="cuda", generator=g) / 1030 ** 0.5
         ref3 = F.linear(x3.double(), w3.double())
-        assert _rel_rms(ext.kl_tc_linear(x3, w3, None), ref3) <= 2 * _rel_rms(F.linear(x3, w3), ref3) + 1e-7
+        assert _rel_rms(ext.kl_tc_linear(x3, w3, None, False), ref3) <= 2 * _rel_rms(F.linear(x3, w3), ref3) + 1e-7
         # Inf and NaN reach the output where the reference has them
         xs = x[:64].clone()
         xs[3, 7], xs[5, 9] = float("inf"), float("nan")
-        torch.testing.assert_close(ext.kl_tc_linear(xs, w, b), F.linear(xs, w, b), equal_nan=True,
+        torch.testing.assert_close(ext.kl_tc_linear(xs, w, b, False), F.linear(xs, w, b), equal_nan=True,
                                    atol=1e-4, rtol=1e-4)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.mark.gpu
+def test_kl_tc_linear_keeps_a_weights_split_only_while_the_weight_is_unchanged():
+    """The split of an nn.Linear's weight is kept from call to call (a second call gives the same
+    bits) and made again when the weight changes: written in place (its version counter), replaced
+    by another tensor, or freed and its memory given to a new one."""
+    import torch.nn.functional as F
+
+    spec = _spec(GEMM_TANH_MAX)
+    ns: dict = {"__name__": "kl_candidate"}
+    exec(compile(generate(spec, "cuda").source, "candidate.py", "exec"), ns)
+    ext = ns["_ext"]
+    g = torch.Generator(device="cuda").manual_seed(2)
+    M, N, K = 256, 2048, 1024
+    x = torch.randn(M, K, device="cuda", generator=g)
+    b = torch.randn(N, device="cuda", generator=g)
+    lin = torch.nn.Linear(K, N, device="cuda")
+
+    def close(y, w):
+        torch.testing.assert_close(y, F.linear(x, w, b), atol=1e-3, rtol=1e-3)
+
+    with torch.no_grad():
+        first = ext.kl_tc_linear(x, lin.weight, b, True)
+        close(first, lin.weight)
+        assert torch.equal(ext.kl_tc_linear(x, lin.weight, b, True), first)
+        lin.weight.mul_(-2.0)                                  # in place: a new version
+        close(ext.kl_tc_linear(x, lin.weight, b, True), lin.weight)
+        lin.weight = torch.nn.Parameter(torch.randn(N, K, device="cuda", generator=g) / K ** 0.5)
+        close(ext.kl_tc_linear(x, lin.weight, b, True), lin.weight)
+        for _ in range(3):                                     # freed weights, their memory reused
+            w = torch.randn(N, K, device="cuda", generator=g) / K ** 0.5
+            close(ext.kl_tc_linear(x, w, b, True), w)
+            del w
+
+
+SMALL_ROWS_MLP = '''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4096, 8192), nn.ReLU(), nn.Linear(8192, 4096), nn.ReLU())
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def get_inputs():
+    return [torch.randn(256, 4096)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+
+def test_linear_weights_of_few_rows_keep_their_split_and_a_graph_watches_them(tmp_path):
+    """256 rows qualify where the weight is an nn.Linear's (its split kept); the graphed forward is
+    handed those weights, so that one written in place drops the graphs captured with its old split."""
+    path = tmp_path / "small_rows_mlp.py"
+    path.write_text(SMALL_ROWS_MLP)
+    cand = generate(read_spec(path, name="fixtures/small_rows_mlp"), "cuda")
+    assert cand.choices["tc3"] == ["net_0", "net_2"]
+    fwd = _forward(cand.source)
+    assert "_ext.kl_tc_linear(x, self.net[0].weight, self.net[0].bias, True)" in fwd
+    assert "return _kl_graphed(self, self._kl_forward, (x,), (self.net[0].weight, self.net[2].weight))" in fwd
+
+
+@pytest.mark.gpu
+def test_a_graphed_forward_follows_a_kept_weight_written_in_place(tmp_path):
+    path = tmp_path / "small_rows_mlp.py"
+    path.write_text(SMALL_ROWS_MLP)
+    cand = generate(read_spec(path, name="fixtures/small_rows_mlp"), "cuda")
+    ns: dict = {"__name__": "kl_candidate"}
+    exec(compile(cand.source, "candidate.py", "exec"), ns)
+    torch.manual_seed(0)
+    model = ns["ModelNew"]().cuda()
+    x = torch.randn(256, 4096, device="cuda")
+    with torch.no_grad():
+        for step in range(3):
+            for _ in range(2):                       # captured, then replayed
+                torch.testing.assert_close(model(x), model.net(x), atol=1e-3, rtol=1e-3)
+            model.net[2 * (step % 2)].weight.mul_(-0.5)
+    graphs = model.__dict__.get("_kl_graphs") or {}
+    assert graphs and all(not isinstance(e, str) for e in graphs.values()), graphs    # replayed, not eager
 
 
 @pytest.mark.gpu

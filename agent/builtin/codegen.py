@@ -423,7 +423,8 @@ def render_candidate(traced: Traced, plan: Plan, kgroups: list[KernelGroup], dev
     graph_ok = graphed.offered(traced, plan.infos, {n for c in codes for n in c.kg.nodes}, len(codes), device)
     graph = graph_ok and knobs.graph == "replay"
     if graph:
-        forward = graphed.wrap_forward(forward, [n for n in traced.gm.graph.nodes if n.op == "placeholder"])
+        forward = graphed.wrap_forward(forward, [n for n in traced.gm.graph.nodes if n.op == "placeholder"],
+                                       [g.kept for g in tc if g.kept])
     if init:
         forward = "\n".join(["    def __init__(self, *args, **kwargs):", *("        " + line for line in init),
                               "", forward])

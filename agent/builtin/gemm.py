@@ -12,8 +12,9 @@ part (big = 0), so that they meet only the other operand's big part, which carri
 value's sign: an Inf in x gives +-Inf as in the reference, not Inf - Inf = NaN. Each chunk's tensor-core result is added
 into ``y`` by cuBLAS's float32 epilogue with round-to-nearest, so the tensor cores' truncating
 accumulation never runs over more than 256 products. The generated candidate calls
-``_ext.kl_tc_linear(x, weight, bias)`` / ``_ext.kl_tc_matmul(a, b)`` (``templates/tc_gemm.cpp.j2``
-and the split kernel in ``templates/cuda_tc.cu.j2``); ``matmul="ieee"`` keeps PyTorch's own
+``_ext.kl_tc_linear(x, weight, bias, keep_split)`` / ``_ext.kl_tc_matmul(a, b)`` (``templates/tc_gemm.cpp.j2``
+and the split kernel in ``templates/cuda_tc.cu.j2``; ``kl_tc_linear`` keeps each weight's split
+until that weight changes); ``matmul="ieee"`` keeps PyTorch's own
 float32 call. Only ``cuda`` uses it, and only under the ``fp32`` precision: under ``fp16`` and
 ``bf16`` the model's GEMMs are half-precision GEMMs and stay on PyTorch as they are.
 """
@@ -43,11 +44,20 @@ TC3_MIN_MNK = 2 ** 33
 # rows and the same N and K, then below the bound, stayed at cuBLAS's 1.00x: at half the rows
 # the weight's split is 2x as large a share (about 0.16 ms of 1.3 ms), so 1024 rows qualify.
 TC3_MIN_M = 1024
+# An nn.Linear's weight is split once and kept (``kl_tc_linear``'s cache in templates/tc_gemm.cpp.j2,
+# re-split when the parameter changes: another tensor, another address, or its version counter
+# bumped by an in-place write), so a call pays for the input's split and the GEMMs only. Its
+# GEMMs then read the weight three times over (the K' = 2K GEMM reads both halves, the chunks
+# the big half again) where SGEMM reads it once but runs at float32's rate: for N = K = 16384 the
+# three reads are about 0.7 ms on an H200 at 4.8 TB/s, SGEMM about 0.011 ms a row (1_MLP's 128 rows:
+# about 1.4 ms), so they cross near 64 rows; 128 rows keeps a margin (an estimate from the
+# GPU's rates, measured on level3/1-3 in session z's run).
+TC3_MIN_M_CACHED = 128
 _MATMUL_FUNCTIONS = (torch.matmul, torch.mm, operator.matmul)
 _MATMUL_METHODS = ("matmul", "mm")
 
 
-def tc3_worthwhile(device: str, m: int, n: int, k: int) -> bool:
+def tc3_worthwhile(device: str, m: int, n: int, k: int, cached_weight: bool = False) -> bool:
     """Whether an [M, K] x [K, N] float32 GEMM runs as split-TF32 GEMMs (``tc3``).
 
     Measured on an H200 against a float64 result: for 8192x4096x4096 (M x N x K) cuBLAS's fp32
@@ -58,8 +68,10 @@ def tc3_worthwhile(device: str, m: int, n: int, k: int) -> bool:
     memory traffic; a bmm with K=128 was slower (bmm is never offered). So only large GEMMs with
     a long K (enough 256-chunks to amortise the calls) and a wide N: K >= 1024, N >= 256 and
     M*N*K >= 2^33, on cuda only; and enough rows to amortise splitting the weight: M >= 1024
-    (``TC3_MIN_M``)."""
-    return (device == "cuda" and m >= TC3_MIN_M and k >= TC3_MIN_K and n >= TC3_MIN_N
+    (``TC3_MIN_M``), or ``TC3_MIN_M_CACHED`` where the weight is an ``nn.Linear``'s, whose split is
+    kept across calls (``cached_weight``)."""
+    rows = TC3_MIN_M_CACHED if cached_weight else TC3_MIN_M
+    return (device == "cuda" and m >= rows and k >= TC3_MIN_K and n >= TC3_MIN_N
             and m * n * k >= TC3_MIN_MNK)
 
 
@@ -72,14 +84,16 @@ class TcGemm:
     m: int
     n: int
     k: int
+    kept: Optional[str] = None   # the weight whose split kl_tc_linear keeps across calls (an nn.Linear's)
 
     def statement(self) -> str:
         from agent.builtin.pysource import var
         return f"{var(self.node)} = _ext.{self.fn}({', '.join(self.args)})"
 
     def comment(self) -> str:
+        kept = "; the weight's split kept while the weight is unchanged" if self.kept else ""
         return (f"# {self.node.name}: [{self.m}x{self.k}] x [{self.k}x{self.n}] float32 GEMM as split-TF32 "
-                f"tensor-core GEMMs, K-chunked accumulation ({self.fn}; fp32-accurate)")
+                f"tensor-core GEMMs, K-chunked accumulation ({self.fn}; fp32-accurate{kept})")
 
 
 def _f32_2d(node: Any) -> Optional[tuple[int, int]]:
@@ -131,7 +145,11 @@ def tc3_gemm(node: Node, info: OpInfo, modules: dict[str, nn.Module], device: st
         n = int(w.shape[0])
         path = attr_path(str(node.target))
         bias = f"{path}.bias" if mod.bias is not None else "None"
-        return _if_worthwhile(node, "kl_tc_linear", [fmt(x), f"{path}.weight", bias], m, n, k, device)
+        g = _if_worthwhile(node, "kl_tc_linear", [fmt(x), f"{path}.weight", bias, "True"], m, n, k, device,
+                           cached_weight=True)
+        if g is not None:
+            g.kept = f"{path}.weight"
+        return g
     if node.op == "call_function" and node.target is F.linear:
         if set(node.kwargs) - {"input", "weight", "bias"} or len(node.args) > 3:
             return None
@@ -144,7 +162,7 @@ def tc3_gemm(node: Node, info: OpInfo, modules: dict[str, nn.Module], device: st
             tb = tensor_meta(b)
             if tb is None or tb.dtype != torch.float32 or tuple(int(s) for s in tb.shape) != (nk[0],):
                 return None
-        return _if_worthwhile(node, "kl_tc_linear", [fmt(x), fmt(w), fmt(b)], mk[0], nk[0], mk[1], device)
+        return _if_worthwhile(node, "kl_tc_linear", [fmt(x), fmt(w), fmt(b), "False"], mk[0], nk[0], mk[1], device)
     is_fn = node.op == "call_function" and node.target in _MATMUL_FUNCTIONS
     is_method = node.op == "call_method" and node.target in _MATMUL_METHODS
     if (is_fn or is_method) and len(node.args) == 2 and not node.kwargs:
@@ -161,8 +179,9 @@ def _out_f32(node: Node) -> bool:
     return tm is not None and tm.dtype == torch.float32
 
 
-def _if_worthwhile(node: Node, fn: str, args: list[str], m: int, n: int, k: int, device: str) -> Optional[TcGemm]:
-    return TcGemm(node, fn, args, m, n, k) if tc3_worthwhile(device, m, n, k) else None
+def _if_worthwhile(node: Node, fn: str, args: list[str], m: int, n: int, k: int, device: str,
+                   cached_weight: bool = False) -> Optional[TcGemm]:
+    return TcGemm(node, fn, args, m, n, k) if tc3_worthwhile(device, m, n, k, cached_weight) else None
 
 
 def tc3_gemms(infos: dict[Node, OpInfo], modules: dict[str, nn.Module], device: str,

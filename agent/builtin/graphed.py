@@ -129,13 +129,16 @@ def offered(traced: Any, infos: dict[Node, OpInfo], grouped: set[Node], kernels:
     return n >= MIN_LAUNCHES and io_bytes(nodes) <= n * MAX_IO_BYTES_PER_LAUNCH
 
 
-def wrap_forward(forward: str, placeholders: Sequence[Node]) -> str:
+def wrap_forward(forward: str, placeholders: Sequence[Node], kept: Sequence[str] = ()) -> str:
     """The candidate's ``forward`` (``codegen.emit_forward``'s text) renamed ``_kl_forward``, and a
-    ``forward`` of the same signature that replays it from a graph (``_kl_graphed``)."""
+    ``forward`` of the same signature that replays it from a graph (``_kl_graphed``). ``kept``: the
+    weights whose split-TF32 split the extension keeps (``gemm.TcGemm.kept``); a graph captured
+    before one of them changed would replay the old split, so a change drops the graphs."""
     head, _, rest = forward.partition("\n")
     assert head.startswith("    def forward("), head
     names = [str(p.target) for p in placeholders]
     args = "(" + ", ".join(names) + ("," if len(names) == 1 else "") + ")"
+    extra = (", (" + ", ".join(kept) + ("," if len(kept) == 1 else "") + ")") if kept else ""
     return "\n".join([
         head.replace("def forward(", "def _kl_forward(", 1),
         rest,
@@ -143,5 +146,5 @@ def wrap_forward(forward: str, placeholders: Sequence[Node]) -> str:
         head,
         "        # the forward above, replayed from a CUDA graph (graphed.py): one launch, inputs copied in,",
         "        # outputs cloned; the eager forward where a graph cannot be right",
-        f"        return _kl_graphed(self, self._kl_forward, {args})",
+        f"        return _kl_graphed(self, self._kl_forward, {args}{extra})",
     ])
