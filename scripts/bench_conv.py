@@ -155,6 +155,7 @@ def bench(path: Path, extra: dict[str, Path], warmup: int, reps: int, prof: bool
         want = ref(*xs)
         row["ms"]["eager"] = _time(ref, xs, warmup, reps)
         if prof:
+            print(f"{path.stem} (its profiles; its times follow):", flush=True)
             _profile("eager", ref, xs)
         comp = torch.compile(make_model(task.Model, task, 1, "cuda", num))
         row["ms"]["compile"] = _time(comp, xs, warmup, reps)

@@ -427,6 +427,23 @@ def test_swin_mlp_is_traced_as_the_cpu_builds_it():
 
 @pytest.mark.kernelbench
 @pytest.mark.skipif(not (KERNELBENCH / "level3").is_dir(), reason="../shared/KernelBench is not present")
+def test_swin_v2_is_traced_with_its_forward_built_constants_and_masks():
+    """level3/30_SwinTransformerV2: its ``__init__`` calls ``.item()`` (no meta model), so the meta
+    tracer traces a meta copy of the CPU-built model; the ``torch.tensor(1. / 0.01)`` its attention
+    builds in the forward is the real model's constant too, and the masks it computes from its
+    buffers are computed in the graph (both untraceable before: session z's level-3 run)."""
+    from agent.builtin.trace import trace_task
+
+    spec = read_spec(KERNELBENCH / "level3" / "30_SwinTransformerV2.py", name="level3/30_SwinTransformerV2")
+    traced = trace_task(spec, "cuda")
+    assert traced.ok and traced.how == "cpu", traced.error
+    assert all(not v.is_meta for v in traced.constants.values())
+    ops = {op for g in generate(spec, "cuda").choices["groups"] for op in g["ops"]}
+    assert {"layer_norm", "gelu", "add", "softmax"} <= ops, ops
+
+
+@pytest.mark.kernelbench
+@pytest.mark.skipif(not (KERNELBENCH / "level3").is_dir(), reason="../shared/KernelBench is not present")
 @pytest.mark.parametrize("task", ["48_Mamba2ReturnY", "49_Mamba2ReturnFinalState"])
 def test_mamba2_is_traced_with_its_einops_calls_as_leaves(task):
     pytest.importorskip("einops", reason="KernelBench's Mamba2 tasks import einops")

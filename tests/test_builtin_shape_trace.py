@@ -315,3 +315,47 @@ def test_control_flow_over_a_comparison_of_devices_is_answered_as_the_harness_ru
     new = ns["ModelNew"]()
     x = torch.randn(3, 4, 5)
     torch.testing.assert_close(new(x), ref(x))
+
+
+META_CONSTANTS = '''
+import torch
+import torch.nn as nn
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.n = int(torch.tensor(4).item())          # no meta model: the CPU way's meta tracer traces a copy
+        self.scale = nn.Parameter(torch.linspace(0.5, 6.0, self.n))
+        self.register_buffer("mask", torch.tril(torch.ones(self.n, self.n)))
+
+    def forward(self, x):
+        y = torch.relu(x @ x.transpose(-1, -2))
+        if y.shape[-1] != self.n:                     # a computed tensor's shape: only the meta tracer answers
+            raise ValueError("unexpected shape")
+        s = torch.clamp(self.scale, max=torch.log(torch.tensor(1.0 / 0.01)))    # a tensor built in the forward
+        bias = self.mask.masked_fill(self.mask == 0, -1.0)                       # computed from a buffer
+        return torch.tanh(y * s + bias)
+
+def get_inputs():
+    return [torch.randn(3, 4, 5)]
+
+def get_init_inputs():
+    return []
+'''
+
+
+def test_the_meta_tracers_constants_and_buffer_values_reach_the_real_model(tmp_path):
+    """level3/30_SwinTransformerV2 was untraceable: the meta tracer traced a meta copy of the model,
+    the tensor its forward built (``torch.tensor(1. / 0.01)``) stayed on that copy as the tracer's
+    ``_tensor_constant0`` ("'Model' object has no attribute '_tensor_constant0'"), and a value
+    computed from a buffer was frozen into the graph as a meta tensor. Now the constant is the real
+    model's too and the buffer is a node of the graph: the candidate replays correctly."""
+    spec = _inline(META_CONSTANTS, "meta_constants", tmp_path)
+    traced = trace_task(spec, "cpu")
+    assert traced.ok and traced.how == "cpu", traced.error
+    assert traced.shapes == {"x": (3, 4, 5)}
+    targets = {str(n.target) for n in traced.gm.graph.nodes if n.op == "get_attr"}
+    assert "mask" in targets and any(t.startswith("_tensor_constant") for t in targets), targets
+    assert all(not v.is_meta for v in traced.constants.values()) and traced.constants
+    verdict = replay_verdict(spec)
+    assert verdict.ran and not verdict.semantic and not verdict.unverifiable, verdict.notes

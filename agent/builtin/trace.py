@@ -246,6 +246,8 @@ def _symbolic_trace(model: nn.Module, inputs: list) -> tuple[GraphModule, dict[s
         # assignments left proxies on the model
         rebinds = _rebound(target, saved)
         _restore_module_state(target, saved)
+        if target is not model:
+            _adopt_constants(target, model, saved)
         gm = _forward_names(GraphModule(model, graph, type(model).__name__), concrete)
         used = tracer.used if isinstance(tracer, (_ShapeTracer, _MetaShapeTracer)) else {}
         return gm, used, rebinds
@@ -269,6 +271,20 @@ def _restore_module_state(model: nn.Module, saved: dict[str, dict[str, Any]]) ->
         for name in [k for k, v in now.items() if k not in before and isinstance(v, torch.fx.Proxy)]:
             del now[name]
         now.update(before)
+
+
+def _adopt_constants(traced: nn.Module, model: nn.Module, saved: dict[str, dict[str, Any]]) -> None:
+    """The tensors the tracer attached to ``traced`` (the meta tracer's copy of ``model``) as
+    ``_tensor_constant<i>`` while tracing (a tensor built in the forward: level3/30_SwinTransformerV2's
+    ``torch.log(torch.tensor(1. / 0.01))``), set on ``model`` too: its graph module reads its
+    get_attr targets from ``model``, which lacked them ("'Model' object has no attribute
+    '_tensor_constant0'"). The values are those the forward built (a meta tensor stays one, and
+    ``_trace_with`` refuses it)."""
+    for path, m in traced.named_modules():
+        before = saved.get(path, {})
+        for name, value in vars(m).items():
+            if name.startswith("_tensor_constant") and name not in before and isinstance(value, torch.Tensor):
+                setattr(model.get_submodule(path) if path else model, name, value)
 
 
 def _rebound(model: nn.Module, saved: dict[str, dict[str, Any]]) -> dict[str, Node]:
@@ -403,6 +419,10 @@ class _MetaShapeTracer(MetaTracer):
         leaves = tuple({id(f): f for f in forward.values()
                         if callable(f) and str(getattr(f, "__module__", "") or "").split(".")[0] == "einops"}.values())
         super().__init__(autowrap_functions=leaves)
+        # buffers read by the forward are nodes of the graph, not values: a tensor computed from
+        # one (level3/30_SwinTransformerV2's window attention mask) would otherwise be computed on
+        # the meta copy and frozen into the graph as a meta constant
+        self.proxy_buffer_attributes = True
         self.meta_args = {p.name: torch.empty_like(v, device="meta")
                           for p, v in zip(_positional(model), inputs) if isinstance(v, torch.Tensor)}
         real = any(not t.is_meta for t in [*model.parameters(), *model.buffers()])
