@@ -152,7 +152,7 @@ def test_seed_groups_fuse_the_chains_between_library_ops():
         # bias), or a large GEMM runs as split-TF32 GEMMs on the module's own parameters
         # (a convolution in channels-last reads its input's channels-last copy, layout.py)
         assert re.search(r"self\.(linear1|linear|fc)\(|torch\.conv2d\((x|v_to_channels_last), v_conv_weight, None,|"
-                         r"_ext\.kl_tc_linear\(x, self\.(linear1|linear|fc)\.weight, self\.\w+\.bias\)", src)
+                         r"_ext\.kl_tc_linear\(x, self\.(linear1|linear|fc)\.weight, self\.\w+\.bias, (True|False)\)", src)
         # CUDA: kernels without torch headers, wrappers on the current stream, float4 path
         cuda = src[src.index('_CUDA_SOURCE = r"""'):]
         assert "#include <torch" not in cuda and "__global__" in cuda and "float4" in cuda
