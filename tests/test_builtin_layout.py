@@ -80,15 +80,27 @@ def _graph_matches_reference(spec) -> None:
     traced = trace_task(spec, "cpu")
     cl = channels_last(traced, classify_graph(traced))
     assert cl is not None
+    gm, ref, xs = _graph_and_reference(spec, cl)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*xs), ref(*xs), atol=1e-5, rtol=1e-5)
+
+
+def _graph_and_reference(spec, cl):
+    """The rewritten graph module with the reference's weights, the reference, fresh inputs. A batch
+    norm of the view (norm_nhwc) holds its own copy of the reference's module (not a child of the
+    graph module, so not in its state dict)."""
+    from agent.builtin.norm_nhwc import BatchNormChannelsLast
+
     task = load_task(spec)
     torch.manual_seed(0)
     ref = task.Model()
     gm = copy.deepcopy(cl.traced.gm)
-    gm.load_state_dict(ref.state_dict(), assign=True)
+    gm.load_state_dict({k: v for k, v in ref.state_dict().items() if k in gm.state_dict()}, assign=True)
+    for m in gm.modules():
+        if isinstance(m, BatchNormChannelsLast):
+            object.__setattr__(m, "bn", copy.deepcopy(ref.get_submodule(m.path)))
     torch.manual_seed(1)
-    xs = task.get_inputs()
-    with torch.no_grad():
-        torch.testing.assert_close(gm(*xs), ref(*xs), atol=1e-5, rtol=1e-5)
+    return gm, ref, task.get_inputs()
 
 
 def test_channels_last_graph_computes_the_reference(tmp_path):
@@ -126,6 +138,75 @@ def test_a_norm_after_the_convolution_keeps_nchw(tmp_path):
     traced = trace_task(spec, "cpu")
     assert channels_last(traced, classify_graph(traced)) is None
     assert "channels_last" not in generate(spec, "cpu", Knobs(layout="nhwc")).source
+
+
+CONV_BATCH_NORM = """
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.bn = nn.BatchNorm2d(8, momentum=0.3)
+
+    def forward(self, x):
+        x = self.conv(x)
+        x = torch.tanh(torch.nn.functional.softplus(x)) * x     # level2/52's activation: the norm's prologue
+        x = self.bn(x)
+        return torch.relu(x * 2.0)
+
+
+def get_inputs():
+    return [torch.randn(4, 3, 10, 9)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+def test_a_batch_norm_after_the_convolution_runs_on_the_view(tmp_path):
+    """Session z: the graphs with a norm after the convolution stayed NCHW, and cuDNN writing NCHW took
+    about twice its channels-last time (level2/52, 73). A batch norm normalises per channel, so on
+    the view it is a norm of the columns of (N * H * W, C): the graph runs it there
+    (norm_nhwc.BatchNormChannelsLast), the reference's values and running buffers alike."""
+    from agent.builtin.norm_nhwc import BatchNormChannelsLast
+
+    path, spec = _spec(tmp_path, "conv_batch_norm", CONV_BATCH_NORM)
+    traced = trace_task(spec, "cpu")
+    cl = channels_last(traced, classify_graph(traced))
+    assert cl is not None and cl.weights == [("conv.weight", 4)]
+    assert any(isinstance(m, BatchNormChannelsLast) for m in cl.traced.modules.values())
+    gm, ref, xs = _graph_and_reference(spec, cl)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*xs), ref(*xs), atol=1e-5, rtol=1e-5)
+    wrapped = next(m for m in gm.modules() if isinstance(m, BatchNormChannelsLast))
+    assert int(wrapped.bn.num_batches_tracked) == 1
+    torch.testing.assert_close(wrapped.bn.running_var, ref.bn.running_var)      # its running buffers alike
+    torch.testing.assert_close(wrapped.bn.running_mean, ref.bn.running_mean)
+    cand = generate(spec, "cpu")
+    fwd = cand.source.split("def forward")[1]
+    assert [g["ops"] for g in cand.choices["groups"]] == [["softplus", "tanh", "mul", "batch_norm", "mul", "relu"]]
+    assert "v_conv.permute(0, 2, 3, 1)" in fwd and ".contiguous()" not in fwd      # no copy back for the norm
+    cuda = generate(spec, "cuda").source
+    assert "kl_g0_cols" in cuda and "_ext.kl_to_cl(x)" in cuda
+
+
+@pytest.mark.parametrize("knobs", [Knobs(), Knobs(fusion="elementwise")], ids=["fused", "batch_norm_on_pytorch"])
+def test_a_batch_norm_of_the_view_builds_runs_and_matches_on_cpu(tmp_path, knobs):
+    """The candidate with the norm's kernel on the view, and with the norm left to PyTorch (the
+    model's own module on the logical tensor, permuted back), each against the reference in the
+    builtin's self-check (built and run, its running buffers compared too)."""
+    from agent.builtin.selfcheck import check_source
+
+    path, spec = _spec(tmp_path, "conv_batch_norm", CONV_BATCH_NORM)
+    cand = generate(spec, "cpu", knobs)
+    if knobs.fusion == "elementwise":
+        assert "self.bn(v_" in cand.source and ".permute(0, 3, 1, 2)).permute(0, 2, 3, 1)" in cand.source
+    report = check_source(str(path), "cpu", cand.source)
+    assert report["ok"], report
 
 
 def test_headers_before_the_layout_knob_read_as_nchw():

@@ -73,17 +73,19 @@ def test_the_fixtures_are_judged_correct_on_the_cpu(name):
 
 
 def test_batch_norm_over_few_long_columns_takes_the_split_kernels(monkeypatch):
-    """A (rows, channels) BatchNorm1d: with the split compiled in, few long columns go to _part/_fin
-    (level3/47: _cols ran one block for its 32 columns of 204800 rows, 57% of the candidate); many
-    columns, or the split off, keep _cols."""
+    """A (rows, channels) BatchNorm1d: with the split compiled in, few long columns go to the column
+    tiles cut into chunks of rows, _cpart/_cfin (level3/47: _cols ran one block for its 32 columns of
+    204800 rows, 57% of the candidate; a batch norm of a channels-last view has the same layout);
+    many columns, or the split off, keep _cols. The rows' split kernels are not compiled for it."""
     spec = _spec("norm_cols")
     on = generate(spec, "cuda")
     assert _kinds(on) == ["norm"]
-    assert "const bool cols_split = L >= 16384 && rows < sms;" in on.source
-    assert "_cols<int><<<" in on.source and "_part<int><<<" in on.source     # both: the launch chooses
+    assert "if (L >= 16384 && tiles < sms) {" in on.source
+    assert "_cols<int><<<" in on.source and "_cpart<int><<<" in on.source     # both: the launch chooses
+    assert "_part<int><<<" not in on.source and "_block<int><<<" not in on.source
     monkeypatch.setenv(SPLIT_REDUCE_ENV, "0")
     off = generate(spec, "cuda")
-    assert "const bool cols_split = false;" in off.source and "_part<int><<<" not in off.source
+    assert "_cpart" not in off.source and "_cols<int><<<" in off.source
     compile(on.source, "cuda_candidate.py", "exec")
 
 

@@ -301,7 +301,8 @@ def _propose_one(spec: TaskSpec, device: str, round: int, sample: int,
     if chosen is None:
         # every knob setting was tried: leave everything to PyTorch if that is new, else repeat the best
         everything = frozenset(n.name for n, i in gen.infos.items() if i.fusible)
-        r = gen.render(Knobs(matmul="ieee", recurrent="library", graph="off"), everything)
+        layout = "nchw" if ("layout", "nhwc") in forbidden else DEFAULT_KNOBS.layout
+        r = gen.render(Knobs(matmul="ieee", recurrent="library", graph="off", layout=layout), everything)
         if body_hash(r.source) not in fb.seen and body_hash(r.source) not in picked:
             chosen = r
         else:

@@ -294,6 +294,13 @@ class GroupCode:
             lines.append(f"const int64_t rows = kl_prod(sp, 0, {rank - nd});")
             vals = ["rows", "1", "D", "D", "D", "D", "1", "1"]
             cnt = "D"
+        elif p.get("channels_last"):
+            # a batch norm of the channels-last view (N, *spatial, C): row c is column c of the
+            # (N * spatial, C) matrix, its elements C apart (norm_nhwc.py)
+            lines.append(f"const int64_t N = sp[0], C = sp[{rank - 1}];")
+            lines.append(f"const int64_t S = kl_prod(sp, 1, {rank - 1});")
+            vals = ["C", "N * S", "1", "C", "1", "C", "1", "S"]
+            cnt = "C"
         else:
             lines.append("const int64_t N = sp[0], C = sp[1];")
             lines.append(f"const int64_t S = kl_prod(sp, 2, {rank});")
@@ -555,7 +562,7 @@ def emit_forward(traced: Traced, plan: Plan, codes: list[GroupCode], tc: Optiona
             body.append(on_tc[n].comment())
             body.append(on_tc[n].statement())
             continue
-        layout_lines = forward_statement(n, to_cl)
+        layout_lines = forward_statement(n, to_cl, traced.modules)
         if layout_lines is not None:
             body.extend(layout_lines)
             continue

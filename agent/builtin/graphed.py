@@ -123,7 +123,8 @@ def offered(traced: Any, infos: dict[Node, OpInfo], grouped: set[Node], kernels:
     if draws_random(nodes, traced.modules, infos):
         return False
     # a batch norm with momentum=None reads its step count on the host (a sync a capture refuses)
-    if any(isinstance(m, nn.modules.batchnorm._NormBase) and m.momentum is None for m in traced.modules.values()):
+    norms = [getattr(m, "bn", m) for m in traced.modules.values()]     # (norm_nhwc's wrapper: its module)
+    if any(isinstance(m, nn.modules.batchnorm._NormBase) and m.momentum is None for m in norms):
         return False
     n = launches(nodes, infos, grouped, kernels)
     return n >= MIN_LAUNCHES and io_bytes(nodes) <= n * MAX_IO_BYTES_PER_LAUNCH

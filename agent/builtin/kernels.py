@@ -330,10 +330,13 @@ class KernelGroup:
         batch norm: batch x spatial) picks a warp per row (``L <= 1024``) or a block per row; the
         split statistics run only where ``L >= 16384`` (and rows are fewer than the SMs, which the
         launch reads from the GPU: kept for any GPU); BatchNorm over a spatial size of 1 with more
-        than one row in the batch takes the column tiles, the only path there below 16384."""
+        than one row in the batch (and a batch norm of the channels-last view) takes the column
+        tiles, split into chunks of rows where long (``_cpart``/``_cfin``)."""
         p, rank = self.core_info.params, len(sp)
         if self.op == "layer_norm":
             n_batch, spatial, length = 0, 0, _numel(sp[rank - p["nd"]:])
+        elif p.get("channels_last"):        # columns of (N * spatial, C): the column kernels' layout
+            n_batch, spatial, length = _numel(sp[:rank - 1]), 1, _numel(sp[:rank - 1])
         else:
             n_batch, spatial = sp[0], _numel(sp[2:])
             length = {"group_norm": sp[1] // max(p.get("groups", 1), 1) * spatial, "instance_norm": spatial,
@@ -342,7 +345,7 @@ class KernelGroup:
                 return dict.fromkeys(LAUNCH_VARIANTS, True)
         cols = self.op == "batch_norm" and spatial == 1 and n_batch > 1
         split = length >= 16384
-        rows = not cols or split         # the column tiles take every launch below 16384
+        rows = not cols                  # columns: the column tiles, or their split (_cpart/_cfin) where long
         return {"block": rows and length > 1024, "warp": rows and length <= 1024, "cols": cols, "split": split}
 
     @property

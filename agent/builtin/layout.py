@@ -15,9 +15,12 @@ reads the convolution's output once. ``channels_last(traced)`` rewrites a traced
   dimension, which the reduction kernels do a warp per pixel. The generated kernels then read
   the convolution's output once, in its own memory order;
 * where a value leaves that region (a library operator, the output) it is permuted back to its
-  logical shape (channels-last memory, which PyTorch's operators accept); a graph where the view
-  would feed a norm (group/batch/instance/layer norm) stays NCHW: the norm's fused prologue in one
-  NCHW kernel beats a copy back plus a separate kernel;
+  logical shape (channels-last memory, which PyTorch's operators accept); an ``nn.BatchNorm2d``/``3d``
+  fed by the view runs on it (``norm_nhwc.BatchNormChannelsLast``: per channel over the rows of
+  ``(N * spatial, C)``, the column kernels' layout), its prologue and epilogue with it; a graph where
+  the view would feed another norm (group/instance/layer norm) stays NCHW: the norm's fused prologue
+  in one NCHW kernel beats a copy back plus a separate kernel (session z measured the price: cuDNN
+  writing NCHW took about twice its channels-last time on level2/17, 21, 85, 92);
 * 2-D pooling on a channels-last tensor keeps the layout, so the operators after it stay in the
   permuted view too; a pooling the generated kernels reproduce (``pool.py``) runs on the view
   itself (``pool2d_nhwc``), so it fuses with the chains around it.
@@ -38,6 +41,8 @@ import torch.nn.functional as F
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.shape_prop import ShapeProp
 
+from agent.builtin.norm_nhwc import BatchNormChannelsLast, applies as bn_applies
+from agent.builtin.norm_nhwc import forward_statement as bn_forward_statement, target_for as nhwc_target
 from agent.builtin.ops import OpInfo, shape_of
 from agent.builtin.pool import forward_statement as pool_forward_statement
 from agent.builtin.pool import pool2d_nhwc, supported as pool_supported
@@ -127,6 +132,7 @@ def channels_last(traced: Traced, infos: dict[Node, OpInfo]) -> Optional[Channel
     dom: dict[Node, Node] = {}           # old node -> new node with its permuted (NHWC) view
     rank_of: dict[Node, int] = {}        # old node -> rank of its channels-last value
     weights: list[tuple[str, int]] = []
+    wrappers: dict[str, BatchNormChannelsLast] = {}
     norm_after = False
 
     def natural(o: Any) -> Any:
@@ -206,6 +212,14 @@ def channels_last(traced: Traced, infos: dict[Node, OpInfo]) -> Optional[Channel
             if path:
                 weights.append((path, r))
             continue
+        bn = _batch_norm_on_view(n, modules, rank_of)
+        if bn is not None:
+            # a batch norm of the view: per channel over the rows of (N * spatial, C) (norm_nhwc.py)
+            path, r = bn
+            wrappers[path] = BatchNormChannelsLast(modules[path], path)
+            dom[n] = g.create_node("call_module", nhwc_target(path), (view(n.args[0], r),), name=n.name)
+            rank_of[n] = r
+            continue
         if infos[n].kind == "norm":
             # a norm reads its input in logical (contiguous) order: PyTorch's CPU group norm on a
             # channels-last tensor measured 1e-3 off a float64 run where the NCHW one is 3e-6 off
@@ -224,13 +238,32 @@ def channels_last(traced: Traced, infos: dict[Node, OpInfo]) -> Optional[Channel
         # a norm fed by the view would need a copy back and lose its fused prologue (one NCHW kernel
         # for bias, activations and the norm): these graphs stay NCHW
         return None
-    new_gm = GraphModule(gm, g)
+    for path, w in wrappers.items():         # the graph module copies its call_module targets from gm
+        gm.add_submodule(nhwc_target(path), w)
+    try:
+        new_gm = GraphModule(gm, g)
+    finally:
+        for path in wrappers:
+            delattr(gm, nhwc_target(path))
     device = next((p.device for p in gm.parameters()), torch.device("meta"))
     inputs = [torch.zeros(p.meta["tensor_meta"].shape, dtype=p.meta["tensor_meta"].dtype, device=device)
               for p in placeholders]
     ShapeProp(new_gm).propagate(*inputs)
     out = replace(traced, gm=new_gm, modules=dict(new_gm.named_modules()))
     return ChannelsLast(traced=out, weights=sorted(set(weights)))
+
+
+def _batch_norm_on_view(n: Node, modules: dict[str, nn.Module], rank_of: dict) -> Optional[tuple[str, int]]:
+    """(module path, rank) of an ``nn.BatchNorm2d``/``3d`` call whose input is on the permuted view
+    (None: not one): it runs there as ``norm_nhwc.BatchNormChannelsLast``."""
+    if n.op != "call_module" or len(n.args) != 1 or n.kwargs:
+        return None
+    x = n.args[0]
+    r = rank_of.get(x) if isinstance(x, Node) else None
+    path = str(n.target)
+    if r is None or not bn_applies(modules.get(path), r):
+        return None
+    return path, r
 
 
 def to_channels_last(x: torch.Tensor) -> torch.Tensor:
@@ -251,13 +284,17 @@ def to_logical(x: torch.Tensor) -> torch.Tensor:
 to_logical.kl_library = True
 
 
-def forward_statement(node: Node, kernel: bool) -> Optional[list[str]]:
+def forward_statement(node: Node, kernel: bool, modules: dict[str, nn.Module]) -> Optional[list[str]]:
     """The candidate's lines (a comment, the statement) for a ``to_channels_last`` or ``to_logical``
-    node, or a ``pool2d_nhwc`` left to PyTorch (None: none of them): the input copy is, with
+    node, or a ``pool2d_nhwc`` or a batch norm of the view (``norm_nhwc``) left to PyTorch (None:
+    none of them): the input copy is, with
     ``kernel`` (cuda, in a candidate that builds an extension anyway), the extension's ``kl_to_cl``
     (a tiled shared-memory transpose, coalesced on both sides), else PyTorch's copy."""
     if node.op == "call_function" and node.target is pool2d_nhwc:
         return pool_forward_statement(node)
+    bn = bn_forward_statement(node, modules)
+    if bn is not None:
+        return bn
     if node.op != "call_function" or node.target not in (to_channels_last, to_logical):
         return None
     from agent.builtin.pysource import fmt, var

@@ -29,6 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.fx import Node
 
+from agent.builtin.norm_nhwc import BatchNormChannelsLast
+
 
 REDUCTIONS = ("sum", "mean", "amax", "amin", "logsumexp", "softmax", "log_softmax")
 NORMS = ("group_norm", "layer_norm", "instance_norm", "batch_norm")
@@ -387,9 +389,12 @@ def _classify_module(node: Node, mod: nn.Module) -> OpInfo:
         if mod.affine:
             ops += _attrs(mod, path, ("weight", "bias"), (mod.num_features,))
         return OpInfo("norm", "instance_norm", ops, {"eps": float(mod.eps), "affine": bool(mod.affine), "module": path})
+    last = isinstance(mod, BatchNormChannelsLast)      # on the channels-last view (norm_nhwc.py)
+    if last:
+        mod, path = mod.bn, mod.path
     if isinstance(mod, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
         shp = shape_of(x)
-        if shp is None or len(shp) < 2 or shp[1] != mod.num_features:
+        if shp is None or len(shp) < 2 or shp[-1 if last else 1] != mod.num_features:
             raise Unsupported("BatchNorm input shape does not match the module")
         ops = [x]
         if mod.affine:
@@ -398,7 +403,7 @@ def _classify_module(node: Node, mod: nn.Module) -> OpInfo:
         if track:
             ops += _attrs(mod, path, ("running_mean", "running_var"), (mod.num_features,))
         return OpInfo("norm", "batch_norm", ops, {"eps": float(mod.eps), "affine": bool(mod.affine),
-                                                  "track": track, "module": path})
+                                                  "track": track, "module": path, "channels_last": last})
     return OpInfo("other", name, note=f"module {name} is not in the builtin catalogue")
 
 

@@ -49,6 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from agent.builtin import conv, pool
 from agent.builtin.exact_bits import gives_pytorch_bits, node_gives_pytorch_bits
+from agent.builtin.norm_nhwc import BatchNormChannelsLast
 from agent.builtin.ops import ModuleAttr
 from agent.builtin.plan import resolve_alias
 from agent.builtin.rng import isolated_rng
@@ -170,13 +171,17 @@ def _plan_norm(op: str, vals: list[Any], params: dict[str, Any], flags: tuple) -
     # running ones otherwise; with update, running = (1 - f) running + f stat (unbiased var)
     use_batch, update, factor = flags
     rm, rv = (rest[0], rest[1]) if params.get("track") else (None, None)
-    dims = [0] + list(range(2, x.dim()))
-    shape = [1, -1] + [1] * (x.dim() - 2)
+    if params.get("channels_last"):          # (N, *spatial, C): the channels are the last dimension
+        dims = list(range(x.dim() - 1))
+        shape = [1] * (x.dim() - 1) + [-1]
+    else:
+        dims = [0] + list(range(2, x.dim()))
+        shape = [1, -1] + [1] * (x.dim() - 2)
     if use_batch or rm is None:
         mean = x.mean(dims)
         var = x.var(dims, unbiased=False)
         if update and rm is not None:
-            count = x.numel() // x.shape[1]
+            count = x.numel() // x.shape[-1 if params.get("channels_last") else 1]
             unbiased = var * (count / (count - 1)) if count > 1 else var
             rm.mul_(1 - factor).add_(factor * mean.to(rm.dtype))
             rv.mul_(1 - factor).add_(factor * unbiased.to(rv.dtype))
@@ -279,6 +284,13 @@ class _Emulated:
         for n in kg.nodes:
             args, kwargs = load(n.args), load(n.kwargs)
             if n.op == "call_module":
+                wrapped = kg.plan.traced.modules.get(str(n.target))
+                if isinstance(wrapped, BatchNormChannelsLast):       # on the channels-last view (norm_nhwc.py)
+                    x, r = args[0], args[0].dim()
+                    mod = self.model.get_submodule(wrapped.path)
+                    y = self._torch_bn(mod, wrapped.path, x.permute(0, r - 1, *range(1, r - 1)), by_attr, flags)
+                    env[n] = y.permute(0, *range(2, r), 1)
+                    continue
                 mod = self.model.get_submodule(str(n.target))
                 if isinstance(mod, nn.modules.batchnorm._BatchNorm):
                     env[n] = self._torch_bn(mod, str(n.target), args[0], by_attr, flags)
@@ -470,6 +482,8 @@ def affordable(traced: Any, limit: Optional[int] = None) -> bool:
     # level-2 GEMM's 67M weights took 4 GB and 17 s at published sizes)
     total = sum(t.numel() for t in (*traced.gm.parameters(), *traced.gm.buffers()))
     for n in traced.gm.graph.nodes:
+        if n.op == "call_method" and n.target == "permute":
+            continue        # a view, no memory of its own (the channels-last graph's, layout.py)
         tm = n.meta.get("tensor_meta")
         if hasattr(tm, "shape"):
             total += math.prod(int(s) for s in tm.shape)
