@@ -41,8 +41,7 @@ import torch.nn.functional as F
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.shape_prop import ShapeProp
 
-from agent.builtin.norm_nhwc import BatchNormChannelsLast, applies as bn_applies
-from agent.builtin.norm_nhwc import forward_statement as bn_forward_statement, target_for as nhwc_target
+from agent.builtin.norm_nhwc import BatchNormChannelsLast, applies as bn_applies, target_for as nhwc_target
 from agent.builtin.ops import OpInfo, shape_of
 from agent.builtin.pool import forward_statement as pool_forward_statement
 from agent.builtin.pool import pool2d_nhwc, supported as pool_supported
@@ -308,6 +307,21 @@ def forward_statement(node: Node, kernel: bool, modules: dict[str, nn.Module]) -
         shape = shape_of(node)
         stmt = f"{var(node)} = {x}.contiguous(memory_format={memory_format(len(shape) if shape else 4)})"
     return ["# the convolution's input in channels-last memory", stmt]
+
+
+def bn_forward_statement(node: Node, modules: dict[str, nn.Module]) -> Optional[list[str]]:
+    """The candidate's lines for a batch norm of the view left to PyTorch (None: not one): the
+    model's own module on the logical tensor, permuted back to the view."""
+    if node.op != "call_module" or not isinstance(modules.get(str(node.target)), BatchNormChannelsLast):
+        return None
+    from agent.builtin.pysource import attr_path, fmt, var
+
+    r = len(node.meta["tensor_meta"].shape)
+    to_logical = ", ".join(map(str, _inv(r)))
+    to_view = ", ".join(map(str, _perm(r)))
+    return ["# batch norm of the channels-last view, on PyTorch",
+            f"{var(node)} = {attr_path(modules[str(node.target)].path)}({fmt(node.args[0])}.permute({to_logical}))"
+            f".permute({to_view})"]
 
 
 def uses_to_channels_last(traced: Traced) -> bool:

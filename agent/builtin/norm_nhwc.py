@@ -18,7 +18,6 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-from torch.fx import Node
 
 SUFFIX = "_kl_nhwc"
 
@@ -46,19 +45,3 @@ def applies(mod: Optional[nn.Module], rank: int) -> bool:
     """Whether a batch norm module can run on a channels-last view of ``rank`` dimensions."""
     want = {4: nn.BatchNorm2d, 5: nn.BatchNorm3d}.get(rank)
     return want is not None and type(mod) is want
-
-
-def forward_statement(node: Node, modules: dict[str, nn.Module]) -> Optional[list[str]]:
-    """The candidate's lines for a wrapper node left to PyTorch (None: not one): the model's own
-    module on the logical tensor, permuted back to the view."""
-    if node.op != "call_module" or not isinstance(modules.get(str(node.target)), BatchNormChannelsLast):
-        return None
-    from agent.builtin.pysource import attr_path, fmt, var
-
-    mod = modules[str(node.target)]
-    r = len(node.meta["tensor_meta"].shape)
-    to_logical = ", ".join(map(str, (0, r - 1, *range(1, r - 1))))
-    to_view = ", ".join(map(str, (0, *range(2, r), 1)))
-    x = fmt(node.args[0])
-    return ["# batch norm of the channels-last view, on PyTorch",
-            f"{var(node)} = {attr_path(mod.path)}({x}.permute({to_logical})).permute({to_view})"]
