@@ -183,7 +183,10 @@ def test_an_agent_session_is_judged_stored_and_reported_as_eval_judges(tmp_path)
     if h["clean"]:      # a contended honest attempt is not clean, and then the faster of the two leads
         assert [a["attempt_id"] for a in hist] == [h["attempt_id"], c["attempt_id"]] and hist[0]["clean"]
     assert [a["status"] for a in out["history_cancelled"]["attempts"]] == ["not evaluated (interrupted)"]
-    assert out["baseline"]["in_this_session"][0]["eager_ms"] == h["eager_ms"]
+    # the reference times this session measured, by attempt (in the history's order, so the honest
+    # attempt leads only when it is clean)
+    seen = {b["attempt_id"]: b["eager_ms"] for b in out["baseline"]["in_this_session"]}
+    assert seen[h["attempt_id"]] == h["eager_ms"], out["baseline"]
 
     # the store: one run of kind agent, model mcp:<client>, two attempts with evaluations and analyses
     store = Store(str(db))
