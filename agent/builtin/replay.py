@@ -284,7 +284,8 @@ class _Emulated:
         for n in kg.nodes:
             args, kwargs = load(n.args), load(n.kwargs)
             if n.op == "call_module":
-                wrapped = kg.plan.traced.modules.get(str(n.target))
+                plan = getattr(kg, "plan", None)          # (an attention or recurrent kernel has none)
+                wrapped = plan.traced.modules.get(str(n.target)) if plan is not None else None
                 if isinstance(wrapped, BatchNormChannelsLast):       # on the channels-last view (norm_nhwc.py)
                     x, r = args[0], args[0].dim()
                     mod = self.model.get_submodule(wrapped.path)
