@@ -145,11 +145,8 @@ def tc3_gemm(node: Node, info: OpInfo, modules: dict[str, nn.Module], device: st
         n = int(w.shape[0])
         path = attr_path(str(node.target))
         bias = f"{path}.bias" if mod.bias is not None else "None"
-        g = _if_worthwhile(node, "kl_tc_linear", [fmt(x), f"{path}.weight", bias, "True"], m, n, k, device,
-                           cached_weight=True)
-        if g is not None:
-            g.kept = f"{path}.weight"
-        return g
+        return _if_worthwhile(node, "kl_tc_linear", [fmt(x), f"{path}.weight", bias, "True"], m, n, k, device,
+                              kept=f"{path}.weight")
     if node.op == "call_function" and node.target is F.linear:
         if set(node.kwargs) - {"input", "weight", "bias"} or len(node.args) > 3:
             return None
@@ -180,8 +177,8 @@ def _out_f32(node: Node) -> bool:
 
 
 def _if_worthwhile(node: Node, fn: str, args: list[str], m: int, n: int, k: int, device: str,
-                   cached_weight: bool = False) -> Optional[TcGemm]:
-    return TcGemm(node, fn, args, m, n, k) if tc3_worthwhile(device, m, n, k, cached_weight) else None
+                   kept: Optional[str] = None) -> Optional[TcGemm]:
+    return TcGemm(node, fn, args, m, n, k, kept) if tc3_worthwhile(device, m, n, k, kept is not None) else None
 
 
 def tc3_gemms(infos: dict[Node, OpInfo], modules: dict[str, nn.Module], device: str,

@@ -34,6 +34,7 @@ from typing import Any, Sequence
 import torch.nn as nn
 from torch.fx import Node
 
+from agent.builtin.norm_nhwc import BatchNormChannelsLast
 from agent.builtin.ops import RANDOM_FUNCTIONS, OpInfo
 
 GRAPH_MODES = ("replay", "off")
@@ -123,7 +124,7 @@ def offered(traced: Any, infos: dict[Node, OpInfo], grouped: set[Node], kernels:
     if draws_random(nodes, traced.modules, infos):
         return False
     # a batch norm with momentum=None reads its step count on the host (a sync a capture refuses)
-    norms = [getattr(m, "bn", m) for m in traced.modules.values()]     # (norm_nhwc's wrapper: its module)
+    norms = [m.bn if isinstance(m, BatchNormChannelsLast) else m for m in traced.modules.values()]
     if any(isinstance(m, nn.modules.batchnorm._NormBase) and m.momentum is None for m in norms):
         return False
     n = launches(nodes, infos, grouped, kernels)

@@ -32,8 +32,14 @@ class BatchNormChannelsLast(nn.Module):
         self.path = path
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        r = x.dim()
-        return self.bn(x.permute(0, r - 1, *range(1, r - 1))).permute(0, *range(2, r), 1)
+        return apply_on_view(self.bn, x)
+
+
+def apply_on_view(norm, x: torch.Tensor) -> torch.Tensor:
+    """``norm`` (a callable on the logical tensor) applied to the view ``x`` ``(N, *spatial, C)``: its
+    logical permutation in, the result permuted back to the view (both views, no copy)."""
+    r = x.dim()
+    return norm(x.permute(0, r - 1, *range(1, r - 1))).permute(0, *range(2, r), 1)
 
 
 def target_for(path: str) -> str:

@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from agent.builtin import conv, pool
 from agent.builtin.exact_bits import gives_pytorch_bits, node_gives_pytorch_bits
-from agent.builtin.norm_nhwc import BatchNormChannelsLast
+from agent.builtin.norm_nhwc import BatchNormChannelsLast, apply_on_view
 from agent.builtin.ops import ModuleAttr
 from agent.builtin.plan import resolve_alias
 from agent.builtin.rng import isolated_rng
@@ -171,17 +171,14 @@ def _plan_norm(op: str, vals: list[Any], params: dict[str, Any], flags: tuple) -
     # running ones otherwise; with update, running = (1 - f) running + f stat (unbiased var)
     use_batch, update, factor = flags
     rm, rv = (rest[0], rest[1]) if params.get("track") else (None, None)
-    if params.get("channels_last"):          # (N, *spatial, C): the channels are the last dimension
-        dims = list(range(x.dim() - 1))
-        shape = [1] * (x.dim() - 1) + [-1]
-    else:
-        dims = [0] + list(range(2, x.dim()))
-        shape = [1, -1] + [1] * (x.dim() - 2)
+    cdim = x.dim() - 1 if params.get("channels_last") else 1      # (N, *spatial, C) on the view
+    dims = [d for d in range(x.dim()) if d != cdim]
+    shape = [-1 if d == cdim else 1 for d in range(x.dim())]
     if use_batch or rm is None:
         mean = x.mean(dims)
         var = x.var(dims, unbiased=False)
         if update and rm is not None:
-            count = x.numel() // x.shape[-1 if params.get("channels_last") else 1]
+            count = x.numel() // x.shape[cdim]
             unbiased = var * (count / (count - 1)) if count > 1 else var
             rm.mul_(1 - factor).add_(factor * mean.to(rm.dtype))
             rv.mul_(1 - factor).add_(factor * unbiased.to(rv.dtype))
@@ -287,10 +284,8 @@ class _Emulated:
                 plan = getattr(kg, "plan", None)          # (an attention or recurrent kernel has none)
                 wrapped = plan.traced.modules.get(str(n.target)) if plan is not None else None
                 if isinstance(wrapped, BatchNormChannelsLast):       # on the channels-last view (norm_nhwc.py)
-                    x, r = args[0], args[0].dim()
                     mod = self.model.get_submodule(wrapped.path)
-                    y = self._torch_bn(mod, wrapped.path, x.permute(0, r - 1, *range(1, r - 1)), by_attr, flags)
-                    env[n] = y.permute(0, *range(2, r), 1)
+                    env[n] = apply_on_view(lambda t: self._torch_bn(mod, wrapped.path, t, by_attr, flags), args[0])
                     continue
                 mod = self.model.get_submodule(str(n.target))
                 if isinstance(mod, nn.modules.batchnorm._BatchNorm):
