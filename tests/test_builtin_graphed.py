@@ -175,3 +175,16 @@ def test_the_replay_updates_the_buffers_once_per_call_and_keeps_earlier_outputs(
     assert new.__dict__.get("_kl_graphs") and not any(isinstance(e, str) for e in new._kl_graphs.values())
     for got, copy in outs:
         assert torch.equal(got, copy)
+    # eval mode after training-mode replays: the running statistics, not a replay of the batch's
+    # (a graph per training flags); then moved away and back: the graphs read no freed tensor
+    ref.eval()
+    new.eval()
+    with torch.no_grad():
+        for step in ("eval", "moved"):
+            if step == "moved":
+                new.cpu().cuda()
+                assert not new.__dict__.get("_kl_graphs")
+            torch.manual_seed(7)
+            x = torch.rand(4, 3, 8, 8, device="cuda")
+            torch.testing.assert_close(new(x), ref(x), rtol=1e-3, atol=1e-3, msg=lambda m: f"{step}: {m}")
+            torch.testing.assert_close(new(x), ref(x), rtol=1e-3, atol=1e-3, msg=lambda m: f"{step}, replayed: {m}")

@@ -13,6 +13,10 @@ the inputs into the captured ones, replays, and returns clones of the captured o
   statistics, ``num_batches_tracked``) are restored after it, so each call's side effects happen once,
   as in the reference; the capture itself runs nothing;
 * outputs are clones: the next replay overwrites the captured ones, and callers keep outputs;
+* a graph is kept per input shapes and per the submodules' training flags (a batch norm captured in
+  training mode would replay its batch statistics after ``.eval()``), and every graph is dropped when the
+  model is moved or converted (``.to``, ``.cuda``, ``.half``: ``ModelNew._apply``), whose captured
+  tensors it would read; a parameter replaced by assignment after the first call is not seen;
 * the eager forward runs where a graph cannot be right: gradients enabled, an input not on the GPU, a
   capture already under way, or a capture that failed (said once on stderr, then never retried for
   those shapes);
@@ -34,7 +38,7 @@ from typing import Any, Sequence
 import torch.nn as nn
 from torch.fx import Node
 
-from agent.builtin.norm_nhwc import BatchNormChannelsLast
+from agent.builtin.norm_nhwc import NormChannelsLast
 from agent.builtin.ops import RANDOM_FUNCTIONS, OpInfo
 
 GRAPH_MODES = ("replay", "off")
@@ -124,7 +128,7 @@ def offered(traced: Any, infos: dict[Node, OpInfo], grouped: set[Node], kernels:
     if draws_random(nodes, traced.modules, infos):
         return False
     # a batch norm with momentum=None reads its step count on the host (a sync a capture refuses)
-    norms = [m.bn if isinstance(m, BatchNormChannelsLast) else m for m in traced.modules.values()]
+    norms = [m.norm if isinstance(m, NormChannelsLast) else m for m in traced.modules.values()]
     if any(isinstance(m, nn.modules.batchnorm._NormBase) and m.momentum is None for m in norms):
         return False
     n = launches(nodes, infos, grouped, kernels)
@@ -149,4 +153,10 @@ def wrap_forward(forward: str, placeholders: Sequence[Node], kept: Sequence[str]
         "        # the forward above, replayed from a CUDA graph (graphed.py): one launch, inputs copied in,",
         "        # outputs cloned; the eager forward where a graph cannot be right",
         f"        return _kl_graphed(self, self._kl_forward, {args}{extra})",
+        "",
+        "    def _apply(self, fn, *args, **kwargs):",
+        "        # moved or converted (.to, .cuda, .half): the graphs captured so far read the old tensors",
+        "        self.__dict__.pop(\"_kl_graphs\", None)",
+        "        self.__dict__.pop(\"_kl_modules\", None)",
+        "        return super()._apply(fn, *args, **kwargs)",
     ])
