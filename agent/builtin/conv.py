@@ -15,7 +15,7 @@ element as it is staged; a padded position is a zero of the convolution's input,
 
 Matched exactly where the kernels compute PyTorch's result: ``nn.Conv2d``/``nn.Conv3d`` (called
 with the input alone) and ``F.conv2d``/``F.conv3d``/``torch.conv2d``/``torch.conv3d`` (a
-weight and bias that are model parameters, ``get_attr`` nodes, as ``trace._split_conv_bias``
+weight and bias that are model parameters, ``get_attr`` nodes, as ``rewrites.split_conv_bias``
 writes them) on a batched input, ``groups=1``, zeros padding given as integers (not
 ``'same'``/``'valid'`` strings), any stride, padding and dilation, with or without bias, and
 ``K <= MAX_K``. Anything else - grouped, transposed, reflect/replicate/circular padding, a
