@@ -89,7 +89,7 @@ def _graph_and_reference(spec, cl):
     """The rewritten graph module with the reference's weights, the reference, fresh inputs. A batch
     norm of the view (norm_nhwc) holds its own copy of the reference's module (not a child of the
     graph module, so not in its state dict)."""
-    from agent.builtin.norm_nhwc import BatchNormChannelsLast
+    from agent.builtin.norm_nhwc import NormChannelsLast
 
     task = load_task(spec)
     torch.manual_seed(0)
@@ -97,8 +97,8 @@ def _graph_and_reference(spec, cl):
     gm = copy.deepcopy(cl.traced.gm)
     gm.load_state_dict({k: v for k, v in ref.state_dict().items() if k in gm.state_dict()}, assign=True)
     for m in gm.modules():
-        if isinstance(m, BatchNormChannelsLast):
-            object.__setattr__(m, "bn", copy.deepcopy(ref.get_submodule(m.path)))
+        if isinstance(m, NormChannelsLast):
+            object.__setattr__(m, "norm", copy.deepcopy(ref.get_submodule(m.path)))
     torch.manual_seed(1)
     return gm, ref, task.get_inputs()
 
@@ -131,7 +131,9 @@ def test_layout_knob_changes_nothing_without_a_convolution(tmp_path):
     assert body_hash(a.source) == body_hash(b.source) and a.choices["knobs"] == b.choices["knobs"]
 
 
-def test_a_norm_after_the_convolution_keeps_nchw(tmp_path):
+def test_a_norm_the_view_cannot_take_keeps_nchw(tmp_path):
+    """A group norm of 3 channels a group (not a power of two: the warp's lanes cannot merge its
+    columns, norm_nhwc.applies) after the convolution: the graph stays NCHW."""
     text = TRANSPOSED.replace("output_padding=1)\n", "output_padding=1)\n        self.gn = nn.GroupNorm(2, 6)\n") \
         .replace("return torch.sigmoid(x)", "return self.gn(x)")
     _, spec = _spec(tmp_path, "conv_norm", text)
@@ -171,21 +173,21 @@ def test_a_batch_norm_after_the_convolution_runs_on_the_view(tmp_path):
     """Session z: the graphs with a norm after the convolution stayed NCHW, and cuDNN writing NCHW took
     about twice its channels-last time (level2/52, 73). A batch norm normalises per channel, so on
     the view it is a norm of the columns of (N * H * W, C): the graph runs it there
-    (norm_nhwc.BatchNormChannelsLast), the reference's values and running buffers alike."""
-    from agent.builtin.norm_nhwc import BatchNormChannelsLast
+    (norm_nhwc.NormChannelsLast), the reference's values and running buffers alike."""
+    from agent.builtin.norm_nhwc import NormChannelsLast
 
     path, spec = _spec(tmp_path, "conv_batch_norm", CONV_BATCH_NORM)
     traced = trace_task(spec, "cpu")
     cl = channels_last(traced, classify_graph(traced))
     assert cl is not None and cl.weights == [("conv.weight", 4)]
-    assert any(isinstance(m, BatchNormChannelsLast) for m in cl.traced.modules.values())
+    assert any(isinstance(m, NormChannelsLast) for m in cl.traced.modules.values())
     gm, ref, xs = _graph_and_reference(spec, cl)
     with torch.no_grad():
         torch.testing.assert_close(gm(*xs), ref(*xs), atol=1e-5, rtol=1e-5)
-    wrapped = next(m for m in gm.modules() if isinstance(m, BatchNormChannelsLast))
-    assert int(wrapped.bn.num_batches_tracked) == 1
-    torch.testing.assert_close(wrapped.bn.running_var, ref.bn.running_var)      # its running buffers alike
-    torch.testing.assert_close(wrapped.bn.running_mean, ref.bn.running_mean)
+    wrapped = next(m for m in gm.modules() if isinstance(m, NormChannelsLast))
+    assert int(wrapped.norm.num_batches_tracked) == 1
+    torch.testing.assert_close(wrapped.norm.running_var, ref.bn.running_var)      # its running buffers alike
+    torch.testing.assert_close(wrapped.norm.running_mean, ref.bn.running_mean)
     cand = generate(spec, "cpu")
     fwd = cand.source.split("def forward")[1]
     assert [g["ops"] for g in cand.choices["groups"]] == [["softplus", "tanh", "mul", "batch_norm", "mul", "relu"]]
@@ -207,6 +209,92 @@ def test_a_batch_norm_of_the_view_builds_runs_and_matches_on_cpu(tmp_path, knobs
         assert "self.bn(v_" in cand.source and ".permute(0, 3, 1, 2)).permute(0, 2, 3, 1)" in cand.source
     report = check_source(str(path), "cpu", cand.source)
     assert report["ok"], report
+
+
+CONV_GROUP_NORMS = """
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3)
+        self.gn = nn.GroupNorm(4, 16)
+        self.inorm = nn.InstanceNorm2d(16)                # level2/17's: no weight (the group norm has one)
+
+    def forward(self, x):
+        x = self.conv(x)
+        x = torch.sigmoid(x * 2.0 + 0.5)                  # level2/21's prologue
+        x = self.gn(x)
+        y = self.inorm(torch.tanh(x))                     # level2/17: an instance norm after a group norm
+        return torch.logsumexp(y + x, dim=1, keepdim=True)   # level2/92's residual and channel reduction
+
+
+def get_inputs():
+    return [torch.randn(3, 3, 11, 10)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+def test_group_and_instance_norms_after_the_convolution_run_on_the_view(tmp_path):
+    """Session z measured cuDNN writing NCHW at about twice its channels-last time (level2/17, 21, 85,
+    92 lost to torch.compile by it). A group norm of C / G adjacent channels and an instance norm
+    (one channel a group) normalise per sample, so on the view each is a norm of the columns of each
+    sample's (H * W, C) matrix, merged per group: the graph keeps the view (norm_nhwc.NormChannelsLast)
+    and computes the reference; the candidate's kernels, fused and left to PyTorch, match it in the
+    builtin's self-check on the CPU; the CUDA candidate takes the column kernels."""
+    from agent.builtin.norm_nhwc import NormChannelsLast
+    from agent.builtin.selfcheck import check_source
+
+    path, spec = _spec(tmp_path, "conv_group_norms", CONV_GROUP_NORMS)
+    traced = trace_task(spec, "cpu")
+    cl = channels_last(traced, classify_graph(traced))
+    assert cl is not None and cl.weights == [("conv.weight", 4)]
+    wrapped = {m.path for m in cl.traced.modules.values() if isinstance(m, NormChannelsLast)}
+    assert wrapped == {"gn", "inorm"}
+    gm, ref, xs = _graph_and_reference(spec, cl)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*xs), ref(*xs), atol=1e-5, rtol=1e-5)
+    fused = generate(spec, "cpu", Knobs(layout="nhwc"))
+    fwd = fused.source.split("def forward")[1]
+    assert "v_conv.permute(0, 2, 3, 1)" in fwd and ".contiguous()" not in fwd      # no copy back for the norms
+    assert {"group_norm", "instance_norm"} <= {op for g in fused.choices["groups"] for op in g["ops"]}
+    on_torch = generate(spec, "cpu", Knobs(layout="nhwc", fusion="elementwise"))
+    assert "self.gn(v_" in on_torch.source and ".permute(0, 3, 1, 2).contiguous()).permute(0, 2, 3, 1)" in on_torch.source
+    for cand in (fused, on_torch):
+        report = check_source(str(path), "cpu", cand.source)
+        assert report["ok"], report
+    cuda = generate(spec, "cuda", Knobs(layout="nhwc")).source
+    norms = [g["name"] for g in fused.choices["groups"] if {"group_norm", "instance_norm"} & set(g["ops"])]
+    assert norms and all(f"{name}_cols<int><<<" in cuda for name in norms)
+    assert "kl_warp_welford_group(wm, wm2, wn, (int)cpg)" in cuda       # the group's columns merged
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("size", [(3, 11, 10), (2, 130, 130)], ids=["column_tiles", "split_columns"])
+def test_group_and_instance_norms_of_the_view_are_judged_correct_on_cuda(tmp_path, size):
+    """The CUDA candidate's column kernels for the two norms of the view (the group's columns merged
+    across a warp's lanes), judged by the sandbox: small, and with 128 x 128 pixels a sample (one
+    32-column tile: the split column kernels _cpart/_cfin), in one and two passes."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from builtin_candidate import judge
+    from sandbox.result import Status
+
+    n, h, w = size
+    text = CONV_GROUP_NORMS.replace("torch.randn(3, 3, 11, 10)", f"torch.randn({n}, 3, {h}, {w})")
+    _, spec = _spec(tmp_path, f"conv_group_norms_{h}", text)
+    for knobs in (Knobs(layout="nhwc"), Knobs(layout="nhwc", reduce="twopass")):
+        cand = generate(spec, "cuda", knobs)
+        merge = "kl_warp_welford_group(wm, wm2, wn, (int)cpg)" if knobs.reduce == "onepass" else "kl_warp_sum(t, (int)cpg)"
+        assert merge in cand.source                               # the group's columns merged
+        assert ("_cpart<int><<<" in cand.source) == (h > 100 and knobs.reduce == "onepass")
+        result = judge(spec, cand.source, "cuda")
+        assert result.status is Status.correct, (knobs, result.status, result.error_message)
 
 
 def test_headers_before_the_layout_knob_read_as_nchw():

@@ -98,7 +98,8 @@ def test_half_kernels_load_and_store_the_half_type_and_compute_in_float(device, 
         assert re.search(r"const float t_\w+ = ", code)
         assert f"Precision {precision}:" in cand.source
     # reductions and norms accumulate in float (the CPU's sums and statistics in double)
-    gn = _code(propose(_spec(GN_TASK), device, 0, 0, [], numerics=Numerics(precision=precision)).source)
+    # (the norm's row kernels: NCHW; channels-last, the seed's group norm takes the column kernels)
+    gn = _code(generate(_spec(GN_TASK), device, Knobs(layout="nchw"), numerics=Numerics(precision=precision)).source)
     lse = _code(propose(_spec(LSE_TASK), device, 0, 0, [], numerics=Numerics(precision=precision)).source)
     if device == "cpu":
         assert "double s1 = 0.0, s2 = 0.0;" in gn
@@ -112,7 +113,7 @@ def test_half_kernels_load_and_store_the_half_type_and_compute_in_float(device, 
 
 
 def test_fp32_sources_keep_float_and_no_c10_headers():
-    cand = propose(_spec(GN_TASK), "cuda", 0, 0, [])
+    cand = generate(_spec(GN_TASK), "cuda", Knobs(layout="nchw"))      # the norm's row kernel, float4 loads
     code = _code(cand.source)
     assert cand.choices["precision"] == "fp32"
     assert "c10/util/Half.h" not in code and "c10::Half" not in code and "KlVec4" not in code

@@ -80,7 +80,7 @@ def test_batch_norm_over_few_long_columns_takes_the_split_kernels(monkeypatch):
     spec = _spec("norm_cols")
     on = generate(spec, "cuda")
     assert _kinds(on) == ["norm"]
-    assert "if (L >= 16384 && tiles < sms) {" in on.source
+    assert "if (Lc >= 16384 && tiles < sms) {" in on.source
     assert "_cols<int><<<" in on.source and "_cpart<int><<<" in on.source     # both: the launch chooses
     assert "_part<int><<<" not in on.source and "_block<int><<<" not in on.source
     monkeypatch.setenv(SPLIT_REDUCE_ENV, "0")

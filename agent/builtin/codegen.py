@@ -143,7 +143,9 @@ class GroupCode:
                         chunk=self.knobs.block * 32, tile=max(self.knobs.block // 4, 16),
                         pool=kg.core_info.params if kg.kind == "pool" else None,
                         conv=self._conv_ctx() if kg.kind == "conv" else None,
-                        narrow=self.narrow, reach=self.reach)
+                        narrow=self.narrow, reach=self.reach,
+                        view=kg.kind == "norm" and kg.op in ("group_norm", "instance_norm")
+                        and bool(kg.core_info.params.get("channels_last")))
         return source if self.device == "cuda" else cpu_math(source)
 
     @property
@@ -295,12 +297,22 @@ class GroupCode:
             vals = ["rows", "1", "D", "D", "D", "D", "1", "1"]
             cnt = "D"
         elif p.get("channels_last"):
-            # a batch norm of the channels-last view (N, *spatial, C): row c is column c of the
-            # (N * spatial, C) matrix, its elements C apart (norm_nhwc.py)
+            # a norm of the channels-last view (N, *spatial, C), norm_nhwc.py. A batch norm: row c is
+            # column c of the (N * spatial, C) matrix, its elements C apart. A group norm: row
+            # (n, g) is S segments of its cpg channels, C apart, from n * S * C + g * cpg (the
+            # kernels' two-level row base; an instance norm: cpg = 1)
             lines.append(f"const int64_t N = sp[0], C = sp[{rank - 1}];")
             lines.append(f"const int64_t S = kl_prod(sp, 1, {rank - 1});")
-            vals = ["C", "N * S", "1", "C", "1", "C", "1", "S"]
             cnt = "C"
+            if op == "group_norm":
+                g = p["groups"]
+                lines.append(f"TORCH_CHECK(C % {g} == 0, who, \": channels are not divisible by the groups\");")
+                lines.append(f"const int64_t cpg = C / {g};")
+                vals = [f"N * {g}", "S", "cpg", "C", "cpg", "C", "cpg", "S"]
+            elif op == "instance_norm":
+                vals = ["N * C", "S", "1", "C", "1", "C", "1", "S"]
+            else:
+                vals = ["C", "N * S", "1", "C", "1", "C", "1", "S"]
         else:
             lines.append("const int64_t N = sp[0], C = sp[1];")
             lines.append(f"const int64_t S = kl_prod(sp, 2, {rank});")
@@ -562,18 +574,21 @@ def emit_forward(traced: Traced, plan: Plan, codes: list[GroupCode], tc: Optiona
             body.append(on_tc[n].comment())
             body.append(on_tc[n].statement())
             continue
-        layout_lines = forward_statement(n, to_cl, traced.modules)
-        if layout_lines is not None:
-            body.extend(layout_lines)
-            continue
+        why = None
         if info.kind == "other":
-            body.append(f"# not covered by builtin: {info.op} ({info.note}); stays on PyTorch")
+            why = f"# not covered by builtin: {info.op} ({info.note}); stays on PyTorch"
         elif info.kind == "library":
-            body.append(f"# library operator {info.op}: stays on PyTorch")
+            why = f"# library operator {info.op}: stays on PyTorch"
         elif info.fusible and n.name in plan.excluded:
-            body.append(f"# {info.op}: left to PyTorch after an earlier failure")
+            why = f"# {info.op}: left to PyTorch after an earlier failure"
         elif info.fusible:
-            body.append(f"# {info.op}: kept on PyTorch in this variant ({plan.fusion} fusion)")
+            why = f"# {info.op}: kept on PyTorch in this variant ({plan.fusion} fusion)"
+        layout_lines = forward_statement(n, to_cl, traced.modules)
+        if layout_lines is not None:     # a layout copy, or an operator of the view left to PyTorch
+            body.extend(([why] if why is not None and info.fusible else []) + layout_lines)
+            continue
+        if why is not None:
+            body.append(why)
         stmt = pytorch_statement(n, traced.constants)
         if n.op == "get_attr" and n.target in traced.constants and device_src is not None:
             stmt = f"{var(n)} = _kl_constant({n.target!r}, {var(device_src)}.device)"

@@ -330,12 +330,15 @@ class KernelGroup:
         batch norm: batch x spatial) picks a warp per row (``L <= 1024``) or a block per row; the
         split statistics run only where ``L >= 16384`` (and rows are fewer than the SMs, which the
         launch reads from the GPU: kept for any GPU); BatchNorm over a spatial size of 1 with more
-        than one row in the batch (and a batch norm of the channels-last view) takes the column
+        than one row in the batch (and any norm of the channels-last view) takes the column
         tiles, split into chunks of rows where long (``_cpart``/``_cfin``)."""
         p, rank = self.core_info.params, len(sp)
         if self.op == "layer_norm":
             n_batch, spatial, length = 0, 0, _numel(sp[rank - p["nd"]:])
-        elif p.get("channels_last"):        # columns of (N * spatial, C): the column kernels' layout
+        elif p.get("channels_last"):        # columns of (N * spatial, C) (or of each sample's (spatial, C)
+            #                                 for a group or instance norm): the column kernels' layout
+            if self.op != "batch_norm":
+                return {"block": False, "warp": False, "cols": True, "split": _numel(sp[1:rank - 1]) >= 16384}
             n_batch, spatial, length = _numel(sp[:rank - 1]), 1, _numel(sp[:rank - 1])
         else:
             n_batch, spatial = sp[0], _numel(sp[2:])

@@ -15,12 +15,13 @@ reads the convolution's output once. ``channels_last(traced)`` rewrites a traced
   dimension, which the reduction kernels do a warp per pixel. The generated kernels then read
   the convolution's output once, in its own memory order;
 * where a value leaves that region (a library operator, the output) it is permuted back to its
-  logical shape (channels-last memory, which PyTorch's operators accept); an ``nn.BatchNorm2d``/``3d``
-  fed by the view runs on it (``norm_nhwc.BatchNormChannelsLast``: per channel over the rows of
-  ``(N * spatial, C)``, the column kernels' layout), its prologue and epilogue with it; a graph where
-  the view would feed another norm (group/instance/layer norm) stays NCHW: the norm's fused prologue
-  in one NCHW kernel beats a copy back plus a separate kernel (session z measured the price: cuDNN
-  writing NCHW took about twice its channels-last time on level2/17, 21, 85, 92);
+  logical shape (channels-last memory, which PyTorch's operators accept); a batch, instance or group
+  norm module fed by the view runs on it (``norm_nhwc.NormChannelsLast``: per column of
+  ``(N * spatial, C)``, per sample's columns, or per group of adjacent columns: the column kernels'
+  layout), its prologue and epilogue with it; a graph where the view would feed another norm (a
+  layer norm, a functional or wide-grouped group norm) stays NCHW: the norm's fused prologue in one
+  NCHW kernel beats a copy back plus a separate kernel (session z measured the price of NCHW:
+  cuDNN writing it took about twice its channels-last time on level2/17, 21, 85, 92);
 * 2-D pooling on a channels-last tensor keeps the layout, so the operators after it stay in the
   permuted view too; a pooling the generated kernels reproduce (``pool.py``) runs on the view
   itself (``pool2d_nhwc``), so it fuses with the chains around it.
@@ -41,7 +42,7 @@ import torch.nn.functional as F
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.shape_prop import ShapeProp
 
-from agent.builtin.norm_nhwc import BatchNormChannelsLast, applies as bn_applies, target_for as nhwc_target
+from agent.builtin.norm_nhwc import NormChannelsLast, applies as norm_applies, target_for as nhwc_target
 from agent.builtin.ops import OpInfo, shape_of
 from agent.builtin.pool import forward_statement as pool_forward_statement
 from agent.builtin.pool import pool2d_nhwc, supported as pool_supported
@@ -131,7 +132,7 @@ def channels_last(traced: Traced, infos: dict[Node, OpInfo]) -> Optional[Channel
     dom: dict[Node, Node] = {}           # old node -> new node with its permuted (NHWC) view
     rank_of: dict[Node, int] = {}        # old node -> rank of its channels-last value
     weights: list[tuple[str, int]] = []
-    wrappers: dict[str, BatchNormChannelsLast] = {}
+    wrappers: dict[str, NormChannelsLast] = {}
     norm_after = False
 
     def natural(o: Any) -> Any:
@@ -211,11 +212,12 @@ def channels_last(traced: Traced, infos: dict[Node, OpInfo]) -> Optional[Channel
             if path:
                 weights.append((path, r))
             continue
-        bn = _batch_norm_on_view(n, modules, rank_of)
-        if bn is not None:
-            # a batch norm of the view: per channel over the rows of (N * spatial, C) (norm_nhwc.py)
-            path, r = bn
-            wrappers[path] = BatchNormChannelsLast(modules[path], path)
+        on_view = _norm_on_view(n, modules, rank_of)
+        if on_view is not None:
+            # a batch, instance or group norm of the view: per column of (N * spatial, C), per
+            # sample's columns, or per group of adjacent columns (norm_nhwc.py)
+            path, r = on_view
+            wrappers[path] = NormChannelsLast(modules[path], path)
             dom[n] = g.create_node("call_module", nhwc_target(path), (view(n.args[0], r),), name=n.name)
             rank_of[n] = r
             continue
@@ -252,15 +254,15 @@ def channels_last(traced: Traced, infos: dict[Node, OpInfo]) -> Optional[Channel
     return ChannelsLast(traced=out, weights=sorted(set(weights)))
 
 
-def _batch_norm_on_view(n: Node, modules: dict[str, nn.Module], rank_of: dict) -> Optional[tuple[str, int]]:
-    """(module path, rank) of an ``nn.BatchNorm2d``/``3d`` call whose input is on the permuted view
-    (None: not one): it runs there as ``norm_nhwc.BatchNormChannelsLast``."""
+def _norm_on_view(n: Node, modules: dict[str, nn.Module], rank_of: dict) -> Optional[tuple[str, int]]:
+    """(module path, rank) of a norm module's call (``norm_nhwc.applies``) whose input is on the
+    permuted view (None: not one): it runs there as ``norm_nhwc.NormChannelsLast``."""
     if n.op != "call_module" or len(n.args) != 1 or n.kwargs:
         return None
     x = n.args[0]
     r = rank_of.get(x) if isinstance(x, Node) else None
     path = str(n.target)
-    if r is None or not bn_applies(modules.get(path), r):
+    if r is None or not norm_applies(modules.get(path), r):
         return None
     return path, r
 
@@ -285,15 +287,15 @@ to_logical.kl_library = True
 
 def forward_statement(node: Node, kernel: bool, modules: dict[str, nn.Module]) -> Optional[list[str]]:
     """The candidate's lines (a comment, the statement) for a ``to_channels_last`` or ``to_logical``
-    node, or a ``pool2d_nhwc`` or a batch norm of the view (``norm_nhwc``) left to PyTorch (None:
+    node, or a ``pool2d_nhwc`` or a norm of the view (``norm_nhwc``) left to PyTorch (None:
     none of them): the input copy is, with
     ``kernel`` (cuda, in a candidate that builds an extension anyway), the extension's ``kl_to_cl``
     (a tiled shared-memory transpose, coalesced on both sides), else PyTorch's copy."""
     if node.op == "call_function" and node.target is pool2d_nhwc:
         return pool_forward_statement(node)
-    bn = bn_forward_statement(node, modules)
-    if bn is not None:
-        return bn
+    norm = norm_forward_statement(node, modules)
+    if norm is not None:
+        return norm
     if node.op != "call_function" or node.target not in (to_channels_last, to_logical):
         return None
     from agent.builtin.pysource import fmt, var
@@ -309,19 +311,24 @@ def forward_statement(node: Node, kernel: bool, modules: dict[str, nn.Module]) -
     return ["# the convolution's input in channels-last memory", stmt]
 
 
-def bn_forward_statement(node: Node, modules: dict[str, nn.Module]) -> Optional[list[str]]:
-    """The candidate's lines for a batch norm of the view left to PyTorch (None: not one): the
-    model's own module on the logical tensor, permuted back to the view."""
-    if node.op != "call_module" or not isinstance(modules.get(str(node.target)), BatchNormChannelsLast):
+def norm_forward_statement(node: Node, modules: dict[str, nn.Module]) -> Optional[list[str]]:
+    """The candidate's lines for a norm of the view left to PyTorch (None: not one): the model's own
+    module on the logical tensor, permuted back to the view (a group or instance norm's input and
+    output copied to contiguous memory, as ``norm_nhwc.apply_on_view`` does)."""
+    wrapper = modules.get(str(node.target)) if node.op == "call_module" else None
+    if not isinstance(wrapper, NormChannelsLast):
         return None
     from agent.builtin.pysource import attr_path, fmt, var
 
     r = len(node.meta["tensor_meta"].shape)
     to_logical = ", ".join(map(str, _inv(r)))
     to_view = ", ".join(map(str, _perm(r)))
-    return ["# batch norm of the channels-last view, on PyTorch",
-            f"{var(node)} = {attr_path(modules[str(node.target)].path)}({fmt(node.args[0])}.permute({to_logical}))"
-            f".permute({to_view})"]
+    if isinstance(wrapper.norm, nn.modules.batchnorm._BatchNorm):
+        call = f"{attr_path(wrapper.path)}({fmt(node.args[0])}.permute({to_logical})).permute({to_view})"
+    else:
+        call = (f"{attr_path(wrapper.path)}({fmt(node.args[0])}.permute({to_logical}).contiguous())"
+                f".permute({to_view}).contiguous()")
+    return [f"# {type(wrapper.norm).__name__} of the channels-last view, on PyTorch", f"{var(node)} = {call}"]
 
 
 def uses_to_channels_last(traced: Traced) -> bool:

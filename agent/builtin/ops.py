@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.fx import Node
 
-from agent.builtin.norm_nhwc import BatchNormChannelsLast
+from agent.builtin.norm_nhwc import NormChannelsLast
 
 
 REDUCTIONS = ("sum", "mean", "amax", "amin", "logsumexp", "softmax", "log_softmax")
@@ -355,15 +355,19 @@ def _classify_module(node: Node, mod: nn.Module) -> OpInfo:
     if isinstance(mod, (nn.Softmax, nn.LogSoftmax)):
         op = "softmax" if isinstance(mod, nn.Softmax) else "log_softmax"
         return _reduction(op, x, {"dim": mod.dim, "keepdim": True})
+    last = isinstance(mod, NormChannelsLast)        # a norm of the channels-last view (norm_nhwc.py)
+    if last:
+        mod, path = mod.norm, mod.path
+    cdim = -1 if last else 1                        # its channels: the view's last dimension
     if isinstance(mod, nn.GroupNorm):
         shp = shape_of(x)
-        if shp is None or len(shp) < 2 or shp[1] != mod.num_channels or mod.num_channels % mod.num_groups:
+        if shp is None or len(shp) < 2 or shp[cdim] != mod.num_channels or mod.num_channels % mod.num_groups:
             raise Unsupported("GroupNorm input shape does not match the module")
         ops: list[Any] = [x]
         if mod.affine:
             ops += _attrs(mod, path, ("weight", "bias"), (mod.num_channels,))
         return OpInfo("norm", "group_norm", ops, {"groups": int(mod.num_groups), "eps": float(mod.eps),
-                                                  "affine": bool(mod.affine), "module": path})
+                                                  "affine": bool(mod.affine), "module": path, "channels_last": last})
     if isinstance(mod, nn.LayerNorm):
         shp = shape_of(x)
         ns = tuple(int(s) for s in mod.normalized_shape)
@@ -388,13 +392,11 @@ def _classify_module(node: Node, mod: nn.Module) -> OpInfo:
         ops = [x]
         if mod.affine:
             ops += _attrs(mod, path, ("weight", "bias"), (mod.num_features,))
-        return OpInfo("norm", "instance_norm", ops, {"eps": float(mod.eps), "affine": bool(mod.affine), "module": path})
-    last = isinstance(mod, BatchNormChannelsLast)      # on the channels-last view (norm_nhwc.py)
-    if last:
-        mod, path = mod.bn, mod.path
+        return OpInfo("norm", "instance_norm", ops, {"eps": float(mod.eps), "affine": bool(mod.affine), "module": path,
+                                                     "channels_last": last})
     if isinstance(mod, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
         shp = shape_of(x)
-        if shp is None or len(shp) < 2 or shp[-1 if last else 1] != mod.num_features:
+        if shp is None or len(shp) < 2 or shp[cdim] != mod.num_features:
             raise Unsupported("BatchNorm input shape does not match the module")
         ops = [x]
         if mod.affine:

@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from agent.builtin import conv, pool
 from agent.builtin.exact_bits import gives_pytorch_bits, node_gives_pytorch_bits
-from agent.builtin.norm_nhwc import BatchNormChannelsLast, apply_on_view
+from agent.builtin.norm_nhwc import NormChannelsLast, apply_on_view
 from agent.builtin.ops import ModuleAttr
 from agent.builtin.plan import resolve_alias
 from agent.builtin.rng import isolated_rng
@@ -163,10 +163,13 @@ def _plan_norm(op: str, vals: list[Any], params: dict[str, Any], flags: tuple) -
         return F.layer_norm(x, x.shape[x.dim() - params["nd"]:], w, b, eps)
     w, b = (rest[0], rest[1]) if params.get("affine") else (None, None)
     rest = rest[2:] if params.get("affine") else rest
-    if op == "group_norm":
-        return F.group_norm(x, params["groups"], w, b, eps)
-    if op == "instance_norm":
-        return F.instance_norm(x, weight=w, bias=b, eps=eps)
+    if op in ("group_norm", "instance_norm"):
+        def norm(t: torch.Tensor) -> torch.Tensor:
+            if op == "group_norm":
+                return F.group_norm(t, params["groups"], w, b, eps)
+            return F.instance_norm(t, weight=w, bias=b, eps=eps)
+        # on the view (N, *spatial, C): the norm of its logical tensor, back on the view (norm_nhwc.py)
+        return apply_on_view(norm, x) if params.get("channels_last") else norm(x)
     # batch_norm, as the kernel computes it: the batch's statistics when use_batch, the
     # running ones otherwise; with update, running = (1 - f) running + f stat (unbiased var)
     use_batch, update, factor = flags
@@ -283,9 +286,12 @@ class _Emulated:
             if n.op == "call_module":
                 plan = getattr(kg, "plan", None)          # (an attention or recurrent kernel has none)
                 wrapped = plan.traced.modules.get(str(n.target)) if plan is not None else None
-                if isinstance(wrapped, BatchNormChannelsLast):       # on the channels-last view (norm_nhwc.py)
+                if isinstance(wrapped, NormChannelsLast):       # on the channels-last view (norm_nhwc.py)
                     mod = self.model.get_submodule(wrapped.path)
-                    env[n] = apply_on_view(lambda t: self._torch_bn(mod, wrapped.path, t, by_attr, flags), args[0])
+                    if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+                        env[n] = apply_on_view(lambda t: self._torch_bn(mod, wrapped.path, t, by_attr, flags), args[0])
+                    else:
+                        env[n] = apply_on_view(mod, args[0])
                     continue
                 mod = self.model.get_submodule(str(n.target))
                 if isinstance(mod, nn.modules.batchnorm._BatchNorm):
