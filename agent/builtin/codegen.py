@@ -296,36 +296,26 @@ class GroupCode:
             lines.append(f"const int64_t rows = kl_prod(sp, 0, {rank - nd});")
             vals = ["rows", "1", "D", "D", "D", "D", "1", "1"]
             cnt = "D"
-        elif p.get("channels_last"):
-            # a norm of the channels-last view (N, *spatial, C), norm_nhwc.py. A batch norm: row c is
-            # column c of the (N * spatial, C) matrix, its elements C apart. A group norm: row
-            # (n, g) is S segments of its cpg channels, C apart, from n * S * C + g * cpg (the
-            # kernels' two-level row base; an instance norm: cpg = 1)
-            lines.append(f"const int64_t N = sp[0], C = sp[{rank - 1}];")
-            lines.append(f"const int64_t S = kl_prod(sp, 1, {rank - 1});")
-            cnt = "C"
-            if op == "group_norm":
-                g = p["groups"]
-                lines.append(f"TORCH_CHECK(C % {g} == 0, who, \": channels are not divisible by the groups\");")
-                lines.append(f"const int64_t cpg = C / {g};")
-                vals = [f"N * {g}", "S", "cpg", "C", "cpg", "C", "cpg", "S"]
-            elif op == "instance_norm":
-                vals = ["N * C", "S", "1", "C", "1", "C", "1", "S"]
-            else:
-                vals = ["C", "N * S", "1", "C", "1", "C", "1", "S"]
         else:
-            lines.append("const int64_t N = sp[0], C = sp[1];")
-            lines.append(f"const int64_t S = kl_prod(sp, 2, {rank});")
+            # rows of (rows, nseg, seglen, segstride, rowstride). On the channels-last view (N, *spatial,
+            # C), norm_nhwc.py: a batch norm's row c is column c of the (N * spatial, C) matrix, its
+            # elements C apart; a group norm's row (n, g) is S segments of its cpg channels, C apart,
+            # from n * S * C + g * cpg (the kernels' two-level row base; an instance norm: cpg = 1)
+            last = bool(p.get("channels_last"))
+            cdim, s0, s1 = (rank - 1, 1, rank - 1) if last else (1, 2, rank)
+            lines.append(f"const int64_t N = sp[0], C = sp[{cdim}];")
+            lines.append(f"const int64_t S = kl_prod(sp, {s0}, {s1});")
             cnt = "C"
             if op == "group_norm":
                 g = p["groups"]
                 lines.append(f"TORCH_CHECK(C % {g} == 0, who, \": channels are not divisible by the groups\");")
                 lines.append(f"const int64_t cpg = C / {g};")
-                vals = [f"N * {g}", "1", "cpg * S", "cpg * S", "cpg * S", "C", "cpg", "S"]
+                vals = ([f"N * {g}", "S", "cpg", "C", "cpg"] if last
+                        else [f"N * {g}", "1", "cpg * S", "cpg * S", "cpg * S"]) + ["C", "cpg", "S"]
             elif op == "instance_norm":
-                vals = ["N * C", "1", "S", "S", "S", "C", "1", "S"]
+                vals = (["N * C", "S", "1", "C", "1"] if last else ["N * C", "1", "S", "S", "S"]) + ["C", "1", "S"]
             else:
-                vals = ["C", "N", "S", "C * S", "S", "C", "1", "S"]
+                vals = (["C", "N * S", "1", "C", "1"] if last else ["C", "N", "S", "C * S", "S"]) + ["C", "1", "S"]
         for v in vals:
             lines.append(f"meta.push_back((long long)({v}));")
         if op == "batch_norm":
