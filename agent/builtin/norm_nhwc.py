@@ -28,7 +28,8 @@ SUFFIX = "_kl_nhwc"
 
 class NormChannelsLast(nn.Module):
     """``norm`` (the module at ``path``) applied to the permuted channels-last view ``(N, *spatial, C)``,
-    the result on the view again: ``norm(x.permute(0, r-1, 1, ..)).permute(0, 2, .., 1)``, no copy."""
+    the result on the view again: ``norm(x.permute(0, r-1, 1, ..)).permute(0, 2, .., 1)`` (a group or
+    instance norm through contiguous copies: ``apply_on_view``)."""
 
     def __init__(self, norm: nn.Module, path: str):
         super().__init__()
