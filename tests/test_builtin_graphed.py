@@ -148,7 +148,8 @@ def test_the_replay_is_judged_correct_and_its_kernels_are_its_own():
 def test_the_replay_updates_the_buffers_once_per_call_and_keeps_earlier_outputs():
     """Three calls on fresh inputs: outputs as the reference's, batch norm's running statistics and
     step counts as the reference's after each call (the warm-ups undone), and the first call's
-    output unchanged by the later replays (outputs are clones)."""
+    output unchanged by the later replays (outputs are clones). Then in eval mode (the running
+    statistics: a graph of its own) and after a move away and back (the graphs dropped)."""
     _cuda()
     import types
 
