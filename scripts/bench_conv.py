@@ -12,9 +12,10 @@ convolution in PyTorch's default layout, the layout before this change; ``nhwc``
 sandbox builds it (same seed) and fed the same inputs; the candidates are checked against eager
 (allclose at atol = rtol = 1e-2, KernelBench v0's fp32 tolerance, for the geomeans; the largest
 absolute error is printed, and ", outside 1e-4" where KernelBench's fp32 check today, and the judge's
-tolerance, would refuse it: torch.compile's output is checked the same way) and timed with CUDA events (median of --reps after --warmup calls), all under the run's
-default numerics ``fp32/default`` (PyTorch's own TF32 switches: cuDNN convolutions may use TF32,
-matmuls not), one after another in this process. Candidates and torch.compile are built first
+tolerance, would refuse it: torch.compile's output is checked the same way) and timed with CUDA
+events (median of --reps after --warmup calls), all under the run's default numerics
+``fp32/default`` (PyTorch's own TF32 switches: cuDNN convolutions may use TF32, matmuls not), one
+after another in this process. Candidates and torch.compile are built first
 in --jobs worker processes (their caches are on disk), so the timing loop only loads them.
 Prints per task the times (ms) and the ratios candidate/compile and candidate/eager, then the
 geomeans.
@@ -160,18 +161,14 @@ def bench(path: Path, extra: dict[str, Path], warmup: int, reps: int, prof: bool
             _profile("eager", ref, xs)
         comp = torch.compile(make_model(task.Model, task, 1, "cuda", num))
         row["ms"]["compile"] = _time(comp, xs, warmup, reps)
-        gotc = comp(*xs)          # torch.compile's own output, checked as the candidates are
-        row["err"]["compile"] = float((gotc.float() - want.float()).abs().max())
-        row["kb"]["compile"] = bool(torch.allclose(gotc.float(), want.float(), atol=1e-4, rtol=1e-4))
+        # torch.compile's own output, checked as the candidates are
+        row["err"]["compile"], _, row["kb"]["compile"] = _check(comp(*xs), want)
         if prof:
             _profile("compile", comp, xs)
         for label, src in srcs.items():
             try:
                 model = make_model(_load(src, f"{path.stem}_{label}"), task, 1, "cuda", num)
-                got = model(*xs)
-                row["err"][label] = float((got.float() - want.float()).abs().max())
-                row["ok"][label] = bool(torch.allclose(got.float(), want.float(), atol=1e-2, rtol=1e-2))
-                row["kb"][label] = bool(torch.allclose(got.float(), want.float(), atol=1e-4, rtol=1e-4))
+                row["err"][label], row["ok"][label], row["kb"][label] = _check(model(*xs), want)
                 row["ms"][label] = _time(model, xs, warmup, reps)
                 if prof:
                     _profile(label, model, xs)
@@ -236,6 +233,15 @@ def main() -> int:
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0
+
+
+def _check(got: Any, want: Any) -> tuple[float, bool, bool]:
+    """(largest absolute error, within atol = rtol = 1e-2, within 1e-4) of an output against eager's."""
+    import torch
+
+    got, want = got.float(), want.float()
+    return (float((got - want).abs().max()), bool(torch.allclose(got, want, atol=1e-2, rtol=1e-2)),
+            bool(torch.allclose(got, want, atol=1e-4, rtol=1e-4)))
 
 
 def _geo(xs: list[float]) -> float:
