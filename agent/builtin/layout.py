@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.shape_prop import ShapeProp
 
-from agent.builtin.norm_nhwc import NormChannelsLast, applies as norm_applies, target_for as nhwc_target
+from agent.builtin.norm_nhwc import NormChannelsLast, applies as norm_applies, copies_for, target_for as nhwc_target
 from agent.builtin.ops import OpInfo, shape_of
 from agent.builtin.pool import forward_statement as pool_forward_statement
 from agent.builtin.pool import pool2d_nhwc, supported as pool_supported
@@ -323,7 +323,7 @@ def norm_forward_statement(node: Node, modules: dict[str, nn.Module]) -> Optiona
     r = len(node.meta["tensor_meta"].shape)
     to_logical = ", ".join(map(str, _inv(r)))
     to_view = ", ".join(map(str, _perm(r)))
-    if isinstance(wrapper.norm, nn.modules.batchnorm._BatchNorm):
+    if not copies_for(wrapper.norm):
         call = f"{attr_path(wrapper.path)}({fmt(node.args[0])}.permute({to_logical})).permute({to_view})"
     else:
         call = (f"{attr_path(wrapper.path)}({fmt(node.args[0])}.permute({to_logical}).contiguous())"

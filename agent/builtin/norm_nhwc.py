@@ -37,20 +37,25 @@ class NormChannelsLast(nn.Module):
         self.path = path
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return apply_on_view(self.norm, x)
+        return apply_on_view(self.norm, x, copies_for(self.norm))
 
 
-def apply_on_view(norm, x: torch.Tensor) -> torch.Tensor:
+def apply_on_view(norm, x: torch.Tensor, copies: bool) -> torch.Tensor:
     """``norm`` (a callable on the logical tensor) applied to the view ``x`` ``(N, *spatial, C)``: its
-    logical permutation in, the result permuted back to the view (both views, no copy). A group or
-    instance norm gets its input in contiguous (logical) memory and gives its result back contiguous
-    on the view: PyTorch's CPU group norm of a channels-last tensor measured 1e-3 off a float64 run
-    where the contiguous one is 3e-6 off."""
+    logical permutation in, the result permuted back to the view (both views, no copy). With
+    ``copies`` (a group or instance norm: ``copies_for``) the input goes in contiguous (logical)
+    memory and the result comes back contiguous on the view: PyTorch's CPU group norm of a
+    channels-last tensor measured 1e-3 off a float64 run where the contiguous one is 3e-6 off."""
     r = x.dim()
     to_logical, to_view = (0, r - 1, *range(1, r - 1)), (0, *range(2, r), 1)
-    if isinstance(norm, nn.modules.batchnorm._BatchNorm):
+    if not copies:
         return norm(x.permute(*to_logical)).permute(*to_view)
     return norm(x.permute(*to_logical).contiguous()).permute(*to_view).contiguous()
+
+
+def copies_for(norm: nn.Module) -> bool:
+    """Whether ``apply_on_view`` copies for this norm module: all but a batch norm."""
+    return not isinstance(norm, nn.modules.batchnorm._BatchNorm)
 
 
 def target_for(path: str) -> str:

@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from agent.builtin import conv, pool
 from agent.builtin.exact_bits import gives_pytorch_bits, node_gives_pytorch_bits
-from agent.builtin.norm_nhwc import NormChannelsLast, apply_on_view
+from agent.builtin.norm_nhwc import NormChannelsLast, apply_on_view, copies_for
 from agent.builtin.ops import ModuleAttr
 from agent.builtin.plan import resolve_alias
 from agent.builtin.rng import isolated_rng
@@ -169,7 +169,7 @@ def _plan_norm(op: str, vals: list[Any], params: dict[str, Any], flags: tuple) -
                 return F.group_norm(t, params["groups"], w, b, eps)
             return F.instance_norm(t, weight=w, bias=b, eps=eps)
         # on the view (N, *spatial, C): the norm of its logical tensor, back on the view (norm_nhwc.py)
-        return apply_on_view(norm, x) if params.get("channels_last") else norm(x)
+        return apply_on_view(norm, x, copies=True) if params.get("channels_last") else norm(x)
     # batch_norm, as the kernel computes it: the batch's statistics when use_batch, the
     # running ones otherwise; with update, running = (1 - f) running + f stat (unbiased var)
     use_batch, update, factor = flags
@@ -289,9 +289,10 @@ class _Emulated:
                 if isinstance(wrapped, NormChannelsLast):       # on the channels-last view (norm_nhwc.py)
                     mod = self.model.get_submodule(wrapped.path)
                     if isinstance(mod, nn.modules.batchnorm._BatchNorm):
-                        env[n] = apply_on_view(lambda t: self._torch_bn(mod, wrapped.path, t, by_attr, flags), args[0])
+                        fn = lambda t: self._torch_bn(mod, wrapped.path, t, by_attr, flags)    # noqa: E731
                     else:
-                        env[n] = apply_on_view(mod, args[0])
+                        fn = mod
+                    env[n] = apply_on_view(fn, args[0], copies_for(mod))
                     continue
                 mod = self.model.get_submodule(str(n.target))
                 if isinstance(mod, nn.modules.batchnorm._BatchNorm):
