@@ -4,11 +4,14 @@
     python3 scripts/bench_conv.py --kb .kb --sources old=DIR ...   # also candidates written elsewhere
                                                                     # (DIR/<task>.py, e.g. by another checkout)
     python3 scripts/bench_conv.py --layouts nhwc --sources old=DIR ...   # this checkout's nhwc only
+    python3 scripts/bench_conv.py --layouts nchw,nchw+conv=direct,nhwc+reduce=twopass ...   # other knobs
+    python3 scripts/bench_conv.py --compile-fp32 ...   # torch.compile's model also timed with TF32 off
 
 For each KernelBench level-2 task (published sizes, cuda) it builds the reference and, from this
 checkout's builtin generator (``--model builtin``), the candidate in each layout (``nchw``: the
 convolution in PyTorch's default layout, the layout before this change; ``nhwc``: channels-last,
-``agent/builtin/layout.py``), all other knobs at their defaults. Every model is built as the
+``agent/builtin/layout.py``), all other knobs at their defaults; a variant ``LAYOUT+KNOB=VALUE+...``
+sets other knobs of ``agent.builtin.codegen.Knobs`` too). Every model is built as the
 sandbox builds it (same seed) and fed the same inputs; the candidates are checked against eager
 (allclose at atol = rtol = 1e-2, KernelBench v0's fp32 tolerance, for the geomeans; the largest
 absolute error is printed, and ", outside 1e-4" where KernelBench's fp32 check today, and the judge's
@@ -18,7 +21,9 @@ events (median of --reps after --warmup calls), all under the run's default nume
 after another in this process. Candidates and torch.compile are built first
 in --jobs worker processes (their caches are on disk), so the timing loop only loads them.
 Prints per task the times (ms) and the ratios candidate/compile and candidate/eager, then the
-geomeans.
+geomeans. ``--compile-fp32`` also times torch.compile's model with cuDNN's TF32 off (its convolutions
+in IEEE fp32, as the reference's own NCHW convolution is where cuDNN picks an fp32 algorithm): the
+figure of compile's output where it would pass the 1e-4 check, printed as ``compile-fp32`` beside it.
 """
 from __future__ import annotations
 
@@ -45,13 +50,33 @@ def _task_path(kb: Path, name: str) -> Path:
     return p
 
 
+def _knobs(variant: str) -> Any:
+    """``LAYOUT[+KNOB=VALUE...]`` as the builtin's Knobs (a value typed as the knob's default is)."""
+    from dataclasses import fields
+
+    from agent.builtin.codegen import Knobs
+
+    layout, *rest = variant.split("+")
+    if layout not in LAYOUTS:
+        raise SystemExit(f"--layouts: a variant starts with one of {', '.join(LAYOUTS)}, got {variant!r}")
+    kinds = {f.name: type(getattr(Knobs(), f.name)) for f in fields(Knobs)}
+    knobs: dict[str, Any] = {"layout": layout}
+    for item in rest:
+        key, _, value = item.partition("=")
+        if key not in kinds or not value:
+            raise SystemExit(f"--layouts: {item!r} in {variant!r} is not KNOB=VALUE with a knob of "
+                             f"{', '.join(sorted(kinds))}")
+        kind = kinds[key]
+        knobs[key] = (value.lower() in ("1", "true", "yes")) if kind is bool else kind(value)
+    return Knobs(**knobs)
+
+
 def _sources(path: Path, extra: dict[str, Path], layouts: tuple[str, ...] = LAYOUTS) -> dict[str, str]:
     from agent.builtin import generate
-    from agent.builtin.codegen import Knobs
     from sandbox.tasks import read_spec
 
     spec = read_spec(path, name=f"level2/{path.stem}")
-    out = {lay: generate(spec, "cuda", Knobs(layout=lay)).source for lay in layouts}
+    out = {lay: generate(spec, "cuda", _knobs(lay)).source for lay in layouts}
     for label, d in extra.items():
         f = d / f"{path.stem}.py"
         if f.exists():
@@ -139,7 +164,7 @@ def _profile(label: str, fn, xs, calls: int = 5) -> None:
 
 
 def bench(path: Path, extra: dict[str, Path], warmup: int, reps: int, prof: bool = False,
-          layouts: tuple[str, ...] = LAYOUTS) -> dict[str, Any]:
+          layouts: tuple[str, ...] = LAYOUTS, compile_fp32: bool = False) -> dict[str, Any]:
     import torch
 
     from sandbox.harness import make_inputs, make_model
@@ -165,6 +190,10 @@ def bench(path: Path, extra: dict[str, Path], warmup: int, reps: int, prof: bool
         row["err"]["compile"], _, row["kb"]["compile"] = _check(comp(*xs), want)
         if prof:
             _profile("compile", comp, xs)
+        if compile_fp32:
+            with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+                row["ms"]["compile-fp32"] = _time(comp, xs, warmup, reps)
+                row["err"]["compile-fp32"], row["ok"]["compile-fp32"], row["kb"]["compile-fp32"] = _check(comp(*xs), want)
         for label, src in srcs.items():
             try:
                 model = make_model(_load(src, f"{path.stem}_{label}"), task, 1, "cuda", num)
@@ -183,7 +212,9 @@ def main() -> int:
     ap.add_argument("tasks", nargs="+", help="level-2 task names (file stems)")
     ap.add_argument("--kb", default="../shared/KernelBench", help="KernelBench checkout (level2/ below it)")
     ap.add_argument("--sources", action="append", default=[], help="LABEL=DIR of extra candidates DIR/<task>.py")
-    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="this checkout's layouts to build (comma-separated)")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS),
+                    help="this checkout's variants to build (comma-separated LAYOUT[+KNOB=VALUE...])")
+    ap.add_argument("--compile-fp32", action="store_true", help="also time torch.compile's model with cuDNN's TF32 off")
     ap.add_argument("--jobs", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--reps", type=int, default=50)
@@ -194,8 +225,8 @@ def main() -> int:
     extra = {s.split("=", 1)[0]: Path(s.split("=", 1)[1]) for s in a.sources}
     paths = [_task_path(kb, t) for t in a.tasks]
     layouts = tuple(x for x in a.layouts.split(",") if x)
-    if any(x not in LAYOUTS for x in layouts):
-        raise SystemExit(f"--layouts: each of {', '.join(LAYOUTS)}, got {a.layouts!r}")
+    for x in layouts:
+        _knobs(x)
     import multiprocessing
 
     t0 = time.perf_counter()
@@ -209,7 +240,7 @@ def main() -> int:
           f"(cuDNN TF32 {torch.backends.cudnn.allow_tf32}); ms = median of {a.reps} CUDA-event timings")
     rows = []
     for p in paths:
-        row = bench(p, extra, a.warmup, a.reps, p.stem in a.profile or "all" in a.profile, layouts)
+        row = bench(p, extra, a.warmup, a.reps, p.stem in a.profile or "all" in a.profile, layouts, a.compile_fp32)
         rows.append(row)
         ms = row["ms"]
         kb = lambda lab: "" if row["kb"].get(lab) else ", outside 1e-4"    # noqa: E731 - KernelBench's fp32 check
