@@ -60,7 +60,7 @@ def test_the_split_column_reductions_render_for_sum_max_and_logsumexp(monkeypatc
     assert two.source.count("_colpart<int><<<") == 2
 
 
-@pytest.mark.parametrize("name", ["norm_split", "reduce_split", "norm_cols"])
+@pytest.mark.parametrize("name", ["norm_split", "reduce_split", "norm_cols", "norm_long_rows"])
 def test_the_fixtures_are_judged_correct_on_the_cpu(name):
     """The fixtures themselves (prologues, the norms or reductions, epilogues) through the CPU sandbox."""
     from builtin_candidate import judge
@@ -89,8 +89,27 @@ def test_batch_norm_over_few_long_columns_takes_the_split_kernels(monkeypatch):
     compile(on.source, "cuda_candidate.py", "exec")
 
 
+def test_long_rows_take_the_split_kernels_however_many_rows_and_store_vectors():
+    """Rows of 65536 or more go to the split kernels even where they outnumber the SMs (level2/21's
+    group norm, 1024 rows of 258064: the block per row ran at 2.3 TB/s on an H200, the split's two
+    kernels at 3.4-3.9 on level2/73's batch norm); the normalising passes store four values at once
+    on the vector path, and there the per-channel operands are read at the channel's first element."""
+    spec = _spec("norm_long_rows")
+    cand = generate(spec, "cuda", Knobs(layout="nchw"))
+    assert _kinds(cand) == ["norm"] * 3
+    assert "if (L >= 16384 && (rows < sms || L >= 65536)) {" in cand.source
+    assert cand.source.count("*reinterpret_cast<float4*>(out + i0) = o;") >= 3 * 2   # each group's _fin and row kernels
+    assert "const I ch = base + kl_div(j0, dS) * S;" in cand.source       # the group norm's four share a plane
+    assert "const I ch = base + k * segstride;" in cand.source            # a batch or instance norm's segment is one
+    assert "[kl_off(ch, " in cand.source
+    assert "(meta[8] % 4 == 0)" in cand.source                            # the group norm's vectors need S % 4 == 0
+    compile(cand.source, "cuda_candidate.py", "exec")
+    scalar = generate(spec, "cuda", Knobs(layout="nchw", vec=False))
+    assert "out + i0" not in scalar.source and "[kl_off(ch, " not in scalar.source
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["norm_split", "reduce_split", "norm_cols"])
+@pytest.mark.parametrize("name", ["norm_split", "reduce_split", "norm_cols", "norm_long_rows"])
 @pytest.mark.parametrize("split", ["1", "0"])   # the split first: a short box should judge it
 def test_split_reductions_are_correct_on_a_gpu(monkeypatch, split, name):
     """The norms' rows (4-8, fewer than the SMs) and the column reductions (16 outputs) split into
@@ -102,9 +121,12 @@ def test_split_reductions_are_correct_on_a_gpu(monkeypatch, split, name):
     spec = with_device_sizes(_spec(name), "cuda")
     cand = generate(spec, "cuda", Knobs(layout="nchw"))
     assert ("part<int><<<" in cand.source) == (split == "1")
-    result = judge(spec, cand.source, "cuda")
-    assert result.status is Status.correct, (result.status, result.error_message, result.flags)
-    assert all(o.mismatched == 0 for t in result.trials for o in t.outputs)
+    # the long rows' vector path, and (split) their scalar one
+    knobs = [Knobs(layout="nchw")] + ([Knobs(layout="nchw", vec=False)] if name == "norm_long_rows" and split == "1" else [])
+    for k in knobs:
+        result = judge(spec, generate(spec, "cuda", k).source, "cuda")
+        assert result.status is Status.correct, (k, result.status, result.error_message, result.flags)
+        assert all(o.mismatched == 0 for t in result.trials for o in t.outputs)
 
 
 @pytest.mark.gpu

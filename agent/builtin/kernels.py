@@ -281,8 +281,17 @@ class KernelGroup:
     def per_channel(self, acc: Access) -> bool:
         """Whether a broadcast operand varies with the batch and channel dims only (its runs end
         at dim 1 of an (N, C, spatial...) space): constant over one channel's spatial values, so a
-        loop over them may index it at the channel's first element (``chan``)."""
-        return acc.kind == "runs" and len(self.p_shape) >= 3 and all(b <= 1 for _, b in acc.runs)
+        loop over them may index it at the channel's first element (``chan``). On a norm's
+        channels-last view (N, *spatial, C), where a column (the column kernels') is one sample's
+        channel (a group or instance norm) or one channel over every sample (a batch norm): runs
+        over the batch and the last dim only, or the last dim only."""
+        if acc.kind != "runs" or len(self.p_shape) < 3:
+            return False
+        if self.kind == "norm" and self.core_info.params.get("channels_last"):
+            last = len(self.p_shape) - 1
+            ok = {(last, last)} if self.op == "batch_norm" else {(0, 0), (last, last)}
+            return all(tuple(r) in ok for r in acc.runs)
+        return all(b <= 1 for _, b in acc.runs)
 
     # storage types ----------------------------------------------------------------------
     def _to_float(self, k: int, expr: str) -> str:
@@ -329,7 +338,7 @@ class KernelGroup:
         normalised dims; group norm: a group's channels x spatial; instance norm: the spatial size;
         batch norm: batch x spatial) picks a warp per row (``L <= 1024``) or a block per row; the
         split statistics run only where ``L >= 16384`` (and rows are fewer than the SMs, which the
-        launch reads from the GPU: kept for any GPU); BatchNorm over a spatial size of 1 with more
+        launch reads from the GPU, or ``L >= 65536``: kept for any GPU); BatchNorm over a spatial size of 1 with more
         than one row in the batch (and any norm of the channels-last view) takes the column
         tiles, split into chunks of rows where long (``_cpart``/``_cfin``)."""
         p, rank = self.core_info.params, len(sp)
