@@ -44,11 +44,11 @@ def test_the_split_norm_kernels_render_unless_switched_off_and_one_pass(monkeypa
     assert "_part" not in generate(_spec(), "cpu").source
 
 
-def test_the_split_column_reductions_render_for_sum_max_and_logsumexp(monkeypatch):
+def test_the_split_column_reductions_render_for_sum_max_mean_and_logsumexp(monkeypatch):
     spec = _spec("reduce_split")
     monkeypatch.setenv(SPLIT_REDUCE_ENV, "0")
     off = generate(spec, "cuda")
-    assert _kinds(off) == ["reduce"] * 3 and "_colpart" not in off.source
+    assert _kinds(off) == ["reduce"] * 4 and "_colpart" not in off.source
     monkeypatch.delenv(SPLIT_REDUCE_ENV, raising=False)
     on = generate(spec, "cuda")
     assert on.choices["groups"] == off.choices["groups"]
@@ -57,7 +57,12 @@ def test_the_split_column_reductions_render_for_sum_max_and_logsumexp(monkeypatc
     assert on.source.count("kl_lse_merge(m, s, w[0], w[1]);") == 1               # logsumexp merges (m, s) pairs
     # two-pass logsumexp keeps the one-thread-per-output column kernel
     two = generate(spec, "cuda", Knobs(reduce="twopass"))
-    assert two.source.count("_colpart<int><<<") == 2
+    assert two.source.count("_colpart<int><<<") == 3
+    # the sum, max and mean (one partial per output) have the vector path, four outputs a thread;
+    # the mean's bias, fixed along the reduced dim, read at each output's first element
+    assert on.source.count("float acc4[4] = ") == 3 and "(inner % 4 == 0)" in on.source
+    assert "[kl_off((base + 3), r" in on.source
+    assert "acc4" not in generate(spec, "cuda", Knobs(vec=False)).source
 
 
 @pytest.mark.parametrize("name", ["norm_split", "reduce_split", "norm_cols", "norm_long_rows"])

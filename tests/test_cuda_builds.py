@@ -86,12 +86,13 @@ def test_builtin_conv_and_pool_kernels_build(sandbox, variant):
     assert check.ok, f"{variant}: {check.status} {check.error_message}\n{(check.build.log if check.build else '')[-3000:]}"
 
 
-@pytest.mark.parametrize("name,kernels", [("norm_split", 4), ("reduce_split", 3)])
+@pytest.mark.parametrize("name,kernels", [("norm_split", 4), ("reduce_split", 4), ("norm_long_rows", 3)])
 def test_builtin_split_reduction_kernels_build(sandbox, monkeypatch, name, kernels):
     """Long reductions with few outputs split over blocks (KERNELLOOP_CUDA_SPLIT_REDUCE=1): the norms
     of norm_split.py (cuda_norm.cu.j2's _part/_fin: BatchNorm with running buffers, GroupNorm,
-    LayerNorm, InstanceNorm) and the column reductions of reduce_split.py (cuda_reduce.cu.j2's
-    _colpart/_colfin: sum, max, logsumexp)."""
+    LayerNorm, InstanceNorm) and norm_long_rows.py (long rows, per-channel operands), and the
+    column reductions of reduce_split.py (cuda_reduce.cu.j2's _colpart/_colfin: sum, max, logsumexp,
+    mean, the vector path of four outputs a thread)."""
     from agent.builtin import generate
     from agent.builtin.codegen import Knobs
     from agent.builtin.kernels import SPLIT_REDUCE_ENV

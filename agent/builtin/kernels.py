@@ -284,8 +284,14 @@ class KernelGroup:
         loop over them may index it at the channel's first element (``chan``). On a norm's
         channels-last view (N, *spatial, C), where a column (the column kernels') is one sample's
         channel (a group or instance norm) or one channel over every sample (a batch norm): runs
-        over the batch and the last dim only, or the last dim only."""
-        if acc.kind != "runs" or len(self.p_shape) < 3:
+        over the batch and the last dim only, or the last dim only. Of a reduction (its column
+        kernels, ``chan`` an output's first element): runs clear of the reduced dims."""
+        if acc.kind != "runs":
+            return False
+        if self.kind == "reduce":        # the column kernels: runs clear of the reduced dims
+            dims = self.core_info.params.get("dims")
+            return bool(dims) and all(b < dims[0] or a > dims[-1] for a, b in acc.runs)
+        if len(self.p_shape) < 3:
             return False
         if self.kind == "norm" and self.core_info.params.get("channels_last"):
             last = len(self.p_shape) - 1
