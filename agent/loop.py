@@ -77,6 +77,7 @@ class TaskProgress:
     best_ms: Optional[float] = None
     eager_ms: Optional[float] = None
     compile_ms: Optional[float] = None
+    compile_within: Optional[bool] = None   # torch.compile's own output within the tolerance (EvalResult)
     floor_ms: Optional[float] = None
     best_compile_speedup: Optional[float] = None
     stopped: str = ""
@@ -215,6 +216,7 @@ class OptimizeLoop:
         if source is not None:
             progress.eager_ms = source.eager_time.median_ms
             progress.compile_ms = source.compile_time.median_ms if source.compile_time else None
+            progress.compile_within = source.compile_within_tolerance if source.compile_time else None
             progress.floor_ms = source.floor_ms
         if announce:
             self.on_progress(progress)

@@ -186,8 +186,9 @@ class CandidateChecks:
                 self._steady(ref, timed, result)
                 if cfg.time_compile:
                     try:
-                        comp = ref.ask({**timed, "compiled": True})
+                        comp = ref.ask({**timed, "compiled": True, "check_compiled": True})
                         result.compile_time = Timing(**comp["timing"])
+                        _compile_check(result, comp)
                         self._one_window(ref, timed, result, compiled=True)
                     except RuntimeError as exc:
                         result.stderr += f"\n[kernelloop] torch.compile of the reference failed: {exc}"
@@ -318,7 +319,9 @@ class CandidateChecks:
                             verdict(e.get("samples") if samples_path else None, off, samples_path)
                     else:
                         try:
-                            times["compile"].append(Timing(**ref.ask({**ask, "compiled": True})["timing"]))
+                            comp = ref.ask({**ask, "compiled": True, "check_compiled": b == 0})
+                            times["compile"].append(Timing(**comp["timing"]))
+                            _compile_check(result, comp)
                         except RuntimeError as exc:
                             result.stderr += f"\n[kernelloop] torch.compile of the reference failed: {exc}"
                             time_compile, times["compile"] = False, []
@@ -561,6 +564,16 @@ def _raise_if_infra(reply: dict, cand: Any = None) -> None:
                or failures.candidate_oom(reply, getattr(cand, "device_share", 0)))
     if verdict is not None and verdict.infra:
         raise failures.InfraFailure(verdict.message, verdict.error_type)
+
+
+def _compile_check(result: EvalResult, reply: dict[str, Any]) -> None:
+    """torch.compile's output checked by the reference's worker (``check_compiled``), onto the result."""
+    check = reply.get("compile_check") or {}
+    if "within" in check:
+        result.compile_within_tolerance = bool(check["within"])
+        result.compile_max_abs_error = check.get("max_abs")
+    elif check.get("error"):
+        result.stderr += f"\n[kernelloop] torch.compile's output could not be checked: {check['error']}"
 
 
 def _timing_failed(result: EvalResult, reply: dict, cand: Any) -> None:

@@ -51,6 +51,10 @@ def print_result(r) -> None:
                           + (f", vs torch.compile {r.speedup_compile:.3f}x" if r.speedup_compile else "")
                           + (f"; roofline floor {r.floor_ms:.4g} ms ({r.floor_fraction:.1%} of it reached)"
                              if r.floor_ms else ""), highlight=False)
+    if r.compile_within_tolerance is False:
+        err = f" (largest difference {r.compile_max_abs_error:.2g})" if r.compile_max_abs_error is not None else ""
+        console.print(f"torch.compile's own output is outside the tolerance of eager's{err}: the speedup vs "
+                      f"torch.compile is quoted against a baseline KernelBench's check would refuse", highlight=False)
     if r.timed_runs_checked:
         console.print(f"timed runs checked: {r.timed_runs_checked} of {r.config.timed_runs} (a secret sample of "
                       f"each output against the reference)"

@@ -209,6 +209,10 @@ class EvalResult(BaseModel):
     compile_time: Optional[Timing] = None
     speedup_eager: Optional[float] = None
     speedup_compile: Optional[float] = None
+    # torch.compile's own output against eager's at the precision's tolerance (KernelBench's rule), on
+    # the first timed run's inputs: False where the baseline of speedup_compile computes something else
+    compile_within_tolerance: Optional[bool] = None
+    compile_max_abs_error: Optional[float] = None
 
     flags: list[Flag] = []
     custom_calls_per_forward: Optional[float] = None   # calls into the candidate's own extensions

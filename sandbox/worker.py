@@ -43,7 +43,7 @@ from sandbox.numerics import Numerics
 from sandbox.tasks import TaskSpec, exec_source, load_task
 from sandbox.warm_compile import ReferenceTurns, warm_compiled
 from sandbox.worker_util import (_PREWARMED, DeviceTurns, _copies, _equal_nan, _exc_payload, _memory_held, _recv,
-                                 _save_to, _send, double_copy, run_fp64, save_outputs, warm_up)
+                                 _save_to, _send, compiled_check, double_copy, run_fp64, save_outputs, warm_up)
 
 # Reference outputs precomputed for trials to come (each a full set of outputs on the device).
 MAX_PRECOMPUTED = 3
@@ -428,6 +428,10 @@ class Worker:
                 torch.cuda.empty_cache()
         reply = {"ok": True, "timing": t.model_dump(), "tampered": _tampered(),
                  "threads_started": threading.active_count() - threads_before}
+        if req.get("compiled") and req.get("check_compiled"):
+            self.step = "checking torch.compile's output"
+            reply["compile_check"] = compiled_check(self.model, self.compiled, lambda: make(0),
+                                                    self.numerics.tolerance, self.device)
         if checker is not None:
             self.step = "rechecking timed runs"
             reply["samples"] = checker.finish(self)

@@ -465,18 +465,25 @@ def test_optimize_table_gives_each_tasks_floor_fraction_and_their_geomean_with_t
 
     from agent.cli import _summary_table
 
-    def row(name, best_ms, floor_ms):
+    def row(name, best_ms, floor_ms, compile_within=None):
         return SimpleNamespace(name=name, round=1, attempts=2, correct=1, clean=1, eager_ms=4.0, compile_ms=3.0,
-                               best_ms=best_ms, floor_ms=floor_ms, best_speedup=2.0, best_compile_speedup=1.5,
-                               error=None, stopped="")
+                               compile_within=compile_within, best_ms=best_ms, floor_ms=floor_ms, best_speedup=2.0,
+                               best_compile_speedup=1.5, error=None, stopped="")
 
-    table = _summary_table([row("a", 2.0, 1.0), row("b", 4.0, 0.25), row("c", None, 0.5)], "t")
-    console = Console(width=400, record=True)
-    console.print(table)
-    text = " ".join(console.export_text().split())       # the caption wraps
+    def render(rows):
+        console = Console(width=400, record=True)
+        console.print(_summary_table(rows, "t"))
+        return " ".join(console.export_text().split())       # the caption wraps
+
+    text = render([row("a", 2.0, 1.0, True), row("b", 4.0, 0.25), row("c", None, 0.5)])
     assert "floor %" in text and "50.0%" in text and "6.2%" in text
     assert "geomean 17.7% over 2 task(s)" in text          # sqrt(0.5 * 0.0625)
     assert "3xTF32" in text
+    assert "†" not in text
+    # torch.compile's own output outside the tolerance (EvalResult.compile_within_tolerance): marked, and said why
+    text = render([row("a", 2.0, 1.0, False), row("b", 4.0, 0.25, True)])
+    assert text.count("3 †") == 1
+    assert "†: torch.compile's own output is outside the tolerance of eager's (KernelBench's check would refuse it)" in text
 
 
 def test_best_clean_picks_each_tasks_fastest_clean_attempt_convolutions_first():
