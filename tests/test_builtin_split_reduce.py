@@ -95,14 +95,14 @@ def test_batch_norm_over_few_long_columns_takes_the_split_kernels(monkeypatch):
 
 
 def test_long_rows_take_the_split_kernels_however_many_rows_and_store_vectors():
-    """Rows of 32768 or more go to the split kernels even where they outnumber the SMs (level2/21's
+    """Rows of 65536 or more go to the split kernels even where they outnumber the SMs (level2/21's
     group norm, 1024 rows of 258064: the block per row ran at 2.3 TB/s on an H200, the split's two
     kernels at 3.4-3.9 on level2/73's batch norm); the normalising passes store four values at once
     on the vector path, and there the per-channel operands are read at the channel's first element."""
     spec = _spec("norm_long_rows")
     cand = generate(spec, "cuda", Knobs(layout="nchw"))
     assert _kinds(cand) == ["norm"] * 3
-    assert "if (L >= 16384 && (rows < sms || L >= 32768)) {" in cand.source
+    assert "if (L >= 16384 && (rows < sms || L >= 65536)) {" in cand.source
     assert cand.source.count("*reinterpret_cast<float4*>(out + i0) = o;") >= 3 * 2   # each group's _fin and row kernels
     assert "const I ch = base + kl_div(j0, dS) * S;" in cand.source       # the group norm's four share a plane
     assert "const I ch = base + k * segstride;" in cand.source            # a batch or instance norm's segment is one
