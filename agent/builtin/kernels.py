@@ -344,9 +344,9 @@ class KernelGroup:
         normalised dims; group norm: a group's channels x spatial; instance norm: the spatial size;
         batch norm: batch x spatial) picks a warp per row (``L <= 1024``) or a block per row; the
         split statistics run only where ``L >= 16384`` (and rows are fewer than the SMs, which the
-        launch reads from the GPU, or ``L >= 65536``: kept for any GPU); BatchNorm over a spatial size of 1 with more
-        than one row in the batch (and any norm of the channels-last view) takes the column
-        tiles, split into chunks of rows where long (``_cpart``/``_cfin``)."""
+        launch reads from the GPU, or ``L >= 65536``: kept for any GPU); BatchNorm over a spatial
+        size of 1 with more than one row in the batch (and any norm of the channels-last view)
+        takes the column tiles, split into chunks of rows where long (``_cpart``/``_cfin``)."""
         p, rank = self.core_info.params, len(sp)
         if self.op == "layer_norm":
             n_batch, spatial, length = 0, 0, _numel(sp[rank - p["nd"]:])
