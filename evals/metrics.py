@@ -79,6 +79,7 @@ class AttemptRecord:
     candidate_ms: Optional[float] = None
     eager_ms: Optional[float] = None
     compile_ms: Optional[float] = None
+    compile_within: Optional[bool] = None  # torch.compile's own output within the tolerance (EvalResult)
     speedup_eager: Optional[float] = None
     speedup_compile: Optional[float] = None
     speedup_eager_ci: Optional[list[float]] = None     # [low, high]: 95% interval (sandbox.intervals)

@@ -105,6 +105,7 @@ def _record_from(attempt, name: str) -> AttemptRecord:
     rec.flags = [f.kind.value for f in result.flags]
     rec.flag_reasons = [f.reason for f in result.flags]
     rec.floor_fraction = result.floor_fraction
+    rec.compile_within = result.compile_within_tolerance
     if result.candidate_time is not None:
         rec.timing = result.candidate_time.convention
     if result.correct:

@@ -12,6 +12,8 @@ task's evaluations from all of them, and prints in markdown:
   tasks, geomeans vs eager and vs compile, tasks faster than compile, the slowest vs compile;
 * the geomean vs compile of the best after each round (a task's best so far: it never falls, so
   the table shows what each round added);
+* the tasks whose torch.compile output the judge found outside the tolerance of eager's (marked † in
+  the per-task table: their "vs compile" is against a baseline KernelBench's check would refuse);
 * how many evaluated attempts were ``contended`` (and how many of those for an unsteady reference
   window, ``sandbox.quiet.unsteady``);
 * the conservative reading for launch-bound tasks, whose reference windows vary by up to 3x between
@@ -96,7 +98,8 @@ def table(records: list[AttemptRecord]) -> str:
             if best:
                 by_round[rnd][t.task] = best
         floor = t.best_eager.floor_fraction if t.best_eager else None
-        lines.append(f"| {t.task} | {kind_of(t.task)} | {_fmt(t.speedup('eager'))} | {_fmt(t.speedup('compile'))} | "
+        dagger = " †" if any(r.compile_within is False for r in records if r.task == t.task) else ""
+        lines.append(f"| {t.task} | {kind_of(t.task)} | {_fmt(t.speedup('eager'))} | {_fmt(t.speedup('compile'))}{dagger} | "
                      f"{'-' if floor is None else f'{100 * floor:.1f}'} | " + " | ".join(so_far) + " |")
         kinds.setdefault(kind_of(t.task), []).append(t)
     out = ["\n".join(lines), "", "| kind | tasks | clean | geomean vs eager | geomean vs compile | faster than compile | slowest vs compile |",
@@ -112,6 +115,9 @@ def table(records: list[AttemptRecord]) -> str:
             + ", ".join(f"round {r} {_fmt(geomean(list(v.values())))} ({len(v)} tasks)" for r, v in by_round.items()),
             f"the same over the {len(first)} tasks clean in round {rounds[0] if rounds else '-'} (one set throughout): "
             + ", ".join(f"round {r} {_fmt(geomean([v[t] for t in first]))}" for r, v in by_round.items())]
+    off = sorted({r.task for r in records if r.compile_within is False}, key=_natural)
+    out.append(f"torch.compile's own output outside the tolerance of eager's (†): {len(off)} task(s)"
+               + (f": {', '.join(t.rsplit(chr(47), 1)[-1] for t in off)}" if off else ""))
     # how quiet the device was (sandbox.quiet): contended attempts are never clean, so they thin the table
     judged = [r for r in records if r.status is not None]
     contended = [r for r in judged if "contended" in r.flags]

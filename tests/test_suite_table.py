@@ -42,6 +42,20 @@ def test_a_suite_table_takes_each_tasks_best_and_its_best_after_each_round(tmp_p
     assert f"{geomean([2.5, 0.8, 1.2]):.2f}x" in kinds["all"]           # the geomean vs eager of those three
 
 
+def test_tasks_whose_compiled_baseline_fails_the_tolerance_are_marked_and_counted(tmp_path):
+    """A task whose evaluations found torch.compile's own output outside the tolerance (the stored
+    EvalResult.compile_within_tolerance, read into AttemptRecord.compile_within) carries a † beside its
+    best vs compile, and the table counts and names such tasks."""
+    records, _ = _run_a(tmp_path)
+    assert "torch.compile's own output outside the tolerance of eager's (†): 0 task(s)" in table(records)
+    for r in records:
+        if r.task == "level1/matmul":
+            r.compile_within = False
+    text = table(records)
+    assert _row(text, "level1/matmul")[3] == "1.88x †" and "†" not in _row(text, "level1/relu")[3]
+    assert "torch.compile's own output outside the tolerance of eager's (†): 1 task(s): matmul" in text
+
+
 def test_kinds_and_the_refusal_of_mixed_runs(tmp_path, capsys):
     assert kind_of("level2/72_ConvTranspose3d_BatchNorm_AvgPool_AvgPool") == "ConvTranspose"
     assert kind_of("level2/1_Conv2D_ReLU_BiasAdd") == "Conv2d"
