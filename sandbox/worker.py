@@ -430,8 +430,8 @@ class Worker:
                  "threads_started": threading.active_count() - threads_before}
         if req.get("compiled") and req.get("check_compiled"):
             self.step = "checking torch.compile's output"
-            reply["compile_check"] = compiled_check(self.model, self.compiled, lambda: make(0),
-                                                    self.numerics.tolerance, self.device)
+            reply["compile_check"] = compiled_check(self.model, self.compiled, lambda: make(0), self.numerics,
+                                                    self.device)
         if checker is not None:
             self.step = "rechecking timed runs"
             reply["samples"] = checker.finish(self)

@@ -14,7 +14,9 @@ from typing import Any, Optional
 import torch
 
 from hardware import clock
+from sandbox.compare import compare_outputs
 from sandbox.harness import flatten_outputs, is_plain_tensor
+from sandbox.result import EvalConfig
 
 # devices whose profiler was warmed up in this worker (before its candidate was known)
 _PREWARMED: dict[str, bool] = {}
@@ -209,28 +211,25 @@ def run_fp64(model64: Any, inputs64: list[Any], device: str) -> tuple[Any, Any]:
     return [x.detach() if isinstance(x, torch.Tensor) else x for x in flatten_outputs(out)], None
 
 
-def compiled_check(model: Any, compiled: Any, inputs: Any, tol: Any, device: str) -> dict[str, Any]:
+def compiled_check(model: Any, compiled: Any, inputs: Any, numerics: Any, device: str) -> dict[str, Any]:
     """torch.compile's output against the eager reference's on ``inputs()``, by KernelBench's rule
-    (allclose at the precision's tolerance ``tol``): the compiled baseline a speedup is quoted
-    against may itself compute something else (channels-last TF32 convolutions where the
-    reference's are full fp32). ``within``: every output within; ``max_abs``: the largest absolute
-    difference (None where the outputs are not plain tensors of the same shapes); ``error``, and
-    neither, where the extra forwards failed (out of memory on a large task: the timing stands)."""
+    (the judge's own comparison, ``sandbox.compare.compare_outputs``, at the precision's tolerance,
+    without the float64 rule): the compiled baseline a speedup is quoted against may itself compute
+    something else (channels-last TF32 convolutions where the reference's are full fp32).
+    ``within``: every output within; ``max_abs``: the largest absolute difference (None where the
+    outputs are not plain tensors of the same shapes); ``error``, and neither, where the extra
+    forwards failed (out of memory on a large task: the timing stands)."""
+    tol = numerics.tolerance.atol
     try:
         with torch.no_grad():
             xs = inputs()
             want, got = flatten_outputs(model(*xs)), flatten_outputs(compiled(*xs))
         if (len(want) != len(got) or not all(is_plain_tensor(x) for x in want + got)
                 or any(w.shape != g.shape for w, g in zip(want, got))):
-            return {"within": False, "max_abs": None, "tolerance": tol.atol}
-        worst, within = 0.0, True
-        for w, g in zip(want, got):
-            w, g = w.double(), g.double()
-            if w.numel():
-                d = (g - w).abs().masked_fill(g.isnan() & w.isnan(), 0.0)     # NaN where both are: equal
-                worst = max(worst, float(d.nan_to_num(float("inf")).max()))
-            within = within and bool(torch.allclose(g, w, atol=tol.atol, rtol=tol.rtol, equal_nan=True))
-        return {"within": within, "max_abs": worst, "tolerance": tol.atol}
+            return {"within": False, "max_abs": None, "tolerance": tol}
+        within, _, checks = compare_outputs(want, got, EvalConfig(numerics=numerics))
+        return {"within": within, "max_abs": max((c.max_abs_err or 0.0 for c in checks), default=0.0),
+                "tolerance": tol}
     except Exception as exc:  # noqa: BLE001 - reported, never the candidate's fault
         return {"error": f"{type(exc).__name__}: {exc}"[:400]}
     finally:

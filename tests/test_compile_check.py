@@ -15,28 +15,28 @@ from sandbox.numerics import Numerics
 from sandbox.worker_util import compiled_check
 
 FIXTURES = Path(__file__).parent / "fixtures" / "compile_check"
-TOL = Numerics().tolerance
+NUM = Numerics()
 
 
 def test_the_check_passes_equal_outputs_and_names_the_largest_difference():
     x = torch.randn(32, 16)
-    same = compiled_check(lambda t: t * 2, lambda t: t * 2, lambda: [x], TOL, "cpu")
+    same = compiled_check(lambda t: t * 2, lambda t: t * 2, lambda: [x], NUM, "cpu")
     assert same == {"within": True, "max_abs": 0.0, "tolerance": 1e-4}
-    off = compiled_check(lambda t: (t * 2, t), lambda t: (t * 2, t + 1e-3), lambda: [x], TOL, "cpu")
+    off = compiled_check(lambda t: (t * 2, t), lambda t: (t * 2, t + 1e-3), lambda: [x], NUM, "cpu")
     assert off["within"] is False and off["max_abs"] == pytest.approx(1e-3, rel=1e-3)
     # rtol: a large value 1e-5 off (relative 1e-6) is within KernelBench's 1e-4
-    assert compiled_check(lambda t: t * 0 + 100.0, lambda t: t * 0 + 100.00001, lambda: [x], TOL, "cpu")["within"] is True
+    assert compiled_check(lambda t: t * 0 + 100.0, lambda t: t * 0 + 100.00001, lambda: [x], NUM, "cpu")["within"] is True
     # NaN where both have it is equal; different shapes or a non-tensor output are outside
     nan = torch.tensor([float("nan"), 1.0])
-    assert compiled_check(lambda t: nan, lambda t: nan.clone(), lambda: [x], TOL, "cpu") == {"within": True, "max_abs": 0.0,
+    assert compiled_check(lambda t: nan, lambda t: nan.clone(), lambda: [x], NUM, "cpu") == {"within": True, "max_abs": 0.0,
                                                                              "tolerance": 1e-4}
-    assert compiled_check(lambda t: t, lambda t: t[:1], lambda: [x], TOL, "cpu")["within"] is False
-    assert compiled_check(lambda t: 1.0, lambda t: 1.0, lambda: [x], TOL, "cpu")["max_abs"] is None
+    assert compiled_check(lambda t: t, lambda t: t[:1], lambda: [x], NUM, "cpu")["within"] is False
+    assert compiled_check(lambda t: 1.0, lambda t: 1.0, lambda: [x], NUM, "cpu")["max_abs"] is None
 
     def boom(t):
         raise RuntimeError("CUDA out of memory")
 
-    assert compiled_check(lambda t: t, boom, lambda: [x], TOL, "cpu") == {"error": "RuntimeError: CUDA out of memory"}
+    assert compiled_check(lambda t: t, boom, lambda: [x], NUM, "cpu") == {"error": "RuntimeError: CUDA out of memory"}
 
 
 @pytest.mark.slow
