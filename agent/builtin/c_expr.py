@@ -18,6 +18,7 @@ import torch
 UNARY: dict[str, str] = {
     "relu": "({a} < 0.f ? 0.f : {a})",
     "neg": "(-{a})",
+    "copy": "({a})",
     "abs": "fabsf({a})",
     "exp": "expf({a})",
     "log": "logf({a})",

@@ -12,7 +12,7 @@ import torch
 from torch.fx import Node
 
 # operators that select or copy a value and never round: any implementation gives PyTorch's bits
-_EXACT = {"relu", "neg", "abs", "clamp_min", "clamp_max", "clamp", "hardtanh", "maximum", "minimum", "masked_fill"}
+_EXACT = {"copy", "relu", "neg", "abs", "clamp_min", "clamp_max", "clamp", "hardtanh", "maximum", "minimum", "masked_fill"}
 # one IEEE-754 basic operation of two float32 values: correctly rounded in PyTorch's CPU and CUDA
 # kernels (add and sub as a + 1 * b, exact in either order or fused; div as a / b where the divisor
 # is a tensor) and in the generated kernels (``c_expr.BINARY``: `(a + b)` in float, each node's
@@ -62,7 +62,7 @@ def node_gives_pytorch_bits(n: Node, info: Any) -> bool:
     if info.kind == "ew" and info.op in _EXACT:
         return True
     if info.kind == "pool":
-        return info.op == "max_pool2d"
+        return info.op in ("max_pool2d", "max_pool3d")
     if info.kind != "ew" or info.op not in _IEEE or not _f32_tensor(n) or len(info.operands) != 2:
         return False
     a, b = info.operands

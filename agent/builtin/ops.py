@@ -9,7 +9,7 @@ Every node of a traced reference is classified as one of
 * ``pool``    2-D max/avg pooling that ``pool.py`` matches (classified there, not here) - a core;
 * ``conv``    a small-K convolution that ``conv.py`` matches, under the ``conv`` knob's ``direct``
               only (the plan's classification, not this one's) - a core;
-* ``alias``   an identity (nn.Identity, dropout with p=0, ``contiguous``) - no code;
+* ``alias``   an identity (nn.Identity, dropout with p=0, ``contiguous``, ``detach``) - no code;
 * ``library`` a library operator (GEMM, convolution, pooling) - stays on PyTorch on purpose;
 * ``plumb``   shape plumbing (view, reshape, size, getitem) - stays on PyTorch, no kernel needed;
 * ``other``   anything else - stays on PyTorch, reported as *uncovered* with the reason.
@@ -182,6 +182,11 @@ _reg([F.group_norm], [], _fn("group_norm_f", ("num_groups", "weight", "bias", "e
 _reg([F.layer_norm], [], _fn("layer_norm_f", ("normalized_shape", "weight", "bias", "eps"), weight=None, bias=None, eps=1e-5))
 _reg([F.dropout], ["dropout"], _fn("dropout", ("p", "training", "inplace"), p=0.5, training=True, inplace=False))
 _reg([], ["contiguous"], _fn("contiguous", ("memory_format",), memory_format=torch.contiguous_format))
+# ``x.clone()`` is a copy: an elementwise identity into a tensor of its own (fused, it costs nothing; an
+# alias would let a later in-place update of ``x`` show through it). ``detach`` shares its source's memory
+# (an alias, as ``contiguous``): level2/20's ``x.clone().detach()`` of a convolution's output
+_reg([torch.clone], ["clone"], _fn("copy", ("memory_format",), memory_format=torch.preserve_format))
+_reg([torch.detach], ["detach"], _fn("detach"))
 
 _MODULE_UNARY: dict[type, str] = {
     nn.ReLU: "relu", nn.Sigmoid: "sigmoid", nn.Tanh: "tanh", nn.SiLU: "silu", nn.Mish: "mish",
@@ -456,6 +461,10 @@ def _from_spec(node: Node, spec: dict, skip_self: bool) -> OpInfo:
         raise Unsupported("dropout with p>0 is random: it stays on PyTorch")
     if op == "contiguous":
         return OpInfo("alias", "contiguous", [operands[0]])
+    if op == "detach":
+        return OpInfo("alias", "detach", [operands[0]])
+    if op == "copy":
+        return OpInfo("ew", "copy", [operands[0]])    # any memory format: the same values
     if op == "masked_fill":
         x, mask = operands
         value = params.get("value")

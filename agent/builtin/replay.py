@@ -102,7 +102,7 @@ def _t(v: Any, like: torch.Tensor) -> torch.Tensor:
 
 
 _EW: dict[str, Callable[..., torch.Tensor]] = {
-    "relu": lambda a, p: torch.relu(a), "neg": lambda a, p: -a, "abs": lambda a, p: a.abs(),
+    "relu": lambda a, p: torch.relu(a), "neg": lambda a, p: -a, "copy": lambda a, p: a.clone(), "abs": lambda a, p: a.abs(),
     "exp": lambda a, p: a.exp(), "log": lambda a, p: a.log(), "log1p": lambda a, p: a.log1p(),
     "expm1": lambda a, p: a.expm1(), "sqrt": lambda a, p: a.sqrt(), "rsqrt": lambda a, p: a.rsqrt(),
     "square": lambda a, p: a * a, "cube": lambda a, p: a * a * a, "reciprocal": lambda a, p: 1.0 / a,

@@ -35,6 +35,7 @@ _TANH = ("tl.where(tl.abs({a}) < 0.0625, {a} * (1.0 - {a} * {a} * (0.33333333333
 UNARY: dict[str, str] = {
     "relu": "tl.where({a} < 0.0, 0.0, {a})",
     "neg": "(-{a})",
+    "copy": "({a})",
     "abs": "tl.abs({a})",
     "exp": "tl.exp({a})",
     "log": "tl.log({a})",
