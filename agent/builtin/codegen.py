@@ -104,7 +104,9 @@ class GroupCode:
 
     @property
     def fixed_meta(self) -> int:
-        return {"ew": 2, "reduce": 4, "norm": 11, "pool": 8, "conv": 9}[self.kg.kind]
+        if self.kg.kind == "pool":          # a 3-D pool's D and OD after the 2-D meta
+            return 8 if len(self.kg.core_info.params["kernel"]) == 2 else 10
+        return {"ew": 2, "reduce": 4, "norm": 11, "conv": 9}[self.kg.kind]
 
     def _layout_meta(self) -> None:
         pos = self.fixed_meta
@@ -233,18 +235,23 @@ class GroupCode:
                 "out_ptr": f"out.data_ptr<{c_type(kg.out_dtype)}>()", "fmeta": fmeta}
 
     def _pool_sizes(self) -> list[str]:
-        """meta[1..7] of a pooling kernel (outputs, N, C, H, W, OH, OW) and its output shape ``osh``:
-        (N, C, OH, OW), or (N, OH, OW, C) on the channels-last view."""
+        """meta[1..7] of a pooling kernel (outputs, N, C, H, W, OH, OW), and for a 3-D one meta[8..9]
+        (D, OD), and its output shape ``osh``: (N, C, [OD,] OH, OW), or (N, [OD,] OH, OW, C) on the
+        channels-last view."""
         p = self.kg.core_info.params
-        (kh, kw), (sh, sw), (ph, pw) = p["kernel"], p["stride"], p["padding"]
+        nd = len(p["kernel"])
         nhwc = p["layout"] == "nhwc"
-        lines = [f"const int64_t N = sp[0], C = sp[{3 if nhwc else 1}], H = sp[{1 if nhwc else 2}], "
-                 f"W = sp[{2 if nhwc else 3}];",
-                 f"TORCH_CHECK(H + {2 * ph} >= {kh} && W + {2 * pw} >= {kw}, who, "
+        dims = "DHW"[3 - nd:]
+        first = 1 if nhwc else 2                       # the first pooled dimension of the input
+        sizes = [f"{d} = sp[{first + i}]" for i, d in enumerate(dims)]
+        lines = [f"const int64_t N = sp[0], C = sp[{nd + 1 if nhwc else 1}], {', '.join(sizes)};",
+                 f"TORCH_CHECK({' && '.join(f'{d} + {2 * pd} >= {kd}' for d, kd, pd in zip(dims, p['kernel'], p['padding']))}, who, "
                  '": the pooling window is larger than the padded input");',
-                 f"const int64_t OH = (H + {2 * ph} - {kh}) / {sh} + 1, OW = (W + {2 * pw} - {kw}) / {sw} + 1;",
-                 "const std::vector<int64_t> osh{" + ("N, OH, OW, C" if nhwc else "N, C, OH, OW") + "};"]
-        for v in ("N * C * OH * OW", "N", "C", "H", "W", "OH", "OW"):
+                 "const int64_t " + ", ".join(f"O{d} = ({d} + {2 * pd} - {kd}) / {sd} + 1"
+                                              for d, kd, sd, pd in zip(dims, p["kernel"], p["stride"], p["padding"])) + ";"]
+        outs = ", ".join(f"O{d}" for d in dims)
+        lines.append("const std::vector<int64_t> osh{" + (f"N, {outs}, C" if nhwc else f"N, C, {outs}") + "};")
+        for v in (f"N * C * {' * '.join(f'O{d}' for d in dims)}", "N", "C", "H", "W", "OH", "OW", *(("D", "OD") if nd == 3 else ())):
             lines.append(f"meta.push_back((long long)({v}));")
         return lines
 

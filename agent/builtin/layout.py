@@ -23,8 +23,8 @@ reads the convolution's output once. ``channels_last(traced)`` rewrites a traced
   NCHW kernel beats a copy back plus a separate kernel (session z measured the price of NCHW:
   cuDNN writing it took about twice its channels-last time on level2/17, 21, 85, 92);
 * 2-D pooling on a channels-last tensor keeps the layout, so the operators after it stay in the
-  permuted view too; a pooling the generated kernels reproduce (``pool.py``) runs on the view
-  itself (``pool2d_nhwc``), so it fuses with the chains around it.
+  permuted view too; a 2-D or 3-D pooling the generated kernels reproduce (``pool.py``) runs on the
+  view itself (``pool_nhwc``), so it fuses with the chains around it.
 
 The rewrite changes which memory each value lives in, never a value: the same operators in the
 same order on the same numbers (the reduction kernels' summation order over channels differs as
@@ -45,7 +45,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from agent.builtin.norm_nhwc import NormChannelsLast, applies as norm_applies, copies_for, target_for as nhwc_target
 from agent.builtin.ops import OpInfo, shape_of
 from agent.builtin.pool import forward_statement as pool_forward_statement
-from agent.builtin.pool import pool2d_nhwc, supported as pool_supported
+from agent.builtin.pool import pool_nhwc, supported as pool_supported
 from agent.builtin.trace import Traced
 
 LAYOUTS = ("nchw", "nhwc")
@@ -181,9 +181,10 @@ def channels_last(traced: Traced, infos: dict[Node, OpInfo]) -> Optional[Channel
 
     for n in nodes:
         pooled = pool_supported(n, modules, traced.device)
-        if pooled is not None and isinstance(pooled[0], Node) and rank_of.get(pooled[0]) == 4:
-            dom[n] = g.call_function(pool2d_nhwc, (view(pooled[0], 4), *pooled[1:]))
-            rank_of[n] = 4
+        pr = len(pooled[2]) + 2 if pooled is not None else None       # the pool's input rank
+        if pooled is not None and isinstance(pooled[0], Node) and rank_of.get(pooled[0]) == pr:
+            dom[n] = g.call_function(pool_nhwc, (view(pooled[0], pr), *pooled[1:]))
+            rank_of[n] = pr
             continue
         r = in_view(n)
         if r is not None:
@@ -287,11 +288,11 @@ to_logical.kl_library = True
 
 def forward_statement(node: Node, kernel: bool, modules: dict[str, nn.Module]) -> Optional[list[str]]:
     """The candidate's lines (a comment, the statement) for a ``to_channels_last`` or ``to_logical``
-    node, or a ``pool2d_nhwc`` or a norm of the view (``norm_nhwc``) left to PyTorch (None:
+    node, or a ``pool_nhwc`` or a norm of the view (``norm_nhwc``) left to PyTorch (None:
     none of them): the input copy is, with
     ``kernel`` (cuda, in a candidate that builds an extension anyway), the extension's ``kl_to_cl``
     (a tiled shared-memory transpose, coalesced on both sides), else PyTorch's copy."""
-    if node.op == "call_function" and node.target is pool2d_nhwc:
+    if node.op == "call_function" and node.target is pool_nhwc:
         return pool_forward_statement(node)
     norm = norm_forward_statement(node, modules)
     if norm is not None:

@@ -1,4 +1,4 @@
-"""2-D max and average pooling as the core of a fusion group (issue #35).
+"""2-D and 3-D max and average pooling as the core of a fusion group (issue #35).
 
 KernelBench's level-2 convolution tasks pool between two elementwise chains
 (``conv -> sub -> hardswish -> max_pool2d -> mish``). With pooling on the library the
@@ -11,7 +11,8 @@ to each pooled value before the one store (templates ``cuda_pool.cu.j2``, ``cpu_
 
 Matched exactly where the kernels compute PyTorch's result: ``F.max_pool2d``,
 ``torch.max_pool2d``, ``nn.MaxPool2d``, ``F.avg_pool2d``, ``nn.AvgPool2d`` on a batched
-(4-d) input with dilation 1, ``ceil_mode=False``, no indices returned, padding at most half
+(4-d) input, and their 3-D forms (``max_pool3d``, ``avg_pool3d``: level2's ConvTranspose3d tasks
+pool between chains too) on a batched 5-d input, with dilation 1, ``ceil_mode=False``, no indices returned, padding at most half
 the kernel, and for average pooling ``count_include_pad=True`` and no ``divisor_override``.
 Anything else stays the library's call. Semantics (float32 accumulation, the half types
 loaded and stored as ``dtypes`` says):
@@ -25,7 +26,7 @@ loaded and stored as ``dtypes`` says):
   area too.
 
 The ``layout`` knob's channels-last rewrite (``layout.py``) puts a supported pool on the
-permuted view ``(N, H, W, C)`` as ``pool2d_nhwc``, so the kernel reads the convolution's
+permuted view ``(N, H, W, C)`` (``(N, D, H, W, C)``) as ``pool_nhwc``, so the kernel reads the convolution's
 channels-last output in its memory order. Whether the pool is fused is the ``fusion`` knob's
 choice: ``max``/``no_prologue``/``split`` run it as a kernel, ``elementwise`` (like the
 reductions and norms) leaves it to the library, so measurement compares the two.
@@ -44,21 +45,32 @@ from torch.fx import Node
 from agent.builtin.ops import OpInfo, shape_of
 
 
-def pool2d_nhwc(x: torch.Tensor, op: str, kernel: tuple, stride: tuple, padding: tuple) -> torch.Tensor:
-    """2-D pooling of the permuted channels-last view ``(N, H, W, C)``, as a view ``(N, OH, OW, C)``:
-    the graph node ``layout.channels_last`` writes for a supported pool (on PyTorch: the pool of the
-    logical tensor, channels-last memory in and out, permuted back; no copy)."""
-    fn = F.max_pool2d if op == "max_pool2d" else F.avg_pool2d
-    return fn(x.permute(0, 3, 1, 2), kernel, stride, padding).permute(0, 2, 3, 1)
+_FN = {"max_pool2d": F.max_pool2d, "avg_pool2d": F.avg_pool2d, "max_pool3d": F.max_pool3d, "avg_pool3d": F.avg_pool3d}
 
 
-def _pair(v: Any) -> Optional[tuple[int, int]]:
+def _to_logical(rank: int) -> tuple[int, ...]:
+    return (0, rank - 1, *range(1, rank - 1))
+
+
+def _to_view(rank: int) -> tuple[int, ...]:
+    return (0, *range(2, rank), 1)
+
+
+def pool_nhwc(x: torch.Tensor, op: str, kernel: tuple, stride: tuple, padding: tuple) -> torch.Tensor:
+    """Pooling of the permuted channels-last view ``(N, H, W, C)`` (``(N, D, H, W, C)``), as a view
+    ``(N, OH, OW, C)`` (``(N, OD, OH, OW, C)``): the graph node ``layout.channels_last`` writes for a
+    supported pool (on PyTorch: the pool of the logical tensor, permuted back; no copy)."""
+    r = x.dim()
+    return _FN[op](x.permute(*_to_logical(r)), kernel, stride, padding).permute(*_to_view(r))
+
+
+def _ntuple(v: Any, n: int) -> Optional[tuple[int, ...]]:
     if isinstance(v, int) and not isinstance(v, bool):
-        return (v, v)
+        return (v,) * n
     if isinstance(v, (tuple, list)) and len(v) == 1 and isinstance(v[0], int):
-        return (v[0], v[0])
-    if isinstance(v, (tuple, list)) and len(v) == 2 and all(isinstance(a, int) and not isinstance(a, bool) for a in v):
-        return (int(v[0]), int(v[1]))
+        return (v[0],) * n
+    if isinstance(v, (tuple, list)) and len(v) == n and all(isinstance(a, int) and not isinstance(a, bool) for a in v):
+        return tuple(int(a) for a in v)
     return None
 
 
@@ -68,18 +80,21 @@ _MAX_PARAMS = (("kernel_size", None), ("stride", None), ("padding", 0), ("dilati
 _AVG_PARAMS = (("kernel_size", None), ("stride", None), ("padding", 0), ("ceil_mode", False),
                ("count_include_pad", True), ("divisor_override", None))
 _FUNCTIONS = {F.max_pool2d: ("max_pool2d", _MAX_PARAMS), torch.max_pool2d: ("max_pool2d", _MAX_PARAMS),
-              F.avg_pool2d: ("avg_pool2d", _AVG_PARAMS)}
+              F.avg_pool2d: ("avg_pool2d", _AVG_PARAMS), F.max_pool3d: ("max_pool3d", _MAX_PARAMS),
+              torch.max_pool3d: ("max_pool3d", _MAX_PARAMS), F.avg_pool3d: ("avg_pool3d", _AVG_PARAMS)}
+_MODULES = {nn.MaxPool2d: "max_pool2d", nn.AvgPool2d: "avg_pool2d", nn.MaxPool3d: "max_pool3d",
+            nn.AvgPool3d: "avg_pool3d"}
 
 
 def _call(node: Node, modules: dict[str, nn.Module]) -> Optional[tuple[str, Any, dict[str, Any]]]:
     """(op, input, parameters) of a pooling call, whatever form it was written in (None: not one)."""
     if node.op == "call_module":
         mod = modules.get(str(node.target))
-        if type(mod) not in (nn.MaxPool2d, nn.AvgPool2d) or len(node.args) != 1 or node.kwargs:
+        op = _MODULES.get(type(mod))
+        if op is None or len(node.args) != 1 or node.kwargs:
             return None
-        names = [n for n, _ in (_MAX_PARAMS if isinstance(mod, nn.MaxPool2d) else _AVG_PARAMS)]
-        return ("max_pool2d" if isinstance(mod, nn.MaxPool2d) else "avg_pool2d", node.args[0],
-                {n: getattr(mod, n) for n in names})
+        names = [n for n, _ in (_MAX_PARAMS if op.startswith("max") else _AVG_PARAMS)]
+        return op, node.args[0], {n: getattr(mod, n) for n in names}
     if node.op != "call_function" or node.target not in _FUNCTIONS:
         return None
     op, spec = _FUNCTIONS[node.target]
@@ -108,33 +123,35 @@ def fused_on(device: str) -> bool:
 
 
 def pool_info(node: Node, modules: dict[str, nn.Module], device: str) -> Optional[OpInfo]:
-    """The ``pool`` core of a supported 2-D max/avg pooling node (None: the library's call, also
-    wherever ``fused_on(device)`` is not)."""
+    """The ``pool`` core of a supported 2-D or 3-D max/avg pooling node (None: the library's call,
+    also wherever ``fused_on(device)`` is not). Its kernel, stride and padding have one entry per
+    pooled dimension (two or three)."""
     if not fused_on(device):
         return None
-    if node.op == "call_function" and node.target is pool2d_nhwc:
+    if node.op == "call_function" and node.target is pool_nhwc:
         x, op, k, s, p = node.args
         return OpInfo("pool", op, [x], {"kernel": k, "stride": s, "padding": p, "layout": "nhwc"})
     call = _call(node, modules)
     if call is None:
         return None
     op, x, params = call
+    nd = int(op[-2])                    # pooled dimensions: max_pool2d -> 2, avg_pool3d -> 3
     shape = shape_of(x)
-    k = _pair(params["kernel_size"])
+    k = _ntuple(params["kernel_size"], nd)
     stride = params["stride"]
-    s = k if stride is None or (isinstance(stride, (tuple, list)) and len(stride) == 0) else _pair(stride)
-    p = _pair(params["padding"])
-    if shape is None or len(shape) != 4 or k is None or s is None or p is None:
+    s = k if stride is None or (isinstance(stride, (tuple, list)) and len(stride) == 0) else _ntuple(stride, nd)
+    p = _ntuple(params["padding"], nd)
+    if shape is None or len(shape) != nd + 2 or k is None or s is None or p is None:
         return None
-    if min(k) < 1 or min(s) < 1 or min(p) < 0 or p[0] > k[0] // 2 or p[1] > k[1] // 2:
+    if min(k) < 1 or min(s) < 1 or min(p) < 0 or any(pi > ki // 2 for pi, ki in zip(p, k)):
         return None          # PyTorch's own error, or not a pooling we reproduce
     if params["ceil_mode"] is not False:
         return None
-    if op == "max_pool2d" and (_pair(params["dilation"]) != (1, 1) or params["return_indices"] is not False):
+    if op.startswith("max") and (_ntuple(params["dilation"], nd) != (1,) * nd or params["return_indices"] is not False):
         return None
-    if op == "avg_pool2d" and (params["count_include_pad"] is not True or params["divisor_override"] is not None):
+    if op.startswith("avg") and (params["count_include_pad"] is not True or params["divisor_override"] is not None):
         return None
-    if shape[2] + 2 * p[0] < k[0] or shape[3] + 2 * p[1] < k[1]:
+    if any(shape[2 + d] + 2 * p[d] < k[d] for d in range(nd)):
         return None
     return OpInfo("pool", op, [x], {"kernel": k, "stride": s, "padding": p, "layout": "nchw"})
 
@@ -154,18 +171,19 @@ def emulate(info: OpInfo, x: torch.Tensor) -> torch.Tensor:
     replay's float64)."""
     p = info.params
     if p["layout"] == "nhwc":
-        return pool2d_nhwc(x, info.op, p["kernel"], p["stride"], p["padding"])
-    fn = F.max_pool2d if info.op == "max_pool2d" else F.avg_pool2d
-    return fn(x, p["kernel"], p["stride"], p["padding"])
+        return pool_nhwc(x, info.op, p["kernel"], p["stride"], p["padding"])
+    return _FN[info.op](x, p["kernel"], p["stride"], p["padding"])
 
 
 def forward_statement(node: Node) -> Optional[list[str]]:
-    """The candidate's lines for a ``pool2d_nhwc`` node left to PyTorch (None: not one): the pool
+    """The candidate's lines for a ``pool_nhwc`` node left to PyTorch (None: not one): the pool
     of the logical tensor, permuted back to the view."""
-    if node.op != "call_function" or node.target is not pool2d_nhwc:
+    if node.op != "call_function" or node.target is not pool_nhwc:
         return None
     from agent.builtin.pysource import fmt, var
 
     x, op, k, s, p = node.args
-    return ["# 2-D pooling of the channels-last view, on PyTorch",
-            f"{var(node)} = F.{op}({fmt(x)}.permute(0, 3, 1, 2), {k!r}, {s!r}, {p!r}).permute(0, 2, 3, 1)"]
+    r = len(k) + 2
+    to_logical, to_view = ", ".join(map(str, _to_logical(r))), ", ".join(map(str, _to_view(r)))
+    return [f"# {len(k)}-D pooling of the channels-last view, on PyTorch",
+            f"{var(node)} = F.{op}({fmt(x)}.permute({to_logical}), {k!r}, {s!r}, {p!r}).permute({to_view})"]
