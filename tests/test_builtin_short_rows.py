@@ -1,0 +1,95 @@
+"""Short norm rows on CUDA (``templates/cuda_norm.cu.j2``, ``kl_row_lanes``): the warp-per-row kernel
+gave a row of 64 elements 16 lanes with one vector each and half the warp nothing, and ran level2/34's
+layer norm over W (4.2M rows of 64) at a quarter of the H200's bandwidth (2.2 ms, where inductor's
+kernel took 0.57). A short row now takes about four items a lane, several rows a warp, the last warp's
+spare lanes repeating the last row so that every lane takes part in the shuffles."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from agent.builtin import Knobs, generate
+from sandbox.tasks import read_spec, with_device_sizes
+
+FIXTURE = Path(__file__).parent / "fixtures" / "builtin" / "norm_short_rows.py"
+
+
+def _spec():
+    return read_spec(FIXTURE, name="fixtures/norm_short_rows")
+
+
+def _lanes(n: int) -> int:
+    """``kl_row_lanes`` (common.h.j2), as the kernel and its launch compute it."""
+    t = 1
+    while t < 32 and t * 4 < n:
+        t <<= 1
+    return t
+
+
+def test_row_lanes_give_about_four_items_a_lane():
+    assert [_lanes(n) for n in (1, 3, 4, 5, 16, 17, 64, 128, 129, 256, 1024)] == [1, 1, 1, 2, 4, 8, 16, 32, 32, 32, 32]
+
+
+def test_the_warp_kernel_and_its_launch_agree_on_the_lanes_a_row():
+    cand = generate(_spec(), "cuda", Knobs(graph="off"))
+    assert len([g for g in cand.choices["groups"] if g["kind"] == "norm"]) == 6
+    src = cand.source
+    helper = src.index("KL_HD inline int kl_row_lanes(long long n)")
+    assert "while (t < 32 && (long long)t * 4 < n) t <<= 1;" in src[helper:helper + 200]
+    # each of the six kernels: the lanes from the row's items on both sides, the shuffles over them,
+    # and the cache only where a row has a warp of its own
+    assert src.count("tpr = kl_row_lanes(vec4 ? L >> 2 : L)") == 6
+    assert src.count("const int tpr = kl_row_lanes(v4 ? L / 4 : L);") == 6
+    assert src.count("kl_warp_welford_group(wm, wm2, wn, tpr);") == 6
+    assert src.count("const int cache = tpr == 32 ? 1 : 0;") == 6
+    assert "if (update && sub == 0 && live) {" in src       # the batch norm's running buffers: once a row
+
+
+def test_short_rows_are_correct_in_the_cpu_sandbox():
+    """The fixture itself (the CPU kernels: rows as before) against PyTorch, so the GPU test's
+    reference is right."""
+    from builtin_candidate import judge
+    from sandbox.result import Status
+
+    cand = generate(with_device_sizes(_spec(), "cpu"), "cpu")
+    result = judge(_spec(), cand.source, "cpu")
+    assert result.status is Status.correct, (result.status, result.error_message,
+                                             result.build.first_error if result.build else None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("reduce", ["onepass", "twopass"])
+def test_short_rows_are_correct_on_a_gpu(reduce):
+    from builtin_candidate import judge
+    from sandbox.result import Status
+
+    cand = generate(with_device_sizes(_spec(), "cuda"), "cuda", Knobs(reduce=reduce, graph="off"))
+    result = judge(_spec(), cand.source, "cuda")
+    assert result.status is Status.correct, (result.status, result.error_message,
+                                             result.build.first_error if result.build else None)
+    assert all(o.mismatched == 0 for t in result.trials for o in t.outputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_batch_norms_running_buffers_are_updated_once_a_row_on_a_gpu():
+    """Five channels, four rows a warp: the second warp's three spare lanes groups repeat channel 4,
+    which must still be updated once a forward (a second update would move it further)."""
+    from builtin_candidate import reference_and_candidate
+
+    spec = with_device_sizes(_spec(), "cuda")
+    cand = generate(spec, "cuda", Knobs(graph="off"))
+    task, ref, new = reference_and_candidate(spec, cand.source)
+    ref, new = ref.cuda(), new.cuda()
+    for seed in (1, 2, 3):
+        torch.manual_seed(seed)
+        inputs = [t.cuda() for t in task.get_inputs()]
+        with torch.no_grad():
+            ref(*inputs)
+            new(*inputs)
+    torch.testing.assert_close(new.bn.running_mean, ref.bn.running_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(new.bn.running_var, ref.bn.running_var, rtol=1e-5, atol=1e-6)
+    assert int(new.bn.num_batches_tracked) == int(ref.bn.num_batches_tracked) == 3
