@@ -47,6 +47,22 @@ def test_the_warp_kernel_and_its_launch_agree_on_the_lanes_a_row():
     assert "if (update && sub == 0 && live) {" in src       # the batch norm's running buffers: once a row
 
 
+def test_a_layer_norms_operand_constant_along_its_rows_is_read_at_the_rows_start():
+    """level2/3 and 34: the conv's bias (per channel) before a layer norm over W is the same for the
+    whole row; on the vector path it is read at the row's first element (``ch``), one index for the
+    row instead of a division per element. An operand varying along the row is read per element."""
+    import re
+
+    from agent.builtin.codegen import cuda_source_of
+
+    src = cuda_source_of(generate(_spec(), "cuda", Knobs(graph="off")).source)
+    warp = src[src.index("kl_g0_warp("):src.index("kl_g0_launch")]
+    assert "const I ch = base;" in warp
+    loads = set(re.findall(r"in\d\[[^\]]*\]", warp))
+    assert "in1[kl_off(ch, r1p0)]" in loads                   # rowbias (5, 7, 1): constant along W
+    assert "in2[kl_off(ch, r2p0)]" not in loads and "in2[kl_off(i, r2p0)]" in loads    # wbias (64,)
+
+
 def test_short_rows_are_correct_in_the_cpu_sandbox():
     """The fixture itself (the CPU kernels: rows as before) against PyTorch, so the GPU test's
     reference is right."""

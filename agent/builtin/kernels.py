@@ -284,8 +284,9 @@ class KernelGroup:
         loop over them may index it at the channel's first element (``chan``). On a norm's
         channels-last view (N, *spatial, C), where a column (the column kernels') is one sample's
         channel (a group or instance norm) or one channel over every sample (a batch norm): runs
-        over the batch and the last dim only, or the last dim only. Of a reduction (its column
-        kernels, ``chan`` an output's first element): runs clear of the reduced dims."""
+        over the batch and the last dim only, or the last dim only. Of a layer norm: runs before its
+        normalised dims. Of a reduction (its column kernels, ``chan`` an output's first element):
+        runs clear of the reduced dims."""
         if acc.kind != "runs":
             return False
         if self.kind == "reduce":        # the column kernels: runs clear of the reduced dims
@@ -297,6 +298,12 @@ class KernelGroup:
             last = len(self.p_shape) - 1
             ok = {(last, last)} if self.op == "batch_norm" else {(0, 0), (last, last)}
             return all(tuple(r) in ok for r in acc.runs)
+        if self.kind == "norm" and self.op == "layer_norm":
+            # a layer norm's row is its last nd dims (``chan``: the row's first element): an operand
+            # varying only over the dims before them (level2/3 and 34: the conv's bias, the rows
+            # along W) is constant along a row
+            lead = len(self.p_shape) - int(self.core_info.params["nd"])
+            return all(b < lead for _, b in acc.runs)
         return all(b <= 1 for _, b in acc.runs)
 
     # storage types ----------------------------------------------------------------------
