@@ -6,7 +6,7 @@ Every node of a traced reference is classified as one of
 * ``reduce``  a reduction over one contiguous run of dimensions (sum, mean, amax, amin,
               logsumexp, softmax, log_softmax) - the *core* of a fusion group;
 * ``norm``    GroupNorm, LayerNorm, InstanceNorm, BatchNorm - also a core;
-* ``pool``    2-D max/avg pooling that ``pool.py`` matches (classified there, not here) - a core;
+* ``pool``    2-D or 3-D max/avg pooling that ``pool.py`` matches (classified there, not here) - a core;
 * ``conv``    a small-K convolution that ``conv.py`` matches, under the ``conv`` knob's ``direct``
               only (the plan's classification, not this one's) - a core;
 * ``alias``   an identity (nn.Identity, dropout with p=0, ``contiguous``, ``detach``) - no code;

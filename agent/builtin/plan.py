@@ -2,7 +2,7 @@
 
 A *group* is a topologically ordered run of fusible nodes with one output (its last node):
 
-    prologue (elementwise, on the core's input shape) -> core (reduction, norm, 2-D pooling or direct convolution) -> epilogue (elementwise)
+    prologue (elementwise, on the core's input shape) -> core (reduction, norm, 2-D/3-D pooling or direct convolution) -> epilogue (elementwise)
 
 or an elementwise chain without a core. Groups grow greedily from producer to consumer;
 afterwards any group whose intermediate value is needed outside it is cut right after

@@ -12,8 +12,9 @@ to each pooled value before the one store (templates ``cuda_pool.cu.j2``, ``cpu_
 Matched exactly where the kernels compute PyTorch's result: ``F.max_pool2d``,
 ``torch.max_pool2d``, ``nn.MaxPool2d``, ``F.avg_pool2d``, ``nn.AvgPool2d`` on a batched
 (4-d) input, and their 3-D forms (``max_pool3d``, ``avg_pool3d``: level2's ConvTranspose3d tasks
-pool between chains too) on a batched 5-d input, with dilation 1, ``ceil_mode=False``, no indices returned, padding at most half
-the kernel, and for average pooling ``count_include_pad=True`` and no ``divisor_override``.
+pool between chains too) on a batched 5-d input, with dilation 1, ``ceil_mode=False``, no
+indices returned, padding at most half the kernel, and for average pooling
+``count_include_pad=True`` and no ``divisor_override``.
 Anything else stays the library's call. Semantics (float32 accumulation, the half types
 loaded and stored as ``dtypes`` says):
 
@@ -118,7 +119,9 @@ def fused_on(device: str) -> bool:
     """Whether pooling runs in the generated kernels on ``device``: yes, unless ``device`` is
     ``cuda`` and ``KERNELLOOP_CUDA_POOL=0``. The CUDA kernels were judged on an H200 in session q
     (``scripts/gpu_pool_check.py``: every output within float32 rounding of the reference, fused
-    faster than the library's pooling on every case); the CPU kernels are judged in CI."""
+    faster than the library's pooling on every case), the 3-D ones in session ac (the GPU tests, and
+    every candidate of nine level-2 tasks pooling a 3-D convolution's output judged correct); the CPU
+    kernels are judged in CI."""
     return device != "cuda" or os.environ.get(CUDA_POOL_ENV, "1") != "0"
 
 
