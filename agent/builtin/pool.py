@@ -120,7 +120,7 @@ def fused_on(device: str) -> bool:
     ``cuda`` and ``KERNELLOOP_CUDA_POOL=0``. The CUDA kernels were judged on an H200 in session q
     (``scripts/gpu_pool_check.py``: every output within float32 rounding of the reference, fused
     faster than the library's pooling on every case), the 3-D ones in session ac (the GPU tests, and
-    every candidate of nine level-2 tasks pooling a 3-D convolution's output judged correct); the CPU
+    every candidate of the nine level-2 tasks with 3-D pools judged there correct); the CPU
     kernels are judged in CI."""
     return device != "cuda" or os.environ.get(CUDA_POOL_ENV, "1") != "0"
 
