@@ -20,6 +20,7 @@ from agent.builtin.kernels import (LANES, NARROW_MAX_ELEMENTS, LAUNCH_VARIANTS, 
 from agent.builtin.layout import forward_statement, uses_to_channels_last
 from agent.builtin.c_expr import c_float
 from agent.builtin.plan import Plan
+from agent.builtin.pool import fixed_meta as pool_fixed_meta, wrapper_sizes
 from agent.builtin.pysource import fmt, pytorch_statement, var
 from agent.builtin.trace import Traced
 
@@ -104,8 +105,8 @@ class GroupCode:
 
     @property
     def fixed_meta(self) -> int:
-        if self.kg.kind == "pool":          # a 3-D pool's D and OD after the 2-D meta
-            return 8 if len(self.kg.core_info.params["kernel"]) == 2 else 10
+        if self.kg.kind == "pool":
+            return pool_fixed_meta(self.kg.core_info.params)
         return {"ew": 2, "reduce": 4, "norm": 11, "conv": 9}[self.kg.kind]
 
     def _layout_meta(self) -> None:
@@ -204,7 +205,7 @@ class GroupCode:
                 out_shape = "osh"
                 shape_e = "osh"
         elif kg.kind == "pool":
-            lines += self._pool_sizes()
+            lines += wrapper_sizes(self.kg.core_info.params)
             out_shape = shape_e = "osh"
         elif kg.kind == "conv":
             lines += self._conv_sizes()
@@ -233,27 +234,6 @@ class GroupCode:
         return {"name": kg.name, "describe": _c_str(kg.describe()), "signature": ", ".join(sig),
                 "body": lines, "in_ptrs": ", ".join(f"in{i.index}.data_ptr<{i.ctype}>()" for i in kg.inputs),
                 "out_ptr": f"out.data_ptr<{c_type(kg.out_dtype)}>()", "fmeta": fmeta}
-
-    def _pool_sizes(self) -> list[str]:
-        """meta[1..7] of a pooling kernel (outputs, N, C, H, W, OH, OW), and for a 3-D one meta[8..9]
-        (D, OD), and its output shape ``osh``: (N, C, [OD,] OH, OW), or (N, [OD,] OH, OW, C) on the
-        channels-last view."""
-        p = self.kg.core_info.params
-        nd = len(p["kernel"])
-        nhwc = p["layout"] == "nhwc"
-        dims = "DHW"[3 - nd:]
-        first = 1 if nhwc else 2                       # the first pooled dimension of the input
-        sizes = [f"{d} = sp[{first + i}]" for i, d in enumerate(dims)]
-        lines = [f"const int64_t N = sp[0], C = sp[{nd + 1 if nhwc else 1}], {', '.join(sizes)};",
-                 f"TORCH_CHECK({' && '.join(f'{d} + {2 * pd} >= {kd}' for d, kd, pd in zip(dims, p['kernel'], p['padding']))}, who, "
-                 '": the pooling window is larger than the padded input");',
-                 "const int64_t " + ", ".join(f"O{d} = ({d} + {2 * pd} - {kd}) / {sd} + 1"
-                                              for d, kd, sd, pd in zip(dims, p["kernel"], p["stride"], p["padding"])) + ";"]
-        outs = ", ".join(f"O{d}" for d in dims)
-        lines.append("const std::vector<int64_t> osh{" + (f"N, {outs}, C" if nhwc else f"N, C, {outs}") + "};")
-        for v in (f"N * C * {' * '.join(f'O{d}' for d in dims)}", "N", "C", "H", "W", "OH", "OW", *(("D", "OD") if nd == 3 else ())):
-            lines.append(f"meta.push_back((long long)({v}));")
-        return lines
 
     def _conv_ctx(self) -> dict[str, Any]:
         """The direct convolution's template context: its parameters, the CUDA tile, the shared

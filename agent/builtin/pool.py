@@ -190,3 +190,31 @@ def forward_statement(node: Node) -> Optional[list[str]]:
     to_logical, to_view = ", ".join(map(str, _to_logical(r))), ", ".join(map(str, _to_view(r)))
     return [f"# {len(k)}-D pooling of the channels-last view, on PyTorch",
             f"{var(node)} = F.{op}({fmt(x)}.permute({to_logical}), {k!r}, {s!r}, {p!r}).permute({to_view})"]
+
+
+def fixed_meta(params: dict[str, Any]) -> int:
+    """The meta entries a pooling kernel's launch reads before its operands' runs: meta[0] and
+    ``wrapper_sizes``' seven, and a 3-D pool's D and OD after them."""
+    return 8 if len(params["kernel"]) == 2 else 10
+
+
+def wrapper_sizes(params: dict[str, Any]) -> list[str]:
+    """The wrapper's C++ lines for a pooling kernel's sizes (``sp``: its input's sizes): meta[1..7]
+    (outputs, N, C, H, W, OH, OW), and for a 3-D pool meta[8..9] (D, OD), and its output shape ``osh``:
+    (N, C, [OD,] OH, OW), or (N, [OD,] OH, OW, C) on the channels-last view."""
+    nd = len(params["kernel"])
+    nhwc = params["layout"] == "nhwc"
+    dims = "DHW"[3 - nd:]
+    first = 1 if nhwc else 2                       # the first pooled dimension of the input
+    sizes = [f"{d} = sp[{first + i}]" for i, d in enumerate(dims)]
+    fits = " && ".join(f"{d} + {2 * pd} >= {kd}" for d, kd, pd in zip(dims, params["kernel"], params["padding"]))
+    outs = ", ".join(f"O{d}" for d in dims)
+    lines = [f"const int64_t N = sp[0], C = sp[{nd + 1 if nhwc else 1}], {', '.join(sizes)};",
+             f"TORCH_CHECK({fits}, who, " '": the pooling window is larger than the padded input");',
+             "const int64_t " + ", ".join(f"O{d} = ({d} + {2 * pd} - {kd}) / {sd} + 1" for d, kd, sd, pd
+                                          in zip(dims, params["kernel"], params["stride"], params["padding"])) + ";",
+             "const std::vector<int64_t> osh{" + (f"N, {outs}, C" if nhwc else f"N, C, {outs}") + "};"]
+    for v in (f"N * C * {' * '.join(f'O{d}' for d in dims)}", "N", "C", "H", "W", "OH", "OW",
+              *(("D", "OD") if nd == 3 else ())):
+        lines.append(f"meta.push_back((long long)({v}));")
+    return lines
