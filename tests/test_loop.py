@@ -284,13 +284,23 @@ def test_attempts_rounds_samples_parse_status_and_parents(first_run: LoopRun) ->
         assert t[tag]["sha256"] == hashlib.sha256(source(name).encode()).hexdigest(), tag
     assert t["D"]["sha256"] is None
     assert query(first_run.db, "SELECT parse_error FROM attempts WHERE id = ?", (t["D"]["attempt_id"],))[0][0]
-    # Round 0 has no parents; round 1's parents are round-0 attempts (the correct one first).
+    # Round 0 has no parents; round 1's parents are round-0 attempts: the correct one first where its
+    # evaluation is clean (``loop.choose_parents``: the fastest clean attempt, then the latest failures
+    # of distinct kinds by round and sample). On a loaded CI host its CPU timing can be flagged
+    # ``contended``: then it is no best, and both come in sample order (CI, session ac: [B, A]).
     round0 = {t["A"]["attempt_id"], t["B"]["attempt_id"]}
     assert t["A"]["parent_ids"] == [] and t["B"]["parent_ids"] == []
+    from sandbox.result import EvalResult
+
+    a_result = EvalResult.model_validate(t["A"]["evaluations"][0]["result"])
+    by_sample = [t[x]["attempt_id"] for x in sorted("AB", key=lambda x: t[x]["sample"])]
     for tag in ("C", "D"):
         parents = t[tag]["parent_ids"]
         assert parents and set(parents) <= round0, (tag, parents)
-        assert parents[0] == t["A"]["attempt_id"]
+        if a_result.clean:
+            assert parents[0] == t["A"]["attempt_id"], (tag, parents)
+        else:
+            assert parents == by_sample, (tag, parents, [f.kind.value for f in a_result.flags])
 
 
 def test_evaluations_verdicts_one_per_ok_attempt(first_run: LoopRun) -> None:
@@ -545,3 +555,26 @@ def test_progress_line_for_an_error_and_for_an_end_with_new_results() -> None:
                                          "so far, best 1.5x vs eager")
     p.stopped, p.error = "error", "RuntimeError: the store is gone"
     assert progress_line(p, last)[0] == "t: stopped: RuntimeError: the store is gone"
+
+
+def test_parents_are_the_fastest_clean_attempt_then_the_latest_failures_of_distinct_kinds() -> None:
+    """``choose_parents`` without the loop: a clean correct attempt leads whatever its sample; a correct
+    one flagged ``contended`` (its timing not to be trusted) is no best, and counts as one more kind,
+    in the order of rounds (latest first) and samples."""
+    from agent.loop import choose_parents
+    from agent.types import AttemptView
+    from sandbox.result import EvalResult, Flag, FlagKind, Status
+
+    def view(i: int, rnd: int, sample: int, status: Status, speedup: float = 1.0, flags=()) -> AttemptView:
+        result = EvalResult(status=status, task="t", device="cpu",
+                            speedup_eager=speedup if status is Status.correct else None,
+                            flags=[Flag(kind=k, reason="test") for k in flags])
+        return AttemptView(attempt_id=i, round=rnd, sample=sample, parse_status="ok", source="x", result=result)
+
+    slow, fast = view(1, 0, 0, Status.correct, 1.2), view(2, 0, 1, Status.correct, 1.5)
+    broken, wrong = view(3, 0, 2, Status.compile_error), view(4, 1, 0, Status.incorrect)
+    assert choose_parents([slow, fast, broken, wrong]) == [2, 4, 3]       # fastest clean, then by recency
+    busy = view(5, 0, 1, Status.correct, 3.0, [FlagKind.contended])
+    assert choose_parents([broken, busy]) == [5, 3]                        # no clean one: sample order
+    assert choose_parents([view(6, 0, 0, Status.compile_error), busy]) == [6, 5]
+    assert choose_parents([slow, busy, broken]) == [1, 5, 3]               # the clean one leads, not the faster busy one
