@@ -20,24 +20,31 @@ def _spec():
     return read_spec(FIXTURE, name="fixtures/norm_short_rows")
 
 
-def _lanes(n: int) -> int:
-    """``kl_row_lanes`` (common.h.j2), as the kernel and its launch compute it."""
-    t = 1
-    while t < 32 and t * 4 < n:
-        t <<= 1
-    return t
+def test_row_lanes_give_about_four_items_a_lane(tmp_path):
+    """``kl_row_lanes`` as the candidate's source has it (common.h.j2), compiled by the host's C++
+    compiler and run: a power of two from 1 to 32, about four items (vectors or elements) a lane."""
+    import re
+    import shutil
+    import subprocess
 
-
-def test_row_lanes_give_about_four_items_a_lane():
-    assert [_lanes(n) for n in (1, 3, 4, 5, 16, 17, 64, 128, 129, 256, 1024)] == [1, 1, 1, 2, 4, 8, 16, 32, 32, 32, 32]
+    cxx = shutil.which("g++") or shutil.which("c++")
+    assert cxx, "no C++ compiler (every CPU build of the tests needs one)"
+    src = generate(_spec(), "cuda", Knobs(graph="off")).source
+    fn = re.search(r"KL_HD inline int kl_row_lanes\(long long n\) \{.*?\n\}", src, re.S)
+    assert fn is not None
+    ns = (1, 3, 4, 5, 16, 17, 64, 128, 129, 256, 1024)
+    prog = tmp_path / "lanes.cpp"
+    prog.write_text("#include <cstdio>\n#define KL_HD\n" + fn.group(0) + "\nint main() {\n"
+                    + "".join(f'  std::printf("%d\\n", kl_row_lanes({n}));\n' for n in ns) + "}\n")
+    subprocess.run([cxx, "-O1", "-o", str(tmp_path / "lanes"), str(prog)], check=True)
+    out = subprocess.run([str(tmp_path / "lanes")], check=True, capture_output=True, text=True).stdout
+    assert [int(v) for v in out.split()] == [1, 1, 1, 2, 4, 8, 16, 32, 32, 32, 32]
 
 
 def test_the_warp_kernel_and_its_launch_agree_on_the_lanes_a_row():
     cand = generate(_spec(), "cuda", Knobs(graph="off"))
     assert len([g for g in cand.choices["groups"] if g["kind"] == "norm"]) == 6
     src = cand.source
-    helper = src.index("KL_HD inline int kl_row_lanes(long long n)")
-    assert "while (t < 32 && (long long)t * 4 < n) t <<= 1;" in src[helper:helper + 200]
     # each of the six kernels: the lanes from the row's items on both sides, the shuffles over them,
     # and the cache only where a row has a warp of its own
     assert src.count("tpr = kl_row_lanes(vec4 ? L >> 2 : L)") == 6
