@@ -231,7 +231,7 @@ def test_the_pool_kernels_are_correct_in_bfloat16():
 
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 def test_each_3d_pool_is_one_kernel_with_its_chains(layout):
-    """3-D pools (level2/6, 72, 78, 89 ... pool a ConvTranspose3d's output) fuse as the 2-D ones do."""
+    """3-D pools (level2/6, 72, 78, 89 ... pool a 3-D convolution's output) fuse as the 2-D ones do."""
     for device in ("cpu", "cuda"):
         cand = generate(_spec(CONV3D_POOL), device, Knobs(layout=layout))
         groups = _pool_groups(cand)
