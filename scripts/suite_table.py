@@ -87,6 +87,7 @@ def table(records: list[AttemptRecord]) -> str:
              "|---|---|---|---|---|" + "---|" * len(rounds)]
     by_round: dict[int, dict[str, float]] = {r: {} for r in rounds}
     kinds: dict[str, list] = {}
+    off = sorted({r.task for r in records if r.compile_within is False}, key=_natural)   # marked †
     for t in sorted(metrics.per_task, key=lambda t: (kind_of(t.task), _natural(t.task))):
         clean = [r for r in records if r.task == t.task and r.correct and r.speedup_compile]
         so_far: list[str] = []
@@ -98,7 +99,7 @@ def table(records: list[AttemptRecord]) -> str:
             if best:
                 by_round[rnd][t.task] = best
         floor = t.best_eager.floor_fraction if t.best_eager else None
-        dagger = " †" if any(r.compile_within is False for r in records if r.task == t.task) else ""
+        dagger = " †" if t.task in off else ""
         lines.append(f"| {t.task} | {kind_of(t.task)} | {_fmt(t.speedup('eager'))} | {_fmt(t.speedup('compile'))}{dagger} | "
                      f"{'-' if floor is None else f'{100 * floor:.1f}'} | " + " | ".join(so_far) + " |")
         kinds.setdefault(kind_of(t.task), []).append(t)
@@ -115,7 +116,6 @@ def table(records: list[AttemptRecord]) -> str:
             + ", ".join(f"round {r} {_fmt(geomean(list(v.values())))} ({len(v)} tasks)" for r, v in by_round.items()),
             f"the same over the {len(first)} tasks clean in round {rounds[0] if rounds else '-'} (one set throughout): "
             + ", ".join(f"round {r} {_fmt(geomean([v[t] for t in first]))}" for r, v in by_round.items())]
-    off = sorted({r.task for r in records if r.compile_within is False}, key=_natural)
     out.append(f"torch.compile's own output outside the tolerance of eager's (†): {len(off)} task(s)"
                + (f": {', '.join(t.rsplit(chr(47), 1)[-1] for t in off)}" if off else ""))
     # how quiet the device was (sandbox.quiet): contended attempts are never clean, so they thin the table
