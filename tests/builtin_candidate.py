@@ -18,15 +18,17 @@ def reference_and_candidate(spec: TaskSpec, source: str, seed: int = 5):
     return task, ref, ns["ModelNew"](*task.get_init_inputs())
 
 
-def judge(spec: TaskSpec, source: str, device: str = "cpu"):
+def judge(spec: TaskSpec, source: str, device: str = "cpu", numerics=None):
     """The sandbox's verdict on ``source`` for ``spec`` at ``device``'s sizes (2 trials, 2 timed runs,
-    no torch.compile, no profile): the builtin tests' check that generated kernels are correct."""
+    no torch.compile, no profile; ``numerics``: the default's where None): the builtin tests' check
+    that generated kernels are correct."""
     from sandbox.evaluate import evaluate
     from sandbox.numerics import Numerics
     from sandbox.result import EvalConfig
     from sandbox.tasks import with_device_sizes
 
-    cfg = EvalConfig(numerics=Numerics(), trials=2, warmup_runs=1, timed_runs=2, time_compile=False, profile=False)
+    cfg = EvalConfig(numerics=numerics or Numerics(), trials=2, warmup_runs=1, timed_runs=2, time_compile=False,
+                     profile=False)
     return evaluate(with_device_sizes(spec, device), source, device, cfg)
 
 

@@ -215,16 +215,14 @@ def test_max_pooling_propagates_nan_as_pytorch():
 def test_the_pool_kernels_are_correct_in_bfloat16():
     """Under bf16 the pool kernels load and store c10::BFloat16, pool and accumulate in float
     (the channels-last candidate, judged by the sandbox at bf16's tolerance)."""
-    from sandbox.evaluate import evaluate
+    from builtin_candidate import judge
     from sandbox.numerics import Numerics
-    from sandbox.result import EvalConfig, Status
+    from sandbox.result import Status
 
     numerics = Numerics(precision="bf16")
-    spec = with_device_sizes(_spec(), "cpu")
-    cand = generate(spec, "cpu", Knobs(layout="nhwc"), numerics=numerics)
+    cand = generate(with_device_sizes(_spec(), "cpu"), "cpu", Knobs(layout="nhwc"), numerics=numerics)
     assert len(_pool_groups(cand)) == 3 and "const c10::BFloat16* __restrict__ in0" in cand.source
-    cfg = EvalConfig(numerics=numerics, trials=2, warmup_runs=1, timed_runs=2, time_compile=False, profile=False)
-    result = evaluate(spec, cand.source, "cpu", cfg)
+    result = judge(_spec(), cand.source, "cpu", numerics)
     assert result.status is Status.correct, (result.status, result.error_message,
                                              result.build.first_error if result.build else None)
 
@@ -297,14 +295,11 @@ def test_the_cuda_3d_pool_kernels_are_correct_on_a_gpu(layout):
     so the check is of the pool kernels: under the default numerics cuDNN may run the candidate's
     channels-last 3-D convolution in TF32 where the reference's NCDHW one is IEEE (which layout is
     acceptable is the judge's call on each task, not this test's)."""
-    from sandbox.evaluate import evaluate
+    from builtin_candidate import judge
     from sandbox.numerics import Numerics
-    from sandbox.result import EvalConfig, Status
+    from sandbox.result import Status
 
-    cfg = EvalConfig(numerics=Numerics(math="strict"), trials=2, warmup_runs=1, timed_runs=2,
-                     time_compile=False, profile=False)
-    spec = with_device_sizes(_spec(CONV3D_POOL), "cuda")
-    result = evaluate(spec, _candidate_3d(layout, "cuda"), "cuda", cfg)
+    result = judge(_spec(CONV3D_POOL), _candidate_3d(layout, "cuda"), "cuda", Numerics(math="strict"))
     errors = [o.max_abs_err for t in result.trials for o in t.outputs]
     assert result.status is Status.correct, (result.status, result.error_message, errors,
                                              result.build.first_error if result.build else None)
