@@ -18,12 +18,23 @@ A run waits until its needs fit (closing idle references of other tasks first); 
 needs exceed a budget with nothing else admitted raises ``TaskTooLarge``, naming the bytes
 needed and available: its task is ``too_large``, and no candidate of it gets a verdict.
 
-A task's footprint is measured with its device **alone** (``Admission.alone``): no run admitted
-there, none admitted until the measurement ends, idle references left resident (the measuring
-process reads its own allocator, so they do not change its figures). Only a measurement that ran
-out of memory beside idle references is repeated with the whole device (closing them): before,
-every measurement took the whole device, so each new task of a run closed every other task's
-idle reference and they all started again.
+On ``cuda`` a task's footprint is first measured **beside** running work (``MemoryGate.footprint``,
+``sandbox.footprint.Beside``): the ledger admits the measurement for ``BESIDE_SHARE`` of the GPU's
+budget, the measuring process's caching allocator is capped at that (so the runs admitted beside
+it keep their room), and its load and measurement hold the slot's gate as background work (no
+timing runs beside them); up to ``BESIDE_AT_ONCE`` such measurements per GPU. The measuring
+process reads its own allocator, so what runs beside it does not change its figures; a
+measurement that ran out of memory under the cap, or whose allocator gave cached blocks back to
+stay under it (a peak that may read low), is repeated alone. (Every measurement used to wait for
+the device **alone**: on one H200 a level-2 run's new tasks then waited 15 s each, median, while
+the runs drained for one measurement after another; session ac.)
+
+Measured **alone** (``Admission.alone``; the CPU target, ``KERNELLOOP_FOOTPRINT_BESIDE=0``, or
+after a measurement beside): no run admitted there, none admitted until the measurement ends,
+idle references left resident (they do not change the measuring process's figures either). Only
+a measurement that ran out of memory beside idle references is repeated with the whole device
+(closing them): before, every measurement took the whole device, so each new task of a run
+closed every other task's idle reference and they all started again.
 
 Budgets (sizes as ``70GiB``, ``80GB``, a byte count, or a fraction such as ``0.9``):
 ``KERNELLOOP_GPU_MEMORY`` (per GPU, default 0.92 of its total memory),
@@ -35,17 +46,21 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import shutil
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
-from sandbox.footprint import Footprint, FootprintBook, env_bytes, human_bytes
+from sandbox.footprint import Beside, Footprint, FootprintBook, env_bytes, human_bytes
 
 GPU_ENV, HOST_ENV, SHM_ENV, CONTEXT_ENV = ("KERNELLOOP_GPU_MEMORY", "KERNELLOOP_HOST_MEMORY",
                                            "KERNELLOOP_SHM_MEMORY", "KERNELLOOP_CUDA_CONTEXT")
+BESIDE_ENV = "KERNELLOOP_FOOTPRINT_BESIDE"      # 0: every footprint measured with its device alone
+BESIDE_SHARE = 0.25     # of a GPU's budget: what one footprint measured beside running work is capped at
+BESIDE_AT_ONCE = 2      # such measurements at once per GPU
 GPU_DEFAULT_FRACTION = 0.92
 HOST_DEFAULT_FRACTION = 0.8
 SHM_DEFAULT_FRACTION = 0.9
@@ -269,13 +284,18 @@ class MemoryGate:
 
     def __init__(self, device: str, slots: int, numerics: Any, book: Optional[FootprintBook] = None,
                  budgets: Optional[dict[str, int]] = None,
-                 slot_env: Callable[[int], dict[str, str]] = lambda slot: {}):
+                 slot_env: Callable[[int], dict[str, str]] = lambda slot: {},
+                 device_work: Optional[Callable[[int, str], ContextManager[Any]]] = None):
+        """``device_work(slot, kind)``: the slot's gate for background work (``Sandbox``); without
+        it every footprint is measured alone."""
         self.device, self.numerics = device, numerics
         self.book = book or FootprintBook()
         self.admission = Admission(budgets if budgets is not None else default_budgets(device, slots))
         self.slot_env = slot_env
+        self.device_work = device_work
         self.context = env_bytes(CONTEXT_ENV, CUDA_CONTEXT_BYTES) if device == "cuda" else 0
         self._measuring: dict[str, threading.Lock] = {}
+        self._beside: dict[str, threading.BoundedSemaphore] = {}
 
     def _device_pool(self, slot: int) -> str:
         return gpu_pool(slot) if self.device == "cuda" else "host"
@@ -306,6 +326,9 @@ class MemoryGate:
         pool = self._device_pool(slot)
 
         def measure() -> Footprint:
+            fp = self._measured_beside(spec, slot, check_aborted, close_reference)
+            if fp is not None:
+                return fp
             with self._measuring.setdefault(pool, threading.Lock()):    # one measurement per device at a time
                 with self.admission.alone(pool, check_aborted) as beside:
                     fp = self.book.measure(spec, self.device, self.numerics, env=self.slot_env(slot))
@@ -328,6 +351,29 @@ class MemoryGate:
                 return fp
 
         return self.book.get(spec, self.device, self.numerics, measure)
+
+    def _measured_beside(self, spec: Any, slot: int, check_aborted: Callable[[], None],
+                         close_reference: Callable[[Any], None]) -> Optional[Footprint]:
+        """The footprint measured beside running work (see the module's notes), or None where it
+        must be measured alone: off cuda, without a gate, switched off, or where the measurement
+        ran out of memory under its cap or reached it."""
+        if self.device != "cuda" or self.device_work is None or os.environ.get(BESIDE_ENV, "1") == "0":
+            return None
+        pool = gpu_pool(slot)
+        cap = int(BESIDE_SHARE * self.admission.budgets[pool]) - self.context
+        if cap <= 0:
+            return None
+        with self._beside.setdefault(pool, threading.BoundedSemaphore(BESIDE_AT_ONCE)):
+            token = self.admission.admit(f"{spec.name} (measuring its footprint)",
+                                         {pool: self.context + cap, "host": WORKER_HOST_BYTES_CUDA},
+                                         close_reference=close_reference, check_aborted=check_aborted)
+            try:
+                fp = self.book.measure(spec, self.device, self.numerics, env=self.slot_env(slot),
+                                       beside=Beside(cap, lambda: self.device_work(slot, "footprint")))
+            finally:
+                self.admission.leave(token)
+        check_aborted()
+        return fp if fp.oom is None and not fp.cap_reached else None
 
     def plan(self, spec: Any, fp: Footprint, slot: int = 0) -> tuple[Footprint, bool]:
         """(the footprint the task's runs are admitted with, whether its float64 check runs).

@@ -118,7 +118,7 @@ class Sandbox:
         self.torch_version = torch.__version__
         # Workers are admitted against per-GPU, host and outputs budgets (sandbox.admission).
         self.memory = MemoryGate(device, len(self.slots), self.config.numerics, footprints,
-                                 memory_budgets, self._slot_env)
+                                 memory_budgets, self._slot_env, self._device_work)
         warm = DEFAULT_WARM_WORKERS.get(device, 2) if warm_workers is None else warm_workers
         # cpu: builds stopped while a timing is held (sandbox.pool.BuildPause); the gate keeps the
         # harness's own background work (references starting, warm-ups) out of timings on both targets

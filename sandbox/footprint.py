@@ -20,14 +20,28 @@ two kept outputs for the timing's spot checks.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 MEASURE_TIMEOUT_S = 900.0
+
+
+@dataclass(frozen=True)
+class Beside:
+    """A footprint measured beside running work (``MemoryGate.footprint``): the measuring
+    process's caching allocator capped at ``cap_bytes`` (``set_per_process_memory_fraction``:
+    what the admission ledger holds for it, so the runs admitted beside it keep their room),
+    and its work on the device held under ``device_work`` (the slot's gate, so that no timing
+    runs beside it). A measurement that runs out of memory under the cap, or whose allocator
+    had to give cached blocks back to stay under it, is no measure of the task alone."""
+
+    cap_bytes: int
+    device_work: Callable[[], ContextManager[Any]]
 
 
 @dataclass
@@ -52,6 +66,11 @@ class Footprint:
     # a plan, not a measurement (MemoryGate.plan): the candidate's copy of its inputs for the
     # mutation check kept in host memory instead of on the device
     inputs_copy_on_host: bool = False
+    # measured beside running work (``Beside``): the measuring process's allocator capped at these
+    # bytes (0: measured with the device alone); ``cap_reached``: the allocator gave cached blocks
+    # back to stay under the cap, so a peak may read low (the task is then measured again alone)
+    cap_bytes: int = 0
+    cap_reached: bool = False
 
     # ---- derived: what a candidate worker and the outputs in transit take ----------------
     @property
@@ -163,17 +182,26 @@ class _Meter:
             pass
         return None
 
+    def _device_frees(self) -> int:
+        return int(self.torch.cuda.memory_stats().get("num_device_free", 0)) if self.cuda else 0
+
     def reset(self) -> None:
         if self.cuda:
             self.torch.cuda.synchronize()
             self.torch.cuda.empty_cache()
             self.torch.cuda.reset_peak_memory_stats()
+            self._frees = self._device_frees()
             return
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")            # resets VmHWM to the current resident set
         except OSError:
             self.how = "process resident set (ru_maxrss: a high-water mark that cannot be reset)"
+
+    def gave_back(self) -> bool:
+        """Whether the caching allocator freed device memory since ``reset`` (it does so only to
+        make room: under a cap, a peak that would have been higher without it)."""
+        return self.cuda and self._device_frees() > getattr(self, "_frees", 0)
 
     def current(self) -> int:
         if self.cuda:
@@ -212,14 +240,23 @@ def measure_in_worker(worker: Any, req: dict[str, Any]) -> dict[str, Any]:
     model = worker.model
     params = sum(t.nbytes for t in list(model.parameters()) + list(model.buffers())) \
         if isinstance(model, torch.nn.Module) else 0
-    fig: dict[str, Any] = {"params_bytes": params, "measured_by": meter.how}
+    cap = int(getattr(worker, "memory_cap", 0) or 0)
+    fig: dict[str, Any] = {"params_bytes": params, "measured_by": meter.how, "cap_bytes": cap}
+
+    def peak() -> int:
+        """The peak since the meter's reset; under a cap, whether the allocator had to give back."""
+        if cap and meter.gave_back():
+            fig["cap_reached"] = True
+        return meter.peak()
+
     meter.reset()
     base = meter.current()
     fig["reference_resident_bytes"] = base
-    # The measuring worker has its device alone: running out of memory anywhere below (the
-    # forward, the trial, the compare: level1/45_Average_Pooling_2D's asked 16 GiB more beside
-    # 64) is the task's size, so its figures are lower bounds and the task too_large, never
-    # `unchecked`; any other exception (a full disk, say) is the harness's (sandbox.failures).
+    # Running out of memory anywhere below (the forward, the trial, the compare:
+    # level1/45_Average_Pooling_2D's asked 16 GiB more beside 64) is the task's size where the
+    # worker has its device alone, so its figures are lower bounds and the task too_large, never
+    # `unchecked` (under a cap the parent measures it again alone); any other exception (a full
+    # disk, say) is the harness's (sandbox.failures).
     try:
         inputs = make_inputs(worker.task, seed, worker.device, worker.numerics)
         fig["inputs_bytes"] = _tensor_bytes(inputs)
@@ -229,14 +266,14 @@ def measure_in_worker(worker: Any, req: dict[str, Any]) -> dict[str, Any]:
         fig["outputs_bytes"] = _tensor_bytes(out)
         fig["fp64_bytes"] = (_fp64_bytes(list(model.parameters()) + list(model.buffers()))
                              if isinstance(model, torch.nn.Module) else 0) + _fp64_bytes(inputs) + _fp64_bytes(out)
-        fig["forward_peak_bytes"] = max(meter.peak() - base, fig["inputs_bytes"] + fig["outputs_bytes"])
+        fig["forward_peak_bytes"] = max(peak() - base, fig["inputs_bytes"] + fig["outputs_bytes"])
         del inputs, out
         fp64 = bool(worker.numerics.fp64_check)
         meter.reset()
         failed = _trial_and_compare(worker, seed, fig, fp64=False)
         if failed:
             return _failed(fig, meter, base, failed)
-        fig["reference_peak_no_fp64_bytes"] = max(meter.peak(), base + fig["forward_peak_bytes"])
+        fig["reference_peak_no_fp64_bytes"] = max(peak(), base + fig["forward_peak_bytes"])
         fig["reference_peak_bytes"] = fig["reference_peak_no_fp64_bytes"]
         if fp64:
             # measured afresh: the first trial's cached blocks given back, its peak forgotten
@@ -246,7 +283,7 @@ def measure_in_worker(worker: Any, req: dict[str, Any]) -> dict[str, Any]:
             failed = _trial_and_compare(worker, seed, fig, fp64=True)
             if failed:
                 return _failed(fig, meter, base, failed, "the float64 run: ")
-            fig["reference_peak_bytes"] = max(meter.peak(), fig["reference_peak_no_fp64_bytes"])
+            fig["reference_peak_bytes"] = max(peak(), fig["reference_peak_no_fp64_bytes"])
     except BaseException as exc:  # noqa: BLE001
         if not _is_oom(exc):
             raise
@@ -312,40 +349,22 @@ def _died_of_memory(exc: BaseException) -> bool:
 
 
 def measure_footprint(spec: Any, device: str, numerics: Any, env: Optional[dict[str, str]] = None,
-                      timeout: float = MEASURE_TIMEOUT_S) -> Footprint:
-    """Run the task's reference in a worker of its own and read its figures. Raises
-    ``TaskFailed`` when the task's reference fails for its own reasons, ``InfraFailure`` when
-    the harness ran out of memory or disk, or the worker died without out-of-memory evidence."""
-    from sandbox.failures import InfraFailure, resource_exhausted
+                      timeout: float = MEASURE_TIMEOUT_S, beside: Optional[Beside] = None) -> Footprint:
+    """Run the task's reference in a worker of its own and read its figures. ``beside``: measured
+    beside running work (its imports off the slot's gate, its load and measurement under it, its
+    allocator capped). Raises ``TaskFailed`` when the task's reference fails for its own reasons,
+    ``InfraFailure`` when the harness ran out of memory or disk, or the worker died without
+    out-of-memory evidence."""
+    from sandbox.failures import InfraFailure
     from hardware.probe import cpu_model
     from sandbox.process import WorkerDied, WorkerProcess
-    from sandbox.reference import TaskFailed
 
     worker = WorkerProcess("reference", env=env)
     try:
-        reply = worker.ask({"role": "reference", "device": device, "out_dir": str(worker.out_dir),
-                            "task": spec.__dict__, "init_seed": 0, "warm_compile": False,
-                            "numerics": numerics.model_dump(mode="json")}, timeout)
-        fp = Footprint(task_key=spec.key, device=device, numerics=numerics.label,
-                       device_name=reply.get("device_name") or (cpu_model() if device == "cpu" else ""))
-        if not reply.get("ok"):
-            msg = f"{reply.get('error_type')}: {reply.get('error_message')}"
-            if not _is_oom(msg):
-                raise TaskFailed(f"the reference of {spec.name} failed to load: {msg}")
-            fp.oom = f"loading the model: {msg.splitlines()[0][:500]}"
-            return fp
-        reply = worker.ask({"op": "footprint"}, timeout)
-        if not reply.get("ok"):
-            error = f"{reply.get('error_type')}: {str(reply.get('error_message'))[:300]}"
-            kind = resource_exhausted(reply.get("error_type"), reply.get("error_message"), reply.get("errno"))
-            if kind is not None:        # the harness's own step: retried, then infra_error
-                raise InfraFailure(f"the harness ran out of {kind} while {reply.get('harness_step') or 'measuring'} "
-                                   f"in the reference's worker, measuring {spec.name}'s memory ({error})",
-                                   "MeasuringFailed")
-            raise TaskFailed(f"measuring {spec.name}'s memory: the reference failed: {error}")
-        for k, v in reply["footprint"].items():
-            setattr(fp, k, v)
-        return fp
+        if beside is not None:
+            worker.recv(timeout, until_event="imported")
+        with beside.device_work() if beside is not None else contextlib.nullcontext():
+            return _measured(worker, spec, device, numerics, timeout, beside.cap_bytes if beside else 0)
     except WorkerDied as exc:
         if not _died_of_memory(exc):
             raise InfraFailure(f"the worker measuring {spec.name}'s memory died: {exc}", "ReferenceDied") from None
@@ -356,6 +375,39 @@ def measure_footprint(spec: Any, device: str, numerics: Any, env: Optional[dict[
     finally:
         worker.close()
         worker.cleanup()
+
+
+def _measured(worker: Any, spec: Any, device: str, numerics: Any, timeout: float, cap: int) -> Footprint:
+    """``measure_footprint``'s two requests: the task loaded (its allocator capped at ``cap``
+    bytes where not 0), then measured."""
+    from sandbox.failures import InfraFailure, resource_exhausted
+    from hardware.probe import cpu_model
+    from sandbox.reference import TaskFailed
+
+    reply = worker.ask({"role": "reference", "device": device, "out_dir": str(worker.out_dir),
+                        "task": spec.__dict__, "init_seed": 0, "warm_compile": False,
+                        "numerics": numerics.model_dump(mode="json"),
+                        **({"memory_cap_bytes": cap} if cap else {})}, timeout)
+    fp = Footprint(task_key=spec.key, device=device, numerics=numerics.label, cap_bytes=cap,
+                   device_name=reply.get("device_name") or (cpu_model() if device == "cpu" else ""))
+    if not reply.get("ok"):
+        msg = f"{reply.get('error_type')}: {reply.get('error_message')}"
+        if not _is_oom(msg):
+            raise TaskFailed(f"the reference of {spec.name} failed to load: {msg}")
+        fp.oom = f"loading the model: {msg.splitlines()[0][:500]}"
+        return fp
+    reply = worker.ask({"op": "footprint"}, timeout)
+    if not reply.get("ok"):
+        error = f"{reply.get('error_type')}: {str(reply.get('error_message'))[:300]}"
+        kind = resource_exhausted(reply.get("error_type"), reply.get("error_message"), reply.get("errno"))
+        if kind is not None:        # the harness's own step: retried, then infra_error
+            raise InfraFailure(f"the harness ran out of {kind} while {reply.get('harness_step') or 'measuring'} "
+                               f"in the reference's worker, measuring {spec.name}'s memory ({error})",
+                               "MeasuringFailed")
+        raise TaskFailed(f"measuring {spec.name}'s memory: the reference failed: {error}")
+    for k, v in reply["footprint"].items():
+        setattr(fp, k, v)
+    return fp
 
 
 class FootprintBook:
@@ -397,8 +449,9 @@ class FootprintBook:
         if self._save is not None:
             self._save(spec, fp)
 
-    def measure(self, spec: Any, device: str, numerics: Any, env: Optional[dict[str, str]] = None) -> Footprint:
-        return self._measure(spec, device, numerics, env=env)
+    def measure(self, spec: Any, device: str, numerics: Any, env: Optional[dict[str, str]] = None,
+                beside: Optional[Beside] = None) -> Footprint:
+        return self._measure(spec, device, numerics, env=env, **({"beside": beside} if beside is not None else {}))
 
 
 def env_bytes(name: str, default: Optional[int], total: Optional[int] = None) -> Optional[int]:

@@ -53,6 +53,10 @@ _time_runs = timing.time_runs
 _tampered = clock.tampered_functions
 
 
+def _device_bytes() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
 class Worker:
     def __init__(self, conn: Connection, init: dict[str, Any]):
         self.conn = conn
@@ -77,8 +81,12 @@ class Worker:
         self.last_output_bytes = 0
         self.handoff = str(init.get("handoff") or "file")      # sandbox.handoff: how outputs reach compare
         self.exported = handoff.Exported()
-        if self.device == "cuda" and init.get("memory_fraction"):
-            torch.cuda.set_per_process_memory_fraction(float(init["memory_fraction"]))
+        # the allocator capped: a candidate's memory limit, or a footprint measured beside running work
+        # (sandbox.footprint.Beside: its cap in bytes)
+        self.memory_cap = int(init.get("memory_cap_bytes") or 0) if self.device == "cuda" else 0
+        fraction = init.get("memory_fraction") or (self.memory_cap and self.memory_cap / _device_bytes())
+        if self.device == "cuda" and fraction:
+            torch.cuda.set_per_process_memory_fraction(min(1.0, float(fraction)))
 
     # ---- candidate code -------------------------------------------------------
     def _exec_candidate(self) -> dict[str, Any]:
