@@ -114,7 +114,9 @@ def _summary_table(progress: list[Any], title: str) -> Table:
 def optimize_command(
     tasks: list[str] = typer.Argument(None, help="task files, directories or bundled names (seeds, level1/...)"),
     model: str = typer.Option("builtin", "--model", "-m", help="builtin | openai:<model> | replay:<run>"),
-    rounds: int = typer.Option(3, "--rounds", "-r", min=1),
+    rounds: Optional[int] = typer.Option(None, "--rounds", "-r", min=1,
+                                         help="rounds per task [default: 3]; with --resume, the run's own "
+                                              "rounds raised (or lowered) to this: its stored rounds are kept"),
     samples: int = typer.Option(2, "--samples", "-n", min=1, help="candidates per task per round"),
     device: Optional[str] = DeviceOption,
     critic: Optional[str] = typer.Option(None, "--critic", help="grounded | llm [default: follows the model]"),
@@ -188,6 +190,8 @@ def optimize_command(
         if kernel_backend and resolve_kernel_backend(kernel_backend, cfg.device) != cfg.eval.backend:
             fail(f"run {resume} was started with --backend {cfg.eval.backend or cfg.device}: --resume keeps its "
                  f"backend (drop --backend, or start a new run)")
+        if rounds is not None:      # the seeded round 0 (--seed-with) stays one of the run's rounds
+            cfg.rounds = rounds + (1 if cfg.seed_with else 0)
     else:
         dev = resolve_executor_device(device, executor)
         try:
@@ -200,7 +204,7 @@ def optimize_command(
                                      "reasoning_effort": reasoning_effort,
                                      "first_token_timeout_s": first_token_timeout, "stall_timeout_s": stall_timeout,
                                      "call_budget_s": call_budget}.items() if v is not None}
-        cfg = LoopConfig(model=model, device=dev, rounds=rounds + (1 if seed_with else 0), samples=samples,
+        cfg = LoopConfig(model=model, device=dev, rounds=(rounds or 3) + (1 if seed_with else 0), samples=samples,
                          critic=critic, seed_with=seed_with,
                          target_speedup=target_speedup, patience=patience,
                          eval=EvalConfig(trials=trials, timed_runs=timed_runs, time_compile=not no_compile,
@@ -230,7 +234,10 @@ def optimize_command(
         run_id = loop.start_run(specs, code_version())
     else:
         with store.session() as s:
-            s.get(Run, run_id).status = "running"
+            run = s.get(Run, run_id)
+            run.status = "running"
+            if run.config.get("rounds") != cfg.rounds:
+                run.config = {**run.config, "rounds": cfg.rounds}
     console.print(f"run {run_id}: {len(specs)} task(s), {cfg.rounds} round(s) x {cfg.samples} sample(s), "
                   f"model {cfg.model}, device {cfg.device} ({facts.name}), store {store.url}")
     if cfg.seed_with:

@@ -364,7 +364,11 @@ def measure_footprint(spec: Any, device: str, numerics: Any, env: Optional[dict[
         if beside is not None:
             worker.recv(timeout, until_event="imported")
         with beside.device_work() if beside is not None else contextlib.nullcontext():
-            return _measured(worker, spec, device, numerics, timeout, beside.cap_bytes if beside else 0)
+            try:
+                return _measured(worker, spec, device, numerics, timeout, beside.cap_bytes if beside else 0)
+            finally:
+                if beside is not None:      # its exit too: no process of it is left beside a timing
+                    worker.close()
     except WorkerDied as exc:
         if not _died_of_memory(exc):
             raise InfraFailure(f"the worker measuring {spec.name}'s memory died: {exc}", "ReferenceDied") from None

@@ -222,6 +222,27 @@ def test_a_resume_of_a_task_whose_rounds_are_all_stored_says_only_that_it_finish
     assert "correct:theverdict;clean:correctwithnodisqualifyingflag" in text
 
 
+def test_a_resume_with_more_rounds_runs_only_the_new_rounds_and_stores_the_runs_new_rounds(
+        first_run: LoopRun, loop_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A level-2 run of two rounds, resumed to four (session ad on one H200): its stored rounds
+    are kept, only the new ones are asked for, and the run's config says how many it now has."""
+    import shutil
+
+    db = tmp_path / "copy.db"
+    shutil.copy(first_run.db, db)
+    with serving(loop_env) as server:
+        server.reply(prose("E"))
+        server.reply(prose("F"))
+        result = invoke(["optimize", "--resume", str(first_run.run_id), "--rounds", "3", "--db", str(db)])
+        asked = len(server.requests)
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    assert asked == 2
+    assert query(db, "SELECT round, count(*) FROM attempts GROUP BY round ORDER BY round") == [(0, 2), (1, 2), (2, 2)]
+    (config,) = query(db, "SELECT config FROM runs WHERE id = ?", (first_run.run_id,))[0]
+    assert json.loads(config)["rounds"] == 3
+    assert "finished (3 round(s) done, 2 of them stored before this --resume)" in " ".join(result.output.split())
+
+
 def test_a_resume_given_other_tasks_than_its_runs_fails_naming_them_and_stores_nothing(
         first_run: LoopRun, loop_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A GPU lane resumed its store's last run with a new lane's task list: the run's own tasks
