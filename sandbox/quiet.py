@@ -246,10 +246,15 @@ class GpuWatch:
         except Exception:  # noqa: BLE001
             pass
         try:
-            first = self.since + sample_period_us(nv, self.handle, self.ident)   # samples stamped earlier began before the window
+            period = sample_period_us(nv, self.handle, self.ident)
+            first = self.since + period         # samples stamped earlier began before the window
             for s in nv.nvmlDeviceGetProcessUtilization(self.handle, self.since):
                 if s.pid not in allowed and s.smUtil > 0 and int(s.timeStamp) > first:
-                    found.append((s.pid, f"pid {s.pid} used {s.smUtil}% of the SMs"))
+                    # when, so that a flag can be told from a sample period longer than the device's
+                    # (session ad, one H200: 4 of 200 evaluations of rounds 0-1 and 16 of 200 of rounds 2-3 flagged so)
+                    found.append((s.pid, f"pid {s.pid} used {s.smUtil}% of the SMs (a sample stamped "
+                                         f"{(int(s.timeStamp) - self.since) / 1000:.0f} ms into the window; "
+                                         f"sample period {period / 1000:.0f} ms)"))
         except Exception as exc:  # noqa: BLE001
             # NVML's own error (not supported, no sample since `since`) is expected; anything else is
             # the harness's fault and is said, not swallowed (a TypeError here once skipped every check)
