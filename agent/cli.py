@@ -99,12 +99,15 @@ def _summary_table(progress: list[Any], title: str) -> Table:
     fractions = {p.name: p.floor_ms / p.best_ms for p in progress if p.floor_ms and p.best_ms}
     for p in progress:
         table.add_row(p.name, str(p.round), str(p.attempts), str(p.correct), str(p.clean), _fmt(p.eager_ms),
-                      _fmt(p.compile_ms) + (" †" if p.compile_within is False else ""),
+                      _fmt(p.compile_ms) + (" †" if p.compile_within is False else " ‡" if p.compile_fp64 else ""),
                       _fmt(p.best_ms), _fmt(p.floor_ms), _fmt_pct(fractions.get(p.name)),
                       _fmt(p.best_speedup, "x"), _fmt(p.best_compile_speedup, "x"), p.error or p.stopped)
     if any(p.compile_within is False for p in progress):
         table.caption += ("; †: torch.compile's own output is outside the tolerance of eager's (KernelBench's "
                           "check would refuse it)")
+    if any(p.compile_within is not False and p.compile_fp64 for p in progress):
+        table.caption += ("; ‡: torch.compile's own output is within the tolerance but fails the float64 rule "
+                          "(a candidate computing so would be flagged inaccurate)")
     if fractions:
         table.caption += (f"; floor %: the best clean attempt's {CONVENTION}; geomean "
                           f"{_fmt_pct(geometric_mean(fractions.values()))} over {len(fractions)} task(s)")

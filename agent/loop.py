@@ -78,6 +78,7 @@ class TaskProgress:
     eager_ms: Optional[float] = None
     compile_ms: Optional[float] = None
     compile_within: Optional[bool] = None   # torch.compile's own output within the tolerance (EvalResult)
+    compile_fp64: Optional[str] = None      # why its output fails the float64 rule (EvalResult.compile_fp64_note)
     floor_ms: Optional[float] = None
     best_compile_speedup: Optional[float] = None
     stopped: str = ""
@@ -217,6 +218,7 @@ class OptimizeLoop:
             progress.eager_ms = source.eager_time.median_ms
             progress.compile_ms = source.compile_time.median_ms if source.compile_time else None
             progress.compile_within = source.compile_within_tolerance if source.compile_time else None
+            progress.compile_fp64 = source.compile_fp64_note if source.compile_time else None
             progress.floor_ms = source.floor_ms
         if announce:
             self.on_progress(progress)

@@ -78,6 +78,7 @@ def verdict(result: EvalResult) -> dict[str, Any]:
         "eager_ms": _round(result.eager_time.median_ms if result.eager_time else None, 6),
         "compile_ms": _round(result.compile_time.median_ms if result.compile_time else None, 6),
         "compile_within_tolerance": result.compile_within_tolerance,
+        "compile_fp64_note": result.compile_fp64_note,
         "floor_ms": _round(result.floor_ms, 6), "floor_fraction": _round(result.floor_fraction),
         "numerics": cfg.numerics.label, "numerics_described": cfg.numerics.describe(),
         "convention": (f"medians of {cfg.timed_runs} timed runs each (candidate, reference eager"

@@ -80,6 +80,7 @@ class AttemptRecord:
     eager_ms: Optional[float] = None
     compile_ms: Optional[float] = None
     compile_within: Optional[bool] = None  # torch.compile's own output within the tolerance (EvalResult)
+    compile_fp64: Optional[str] = None     # why it fails the float64 rule (EvalResult.compile_fp64_note)
     speedup_eager: Optional[float] = None
     speedup_compile: Optional[float] = None
     speedup_eager_ci: Optional[list[float]] = None     # [low, high]: 95% interval (sandbox.intervals)

@@ -106,6 +106,7 @@ def _record_from(attempt, name: str) -> AttemptRecord:
     rec.flag_reasons = [f.reason for f in result.flags]
     rec.floor_fraction = result.floor_fraction
     rec.compile_within = result.compile_within_tolerance
+    rec.compile_fp64 = result.compile_fp64_note
     if result.candidate_time is not None:
         rec.timing = result.candidate_time.convention
     if result.correct:

@@ -186,7 +186,9 @@ class CandidateChecks:
                 self._steady(ref, timed, result)
                 if cfg.time_compile:
                     try:
-                        comp = ref.ask({**timed, "compiled": True, "check_compiled": True})
+                        # its output checked too, by the float64 rule where this evaluation runs the float64 check
+                        comp = ref.ask({**timed, "compiled": True, "check_compiled": True,
+                                        "fp64": bool(cfg.numerics.fp64_check)})
                         result.compile_time = Timing(**comp["timing"])
                         _compile_check(result, comp)
                         self._one_window(ref, timed, result, compiled=True)
@@ -319,7 +321,8 @@ class CandidateChecks:
                             verdict(e.get("samples") if samples_path else None, off, samples_path)
                     else:
                         try:
-                            comp = ref.ask({**ask, "compiled": True, "check_compiled": b == 0})
+                            comp = ref.ask({**ask, "compiled": True, "check_compiled": b == 0,
+                                            "fp64": bool(cfg.numerics.fp64_check)})
                             times["compile"].append(Timing(**comp["timing"]))
                             _compile_check(result, comp)
                         except RuntimeError as exc:
@@ -572,6 +575,7 @@ def _compile_check(result: EvalResult, reply: dict[str, Any]) -> None:
     if "within" in check:
         result.compile_within_tolerance = bool(check["within"])
         result.compile_max_abs_error = check.get("max_abs")
+        result.compile_fp64_note = check.get("fp64_note")
     elif check.get("error"):
         result.stderr += f"\n[kernelloop] torch.compile's output could not be checked: {check['error']}"
 

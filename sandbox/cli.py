@@ -55,6 +55,9 @@ def print_result(r) -> None:
         err = f" (largest difference {r.compile_max_abs_error:.2g})" if r.compile_max_abs_error is not None else ""
         console.print(f"torch.compile's own output is outside the tolerance of eager's{err}: the speedup vs "
                       f"torch.compile is quoted against a baseline KernelBench's check would refuse", highlight=False)
+    if r.compile_fp64_note:
+        console.print(f"torch.compile's own output fails the float64 rule applied to candidates ({r.compile_fp64_note}): "
+                      f"a candidate computing so would be flagged inaccurate", highlight=False)
     if r.timed_runs_checked:
         console.print(f"timed runs checked: {r.timed_runs_checked} of {r.config.timed_runs} (a secret sample of "
                       f"each output against the reference)"

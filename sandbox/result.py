@@ -213,6 +213,9 @@ class EvalResult(BaseModel):
     # the first timed run's inputs: False where the baseline of speedup_compile computes something else
     compile_within_tolerance: Optional[bool] = None
     compile_max_abs_error: Optional[float] = None
+    # why torch.compile's output fails the float64 rule applied to candidates (``inaccurate``), on
+    # the same inputs; None where it passes or no float64 run was made
+    compile_fp64_note: Optional[str] = None
 
     flags: list[Flag] = []
     custom_calls_per_forward: Optional[float] = None   # calls into the candidate's own extensions

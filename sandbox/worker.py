@@ -438,8 +438,9 @@ class Worker:
                  "threads_started": threading.active_count() - threads_before}
         if req.get("compiled") and req.get("check_compiled"):
             self.step = "checking torch.compile's output"
+            fp64 = (lambda xs: self._run_fp64(self._inputs64(xs))) if req.get("fp64") else None
             reply["compile_check"] = compiled_check(self.model, self.compiled, lambda: make(0), self.numerics,
-                                                    self.device)
+                                                    self.device, fp64)
         if checker is not None:
             self.step = "rechecking timed runs"
             reply["samples"] = checker.finish(self)

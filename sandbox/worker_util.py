@@ -9,12 +9,13 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Optional
+from types import SimpleNamespace
+from typing import Any, Callable, Optional
 
 import torch
 
 from hardware import clock
-from sandbox.compare import compare_outputs
+from sandbox.compare import compare_outputs, fp64_errors, fp64_verdict
 from sandbox.harness import flatten_outputs, is_plain_tensor
 from sandbox.result import EvalConfig
 
@@ -211,14 +212,35 @@ def run_fp64(model64: Any, inputs64: list[Any], device: str) -> tuple[Any, Any]:
     return [x.detach() if isinstance(x, torch.Tensor) else x for x in flatten_outputs(out)], None
 
 
-def compiled_check(model: Any, compiled: Any, inputs: Any, numerics: Any, device: str) -> dict[str, Any]:
+def _fp64_note(want: list[Any], got: list[Any], outs64: Any, numerics: Any) -> Optional[str]:
+    """Why ``got`` (torch.compile's outputs) fails the float64 rule against ``outs64`` where eager's
+    ``want`` passes it (``sandbox.compare.fp64_verdict``), or None (passes, or no float64 run)."""
+    if outs64 is None or len(outs64) != len(want):
+        return None
+    for i, (w, g, x) in enumerate(zip(want, got, outs64)):
+        errs = fp64_errors(w, g, x) if isinstance(x, torch.Tensor) else None
+        why = errs and fp64_verdict(SimpleNamespace(index=i, ref_fp64_rel_rms=errs[0], fp64_rel_rms=errs[1]), numerics)
+        if why:
+            return why
+    return None
+
+
+def compiled_check(model: Any, compiled: Any, inputs: Any, numerics: Any, device: str,
+                   fp64: Optional[Callable[[list[Any]], tuple[Any, Any]]] = None) -> dict[str, Any]:
     """torch.compile's output against the eager reference's on ``inputs()``, by KernelBench's rule
     (the judge's own comparison, ``sandbox.compare.compare_outputs``, at the precision's tolerance,
     without the float64 rule): the compiled baseline a speedup is quoted against may itself compute
     something else (channels-last TF32 convolutions where the reference's are full fp32).
     ``within``: every output within; ``max_abs``: the largest absolute difference (None where the
     outputs are not plain tensors of the same shapes); ``error``, and neither, where the extra
-    forwards failed (out of memory on a large task: the timing stands)."""
+    forwards failed (out of memory on a large task: the timing stands).
+
+    ``fp64`` (the reference's float64 run of these inputs: outputs, or None and why not): where
+    given, ``fp64_note`` says why the float64 rule the judge applies to candidates (relative RMS
+    error against float64 at most ``rms_factor`` times eager's plus a few epsilons) would flag the
+    compiled output ``inaccurate``, else None. On an H200 channels-last TF32 convolutions passed
+    1e-4 on level2/65, 67 and 92 but were 100-4000 times farther from float64 than eager's NCHW ones:
+    a candidate computing so is not clean there, and compile was timed so (session ad)."""
     tol = numerics.tolerance.atol
     try:
         with torch.no_grad():
@@ -228,8 +250,9 @@ def compiled_check(model: Any, compiled: Any, inputs: Any, numerics: Any, device
                 or any(w.shape != g.shape for w, g in zip(want, got))):
             return {"within": False, "max_abs": None, "tolerance": tol}
         within, _, checks = compare_outputs(want, got, EvalConfig(numerics=numerics))
-        return {"within": within, "max_abs": max((c.max_abs_err or 0.0 for c in checks), default=0.0),
-                "tolerance": tol}
+        found = {"within": within, "max_abs": max((c.max_abs_err or 0.0 for c in checks), default=0.0),
+                 "tolerance": tol}
+        return {**found, "fp64_note": _fp64_note(want, got, fp64(xs)[0], numerics)} if fp64 else found
     except Exception as exc:  # noqa: BLE001 - reported, never the candidate's fault
         return {"error": f"{type(exc).__name__}: {exc}"[:400]}
     finally:

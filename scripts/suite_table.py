@@ -13,7 +13,9 @@ task's evaluations from all of them, and prints in markdown:
 * the geomean vs compile of the best after each round (a task's best so far: it never falls, so
   the table shows what each round added);
 * the tasks whose torch.compile output the judge found outside the tolerance of eager's (marked † in
-  the per-task table: their "vs compile" is against a baseline KernelBench's check would refuse);
+  the per-task table: their "vs compile" is against a baseline KernelBench's check would refuse),
+  and those whose compile output is within it but fails the float64 rule the judge applies to
+  candidates (‡: a candidate computing so would be flagged ``inaccurate``);
 * how many evaluated attempts were ``contended`` (and how many of those for an unsteady reference
   window, ``sandbox.quiet.unsteady``);
 * the conservative reading for launch-bound tasks, whose reference windows vary by up to 3x between
@@ -88,6 +90,8 @@ def table(records: list[AttemptRecord]) -> str:
     by_round: dict[int, dict[str, float]] = {r: {} for r in rounds}
     kinds: dict[str, list] = {}
     off = sorted({r.task for r in records if r.compile_within is False}, key=_natural)   # marked †
+    # marked ‡: within the tolerance, but failing the float64 rule applied to candidates
+    inexact = sorted({r.task for r in records if r.compile_fp64} - set(off), key=_natural)
     for t in sorted(metrics.per_task, key=lambda t: (kind_of(t.task), _natural(t.task))):
         clean = [r for r in records if r.task == t.task and r.correct and r.speedup_compile]
         so_far: list[str] = []
@@ -99,7 +103,7 @@ def table(records: list[AttemptRecord]) -> str:
             if best:
                 by_round[rnd][t.task] = best
         floor = t.best_eager.floor_fraction if t.best_eager else None
-        dagger = " †" if t.task in off else ""
+        dagger = " †" if t.task in off else " ‡" if t.task in inexact else ""
         lines.append(f"| {t.task} | {kind_of(t.task)} | {_fmt(t.speedup('eager'))} | {_fmt(t.speedup('compile'))}{dagger} | "
                      f"{'-' if floor is None else f'{100 * floor:.1f}'} | " + " | ".join(so_far) + " |")
         kinds.setdefault(kind_of(t.task), []).append(t)
@@ -118,6 +122,9 @@ def table(records: list[AttemptRecord]) -> str:
             + ", ".join(f"round {r} {_fmt(geomean([v[t] for t in first]))}" for r, v in by_round.items())]
     out.append(f"torch.compile's own output outside the tolerance of eager's (†): {len(off)} task(s)"
                + (f": {', '.join(t.rsplit(chr(47), 1)[-1] for t in off)}" if off else ""))
+    if inexact:
+        out.append(f"torch.compile's own output within the tolerance but failing the float64 rule applied to "
+                   f"candidates (‡): {len(inexact)} task(s): {', '.join(t.rsplit(chr(47), 1)[-1] for t in inexact)}")
     # how quiet the device was (sandbox.quiet): contended attempts are never clean, so they thin the table
     judged = [r for r in records if r.status is not None]
     contended = [r for r in judged if "contended" in r.flags]

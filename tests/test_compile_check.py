@@ -39,6 +39,21 @@ def test_the_check_passes_equal_outputs_and_names_the_largest_difference():
     assert compiled_check(lambda t: t, boom, lambda: [x], NUM, "cpu") == {"error": "RuntimeError: CUDA out of memory"}
 
 
+def test_the_float64_rule_flags_a_compiled_output_within_the_tolerance_but_far_less_accurate_than_eager():
+    """The rule the judge applies to candidates (relative RMS error against float64 at most twice
+    eager's plus four epsilons), applied to torch.compile's output where a float64 run is given."""
+    x = torch.randn(32, 16)
+    model = lambda t: torch.tanh(t) * 2     # noqa: E731
+    fp64 = lambda xs: ([torch.tanh(xs[0].double()) * 2], None)     # noqa: E731
+    inexact = compiled_check(model, lambda t: model(t) * (1 + 1e-5), lambda: [x], NUM, "cpu", fp64)
+    assert inexact["within"] is True
+    assert inexact["fp64_note"].startswith("output 0: relative RMS error 1e-05 against the reference run in float64")
+    assert compiled_check(model, model, lambda: [x], NUM, "cpu", fp64)["fp64_note"] is None
+    # no float64 run (it failed, or does not apply): nothing said
+    assert compiled_check(model, lambda t: model(t) * (1 + 1e-5), lambda: [x], NUM, "cpu",
+                          lambda xs: (None, "the reference did not run in float64"))["fp64_note"] is None
+
+
 @pytest.mark.slow
 def test_eval_says_when_torch_compiles_own_output_is_outside_the_tolerance(capsys):
     """A real evaluation on the CPU, the reference also timed under torch.compile: the result carries
@@ -58,3 +73,24 @@ def test_eval_says_when_torch_compiles_own_output_is_outside_the_tolerance(capsy
     print_result(EvalResult.model_validate(data))
     assert ("torch.compile's own output is outside the tolerance of eager's (largest difference 0.001)"
             in capsys.readouterr().out.replace("\n", " "))
+
+
+@pytest.mark.slow
+def test_eval_says_when_torch_compiles_own_output_fails_the_float64_rule(capsys):
+    """The same through a real evaluation on the CPU: compile's output within 1e-4 of eager's but
+    1e-5 off relatively, where eager is exact: stored with the result, and said by ``eval``."""
+    from typer.testing import CliRunner
+
+    from kernelloop.cli import app
+    from sandbox.cli import print_result
+    from sandbox.result import EvalResult
+
+    res = CliRunner().invoke(app, ["eval", str(FIXTURES / "compile_inexact.py"), str(FIXTURES / "candidate.py"),
+                                   "--device", "cpu", "--trials", "1", "--timed-runs", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output[res.output.index("{"):])
+    assert data["compile_within_tolerance"] is True
+    assert "relative RMS error 1e-05 against the reference run in float64" in data["compile_fp64_note"]
+    print_result(EvalResult.model_validate(data))
+    assert "torch.compile's own output fails the float64 rule applied to candidates" in \
+        " ".join(capsys.readouterr().out.split())

@@ -465,10 +465,10 @@ def test_optimize_table_gives_each_tasks_floor_fraction_and_their_geomean_with_t
 
     from agent.cli import _summary_table
 
-    def row(name, best_ms, floor_ms, compile_within=None):
+    def row(name, best_ms, floor_ms, compile_within=None, compile_fp64=None):
         return SimpleNamespace(name=name, round=1, attempts=2, correct=1, clean=1, eager_ms=4.0, compile_ms=3.0,
-                               compile_within=compile_within, best_ms=best_ms, floor_ms=floor_ms, best_speedup=2.0,
-                               best_compile_speedup=1.5, error=None, stopped="")
+                               compile_within=compile_within, compile_fp64=compile_fp64, best_ms=best_ms,
+                               floor_ms=floor_ms, best_speedup=2.0, best_compile_speedup=1.5, error=None, stopped="")
 
     def render(rows):
         console = Console(width=400, record=True)
@@ -484,6 +484,11 @@ def test_optimize_table_gives_each_tasks_floor_fraction_and_their_geomean_with_t
     text = render([row("a", 2.0, 1.0, False), row("b", 4.0, 0.25, True)])
     assert text.count("3 †") == 1
     assert "†: torch.compile's own output is outside the tolerance of eager's (KernelBench's check would refuse it)" in text
+    assert "‡" not in text
+    # within the tolerance but failing the float64 rule (EvalResult.compile_fp64_note): ‡, said why
+    text = render([row("a", 2.0, 1.0, True, "output 0: relative RMS error 0.000228"), row("b", 4.0, 0.25, True)])
+    assert text.count("3 ‡") == 1 and "†" not in text
+    assert "‡: torch.compile's own output is within the tolerance but fails the float64 rule" in text
 
 
 def test_best_clean_picks_each_tasks_fastest_clean_attempt_convolutions_first():

@@ -56,6 +56,21 @@ def test_tasks_whose_compiled_baseline_fails_the_tolerance_are_marked_and_counte
     assert "torch.compile's own output outside the tolerance of eager's (†): 1 task(s): matmul" in text
 
 
+def test_tasks_whose_compiled_baseline_fails_the_float64_rule_are_marked_apart(tmp_path):
+    """Within the tolerance but failing the float64 rule applied to candidates (the stored
+    EvalResult.compile_fp64_note): a ‡, and a line naming them; a † task is not counted twice."""
+    records, _ = _run_a(tmp_path)
+    assert "(‡)" not in table(records)
+    for r in records:
+        if r.task in ("level1/matmul", "level1/relu"):
+            r.compile_fp64 = "output 0: relative RMS error 0.000228 against the reference run in float64"
+        if r.task == "level1/relu":
+            r.compile_within = False
+    text = table(records)
+    assert _row(text, "level1/matmul")[3] == "1.88x ‡" and _row(text, "level1/relu")[3].endswith(" †")
+    assert "failing the float64 rule applied to candidates (‡): 1 task(s): matmul" in text
+
+
 def test_kinds_and_the_refusal_of_mixed_runs(tmp_path, capsys):
     assert kind_of("level2/72_ConvTranspose3d_BatchNorm_AvgPool_AvgPool") == "ConvTranspose"
     assert kind_of("level2/1_Conv2D_ReLU_BiasAdd") == "Conv2d"
