@@ -43,7 +43,8 @@ from sandbox.numerics import Numerics
 from sandbox.tasks import TaskSpec, exec_source, load_task
 from sandbox.warm_compile import ReferenceTurns, warm_compiled
 from sandbox.worker_util import (_PREWARMED, DeviceTurns, _copies, _equal_nan, _exc_payload, _memory_held, _recv,
-                                 _save_to, _send, compiled_check, double_copy, run_fp64, save_outputs, warm_up)
+                                 _save_to, _send, cap_allocator, compiled_check, double_copy, run_fp64,
+                                 save_outputs, warm_up)
 
 # Reference outputs precomputed for trials to come (each a full set of outputs on the device).
 MAX_PRECOMPUTED = 3
@@ -51,10 +52,6 @@ PRECOMPUTE_BUDGET = int(os.environ.get("KERNELLOOP_PRECOMPUTE_BYTES", 4 << 30))
 
 _time_runs = timing.time_runs
 _tampered = clock.tampered_functions
-
-
-def _device_bytes() -> int:
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
 
 
 class Worker:
@@ -81,12 +78,7 @@ class Worker:
         self.last_output_bytes = 0
         self.handoff = str(init.get("handoff") or "file")      # sandbox.handoff: how outputs reach compare
         self.exported = handoff.Exported()
-        # the allocator capped: a candidate's memory limit, or a footprint measured beside running work
-        # (sandbox.footprint.Beside: its cap in bytes)
-        self.memory_cap = int(init.get("memory_cap_bytes") or 0) if self.device == "cuda" else 0
-        fraction = init.get("memory_fraction") or (self.memory_cap and self.memory_cap / _device_bytes())
-        if self.device == "cuda" and fraction:
-            torch.cuda.set_per_process_memory_fraction(min(1.0, float(fraction)))
+        self.memory_cap = cap_allocator(init, self.device)
 
     # ---- candidate code -------------------------------------------------------
     def _exec_candidate(self) -> dict[str, Any]:

@@ -188,6 +188,20 @@ def save_outputs(tensors: list[torch.Tensor], out_dir: Path, name: str) -> Path:
     return path
 
 
+def cap_allocator(init: dict[str, Any], device: str) -> int:
+    """The caching allocator capped as the worker's first message asks: a candidate's memory limit
+    (``memory_fraction``), or a footprint measured beside running work (``memory_cap_bytes``,
+    ``sandbox.footprint.Beside``). Returns the cap in bytes that ``memory_cap_bytes`` set (0: none)."""
+    if device != "cuda":
+        return 0
+    cap = int(init.get("memory_cap_bytes") or 0)
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if cap else 0
+    fraction = init.get("memory_fraction") or (cap / total if cap else None)
+    if fraction:
+        torch.cuda.set_per_process_memory_fraction(min(1.0, float(fraction)))
+    return cap
+
+
 def double_copy(model: Any) -> Any:
     """A float64 copy of the reference model (same weights, same state), or the reason why not."""
     import copy
