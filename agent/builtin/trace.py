@@ -39,6 +39,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from agent.builtin.dtypes import cast_model, cast_values, precision_of
 from agent.builtin.rewrites import (fold_scalar_tensors, rewrite_global_avg_pools, rewrite_tuple_reductions,
                                     split_conv_bias)
+from agent.builtin.view_motion import move_views
 from agent.builtin.rng import isolated_rng
 from sandbox.tasks import TaskSpec, load_task, with_device_sizes
 
@@ -125,6 +126,7 @@ def _trace_with(spec: TaskSpec, device: str, how: str, numerics: Any = None) -> 
     # on the CPU oneDNN adds the bias inside the convolution (no extra pass): it stays there
     if device != "cpu" and split_conv_bias(gm, device):
         _ShapeProp(gm).propagate(*inputs)
+    move_views(gm, lambda: _ShapeProp(gm).propagate(*inputs))     # after the bias split: an add it moves past
     modules = dict(gm.named_modules())
     known = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
     constants: dict[str, torch.Tensor] = {}

@@ -1,0 +1,154 @@
+"""Views moved out of the way of fusion (``move_views``, a rewrite of the traced graph before it is
+planned, ``trace._trace_with``).
+
+A ``view`` changes the iteration space, so the plan ends a fused group before it and starts
+another after: level2/38's ``clamp(conv + bias).view(b, c, -1)``, ``softmax(dim=2)``,
+``.view(b, c, d, h, w) * scale`` ran as three kernels (an add and clamp, the softmax, the
+multiply), each a full read and write of the 1 GiB output (0.67x torch.compile on an H200,
+session ad). Two moves, each keeping what the graph computes:
+
+* **a merging view hoisted above its elementwise producer**: ``ew(a, b).view(*s[:k], -1)`` ->
+  ``ew(a.flatten(k), b')``, where each tensor operand is either of the producer's full shape
+  (flattened the same way) or constant along the merged dimensions (size 1 there: flattened to
+  one dimension of size 1, so that it broadcasts as before); the producer's ``shape`` read
+  elsewhere (``b, c, d, h, w = x.shape``) is read off its full-shaped operand instead;
+* **a splitting view sunk below its elementwise consumer**: ``x.view(*s[:k], d, h, w) * scale``
+  -> ``(x * scale').view(*s[:k], d, h, w)``, ``scale'`` as above along the split dimensions.
+
+Repeated until nothing moves, the views of level2/38 end at the convolution's output and at the
+model's output, and the add, clamp, softmax and multiply plan as one kernel. A move needs the
+producer's value nowhere else, operands the rule covers, and an operator the plan calls
+elementwise with no module parameters of its own (``nn.PReLU``'s per-channel weight stays put).
+Flattening is ``reshape``'s: a copy only where the tensor cannot be viewed, the same values.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+from torch.fx import GraphModule, Node
+
+_VIEWS = ("view", "reshape", "flatten")
+
+
+def _shape(node: Any) -> Optional[tuple[int, ...]]:
+    meta = node.meta.get("tensor_meta") if isinstance(node, Node) else None
+    shape = getattr(meta, "shape", None)
+    return tuple(int(s) for s in shape) if shape is not None else None
+
+
+def _is_view(node: Node) -> bool:
+    return node.op == "call_method" and node.target in _VIEWS and isinstance(node.args[0], Node)
+
+
+def _merged_at(src: tuple[int, ...], dst: tuple[int, ...]) -> Optional[int]:
+    """``k`` where ``dst`` is ``src`` with its dimensions ``k..`` merged into one (k >= 1), else None."""
+    k = len(dst) - 1
+    if k < 1 or len(src) <= len(dst) or src[:k] != dst[:k] or math.prod(src[k:]) != dst[k]:
+        return None
+    return k
+
+
+def _elementwise(node: Node, modules: dict[str, Any]) -> bool:
+    from agent.builtin.ops import ModuleAttr, classify
+
+    info = classify(node, modules, {})
+    return info.kind == "ew" and not any(isinstance(o, ModuleAttr) for o in info.operands)
+
+
+def _operand_flat(op: Node, full: tuple[int, ...], k: int) -> Optional[tuple[str, int]]:
+    """How a tensor operand of an elementwise operator over ``full`` follows ``full``'s dimensions
+    ``k..`` merged into one: ``("same", 0)`` (it broadcasts unchanged), ``("flatten", d)`` (its
+    dimensions ``d..`` merged), or None (it varies along them, without ``full``'s shape)."""
+    shape = _shape(op)
+    if shape is None:
+        return None
+    m = len(full) - k                       # the merged dimensions, right-aligned
+    if shape == full:
+        return "flatten", k
+    if len(shape) <= m:
+        return ("same", 0) if all(s == 1 for s in shape) else None
+    return ("flatten", len(shape) - m) if all(s == 1 for s in shape[-m:]) else None
+
+
+def _flattened(graph: Any, op: Node, how: tuple[str, int]) -> Node:
+    return op if how[0] == "same" else graph.call_method("flatten", (op, how[1]))
+
+
+def _shape_reads(node: Node) -> list[Node]:
+    return [u for u in node.users if (u.op == "call_function" and u.target is getattr and u.args[1:] == ("shape",))
+            or (u.op == "call_method" and u.target == "size")]
+
+
+def _hoist(view: Node, modules: dict[str, Any]) -> bool:
+    """A merging ``view`` hoisted above its elementwise producer (the module's first move)."""
+    producer = view.args[0]
+    src, dst = _shape(producer), _shape(view)
+    k = _merged_at(src, dst) if src and dst else None
+    if k is None or producer.op not in ("call_function", "call_method", "call_module") \
+            or not _elementwise(producer, modules):
+        return False
+    reads = _shape_reads(producer)
+    if set(producer.users) != {view, *reads}:
+        return False
+    tensors = [n for n in producer.all_input_nodes if _shape(n) is not None]
+    hows = [_operand_flat(n, src, k) for n in tensors]
+    full = next((n for n in tensors if _shape(n) == src), None)
+    if not tensors or any(h is None for h in hows) or (reads and full is None):
+        return False
+    graph = producer.graph
+    with graph.inserting_before(producer):
+        for n, how in zip(tensors, hows):
+            producer.replace_input_with(n, _flattened(graph, n, how))
+    for read in reads:
+        read.replace_input_with(producer, full)
+    view.replace_all_uses_with(producer)
+    graph.erase_node(view)
+    return True
+
+
+def _sink(view: Node, modules: dict[str, Any]) -> bool:
+    """A splitting ``view``/``reshape`` sunk below its one elementwise consumer (the second move)."""
+    if view.target == "flatten" or len(view.users) != 1:
+        return False
+    (consumer,) = view.users
+    src, dst = _shape(view.args[0]), _shape(view)
+    k = _merged_at(dst, src) if src and dst else None
+    if k is None or consumer.op not in ("call_function", "call_method", "call_module") \
+            or not _elementwise(consumer, modules) or _shape(consumer) != dst:
+        return False
+    others = [n for n in consumer.all_input_nodes if n is not view and _shape(n) is not None]
+    hows = [_operand_flat(n, dst, k) for n in others]
+    if any(h is None for h in hows):
+        return False
+    graph = consumer.graph
+    with graph.inserting_before(consumer):
+        for n, how in zip(others, hows):
+            consumer.replace_input_with(n, _flattened(graph, n, how))
+    consumer.replace_input_with(view, view.args[0])
+    with graph.inserting_after(consumer):
+        moved = graph.call_method(view.target, (consumer, *view.args[1:]), dict(view.kwargs))
+    consumer.replace_all_uses_with(moved, delete_user_cb=lambda user: user is not moved)
+    graph.erase_node(view)
+    return True
+
+
+def move_views(gm: GraphModule, propagate: Callable[[], None]) -> bool:
+    """Both moves, one at a time (``propagate`` gives every node its shape again after each),
+    until neither applies. Returns whether the graph changed."""
+    modules = dict(gm.named_modules())
+    changed = False
+    for _ in range(64):                 # each move takes a view one operator further: a chain is short
+        moved = False
+        for node in list(gm.graph.nodes):
+            if _is_view(node) and (_hoist(node, modules) or _sink(node, modules)):
+                moved = True
+                break
+        if not moved:
+            break
+        changed = True
+        gm.graph.lint()
+        gm.recompile()
+        propagate()
+    return changed
+

@@ -1,0 +1,57 @@
+"""Views moved out of the way of fusion (agent/builtin/view_motion.py): level2/38's add, clamp,
+softmax and scale between two views ran as three kernels (0.67x torch.compile on an H200, session
+ad); with the merging view hoisted to the convolution's output and the splitting one sunk to the
+model's output they plan as one. Views the rule does not cover stay where they are."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agent.builtin import Knobs, generate
+from sandbox.tasks import read_spec
+
+FIXTURES = Path(__file__).parent / "fixtures" / "builtin"
+
+
+def _spec(name: str):
+    return read_spec(FIXTURES / f"{name}.py", name=f"fixtures/{name}")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_softmax_between_two_views_is_one_kernel_with_its_neighbours(device):
+    cand = generate(_spec("view_softmax"), device, Knobs(layout="nchw", graph="off"))
+    groups = [g["ops"] for g in cand.choices["groups"]]
+    # on cuda the convolution's bias is split off into the kernel (an add); on the CPU it stays in it
+    first = ["add", "clamp"] if device == "cuda" else ["clamp"]
+    assert groups == [first + ["mul", "softmax", "mul"]], groups
+    assert cand.uncovered_ops == []
+    assert ".flatten(2)" in cand.source            # the convolution's output, viewed for the kernel
+
+
+def test_the_moved_views_compute_what_the_reference_does_in_the_cpu_sandbox():
+    from builtin_candidate import judge
+    from sandbox.result import Status
+
+    cand = generate(_spec("view_softmax"), "cpu")
+    result = judge(_spec("view_softmax"), cand.source, "cpu")
+    assert result.status is Status.correct, (result.status, result.error_message,
+                                             result.build.first_error if result.build else None)
+
+
+def test_views_the_rule_does_not_cover_stay_and_the_kernels_stay_apart():
+    cand = generate(_spec("view_kept"), "cpu", Knobs(graph="off"))
+    groups = [g["ops"] for g in cand.choices["groups"]]
+    # each softmax a kernel of its own, not fused with what precedes its view
+    assert sum(ops == ["softmax"] for ops in groups) == 3, groups
+    assert cand.source.count(".view(2, 4, -1)") == 3
+
+
+@pytest.mark.kernelbench
+def test_level2_38_is_two_kernels_around_its_convolution():
+    from evals.kernelbench import kernelbench_root
+
+    name = "38_ConvTranspose3d_AvgPool_Clamp_Softmax_Multiply"
+    spec = read_spec(kernelbench_root() / "level2" / f"{name}.py", name=f"level2/{name}")
+    cand = generate(spec, "cuda", Knobs(layout="nchw"))
+    assert [g["ops"] for g in cand.choices["groups"]] == [["avg_pool3d"], ["add", "clamp", "softmax", "mul"]]
