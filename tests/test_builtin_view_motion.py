@@ -39,6 +39,31 @@ def test_the_moved_views_compute_what_the_reference_does_in_the_cpu_sandbox():
                                              result.build.first_error if result.build else None)
 
 
+def test_the_cuda_row_kernels_read_operands_fixed_along_a_row_at_its_first_element():
+    """The per-channel bias and scale around the softmax are constant along each row it reduces: the
+    row kernels index them at the row's first element (``base``, loop-invariant) instead of dividing
+    every element's index (``cuda_reduce.cu.j2``; rows are reduced where ``inner == 1``)."""
+    cand = generate(_spec("view_softmax"), "cuda", Knobs(layout="nchw", graph="off"))
+    kernels = cand.source[cand.source.index("kl_g0 begin"):cand.source.index("kl_g0 end")]
+    assert "_warp(" in kernels and "_regs(" in kernels        # the row kernels of the fixture's short rows
+    assert "kl_off(base, r1p0)" in kernels and "kl_off(base, r2p0)" in kernels
+    assert "kl_off(i, " not in kernels
+
+
+@pytest.mark.gpu
+def test_the_moved_views_and_row_operands_are_correct_on_a_gpu():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from builtin_candidate import judge
+    from sandbox.result import Status
+
+    for layout in ("nchw", "nhwc"):
+        cand = generate(_spec("view_softmax"), "cuda", Knobs(layout=layout))
+        result = judge(_spec("view_softmax"), cand.source, "cuda")
+        assert result.status is Status.correct, (layout, result.status, result.error_message)
+
+
 def test_views_the_rule_does_not_cover_stay_and_the_kernels_stay_apart():
     cand = generate(_spec("view_kept"), "cpu", Knobs(graph="off"))
     groups = [g["ops"] for g in cand.choices["groups"]]
