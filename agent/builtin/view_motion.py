@@ -18,7 +18,8 @@ session ad). Two moves, each keeping what the graph computes:
 Repeated until nothing moves, the views of level2/38 end at the convolution's output and at the
 model's output, and the add, clamp, softmax and multiply plan as one kernel. A move needs the
 producer's value nowhere else, operands the rule covers, and an operator the plan calls
-elementwise with no module parameters of its own (``nn.PReLU``'s per-channel weight stays put).
+elementwise, not in place, with no module parameters of its own (``nn.PReLU``'s per-channel
+weight stays put).
 Flattening is ``reshape``'s: a copy only where the tensor cannot be viewed, the same values.
 """
 from __future__ import annotations
@@ -53,7 +54,9 @@ def _elementwise(node: Node, modules: dict[str, Any]) -> bool:
     from agent.builtin.ops import ModuleAttr, classify
 
     info = classify(node, modules, {})
-    return info.kind == "ew" and not any(isinstance(o, ModuleAttr) for o in info.operands)
+    # an in-place operator on a flattened copy (a tensor that cannot be viewed) would miss its tensor
+    return (info.kind == "ew" and info.mutates is None
+            and not any(isinstance(o, ModuleAttr) for o in info.operands))
 
 
 def _operand_flat(op: Node, full: tuple[int, ...], k: int) -> Optional[tuple[str, int]]:
