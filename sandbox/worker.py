@@ -79,6 +79,7 @@ class Worker:
         self.handoff = str(init.get("handoff") or "file")      # sandbox.handoff: how outputs reach compare
         self.exported = handoff.Exported()
         self.memory_cap = cap_allocator(init, self.device)
+        self.compile_checked: dict[str, Any] = {}       # worker_util.compiled_check's memo
 
     # ---- candidate code -------------------------------------------------------
     def _exec_candidate(self) -> dict[str, Any]:
@@ -432,7 +433,7 @@ class Worker:
             self.step = "checking torch.compile's output"
             fp64 = (lambda xs: self._run_fp64(self._inputs64(xs))) if req.get("fp64") else None
             reply["compile_check"] = compiled_check(self.model, self.compiled, lambda: make(0), self.numerics,
-                                                    self.device, fp64)
+                                                    self.device, fp64, self.compile_checked)
         if checker is not None:
             self.step = "rechecking timed runs"
             reply["samples"] = checker.finish(self)

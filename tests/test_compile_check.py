@@ -49,6 +49,17 @@ def test_the_float64_rule_flags_a_compiled_output_within_the_tolerance_but_far_l
     assert inexact["within"] is True
     assert inexact["fp64_note"].startswith("output 0: relative RMS error 1e-05 against the reference run in float64")
     assert compiled_check(model, model, lambda: [x], NUM, "cpu", fp64)["fp64_note"] is None
+    # once a worker (memo): the float64 run is not made again, its answer kept
+    runs, memo = [], {}
+
+    def counted(xs):
+        runs.append(1)
+        return fp64(xs)
+
+    for _ in range(3):
+        again = compiled_check(model, lambda t: model(t) * (1 + 1e-5), lambda: [x], NUM, "cpu", counted, memo)
+        assert again["fp64_note"] == inexact["fp64_note"]
+    assert len(runs) == 1
     # no float64 run (it failed, or does not apply): nothing said
     assert compiled_check(model, lambda t: model(t) * (1 + 1e-5), lambda: [x], NUM, "cpu",
                           lambda xs: (None, "the reference did not run in float64"))["fp64_note"] is None
