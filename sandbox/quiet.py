@@ -33,6 +33,7 @@ A contended timing never yields a clean speedup (``EvalResult.clean``).
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import threading
 import time
@@ -236,7 +237,8 @@ class GpuWatch:
         if self.handle is None:
             return []
         nv = self.nvml
-        ours = {own_root} | descendants(own_root, process_table()) | set(workers)
+        workers = set(workers)
+        ours = {own_root} | descendants(own_root, process_table()) | workers
         allowed = {p for p in allowed if p}
         found: list[tuple[int, str]] = []
         try:
@@ -252,9 +254,9 @@ class GpuWatch:
                 if s.pid not in allowed and s.smUtil > 0 and int(s.timeStamp) > first:
                     # when, so that a flag can be told from a sample period longer than the device's
                     # (session ad, one H200: 4 of 200 evaluations of rounds 0-1 and 16 of 200 of rounds 2-3 flagged so)
-                    found.append((s.pid, f"pid {s.pid} used {s.smUtil}% of the SMs (a sample stamped "
-                                         f"{(int(s.timeStamp) - self.since) / 1000:.0f} ms into the window; "
-                                         f"sample period {period / 1000:.0f} ms)"))
+                    found.append((s.pid, f"pid {s.pid}{_whose(s.pid, workers)} used {s.smUtil}% of the SMs "
+                                         f"(a sample stamped {(int(s.timeStamp) - self.since) / 1000:.0f} ms "
+                                         f"into the window; sample period {period / 1000:.0f} ms)"))
         except Exception as exc:  # noqa: BLE001
             # NVML's own error (not supported, no sample since `since`) is expected; anything else is
             # the harness's fault and is said, not swallowed (a TypeError here once skipped every check)
@@ -262,6 +264,15 @@ class GpuWatch:
                 self.unread = f"the GPU's SM use was not judged ({type(exc).__name__}: {exc})"
         self.start()
         return found
+
+
+def _whose(pid: int, workers: set[int]) -> str:
+    """`` (a worker of this run, running|ended)`` for one of the sandbox's own workers, else ``""``:
+    a worker that ended before the check cannot have run during the window, yet the driver may
+    stamp its last sample late (a reason to tell apart before the rule changes)."""
+    if pid not in workers:
+        return ""
+    return f" (a worker of this run, {'running' if os.path.exists(f'/proc/{pid}') else 'ended'})"
 
 
 @contextlib.contextmanager

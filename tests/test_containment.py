@@ -560,6 +560,10 @@ def test_gpu_watch_flags_foreign_processes_and_sm_use_but_the_timed_worker(monke
         assert set(found) == {999_999, 777}
         assert "2048 MiB" in found[999_999] and "12% of the SMs" in found[777]
         assert child.pid in dict(w.foreign(os.getpid(), [777]))   # the candidate computing while the reference is timed
+        # one of the run's own workers (alive or ended, sandbox.process.worker_pids) is still judged,
+        # and the reason says whose it is and whether it still runs
+        ours = dict(w.foreign(os.getpid(), [], [child.pid, 999_998]))
+        assert "a worker of this run, running" in ours[child.pid] and "(a worker" not in ours[777]
         assert calls[1] >= calls[0] > 0                   # each window starts where the last ended
     finally:
         child.kill()
@@ -938,3 +942,13 @@ def test_a_tasks_first_reference_window_is_timed_twice_and_the_faster_kept():
     checks._steady(ref, {}, later)
     assert ref.asked == 1 and not later.has_flag("contended")
     assert later.eager_time.median_ms == 3.93 and later.eager_time.from_earlier
+
+
+def test_an_sm_flag_says_whether_the_process_was_a_worker_of_the_run_and_if_it_still_runs():
+    from sandbox.quiet import _whose
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    assert _whose(ended.pid, {ended.pid}) == " (a worker of this run, ended)"
+    assert _whose(os.getpid(), {os.getpid()}) == " (a worker of this run, running)"
+    assert _whose(os.getpid(), set()) == ""
