@@ -70,6 +70,9 @@ def test_views_the_rule_does_not_cover_stay_and_the_kernels_stay_apart():
     # each softmax a kernel of its own, not fused with what precedes its view
     assert sum(ops == ["softmax"] for ops in groups) == 3, groups
     assert cand.source.count(".view(2, 4, -1)") == 3
+    # the input's view stays before the sigmoid, which stays the mean's prologue (sunk, the view
+    # would part them: the first rule's mistake, caught by tests/test_builtin_narrow_index.py)
+    assert ["sigmoid", "mean"] in groups and "w.view(2, 4, 15)" in cand.source
 
 
 @pytest.mark.kernelbench

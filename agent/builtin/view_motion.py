@@ -16,7 +16,10 @@ session ad). Two moves, each keeping what the graph computes:
   -> ``(x * scale').view(*s[:k], d, h, w)``, ``scale'`` as above along the split dimensions.
 
 Repeated until nothing moves, the views of level2/38 end at the convolution's output and at the
-model's output, and the add, clamp, softmax and multiply plan as one kernel. A move needs the
+model's output, and the add, clamp, softmax and multiply plan as one kernel. A view moves only
+where it parts two operators the plan fuses and the chain it moves along ends where it parts none
+(a library operator, an input, the output): else it would only move the break (a view of an input
+before a sigmoid and a mean stays there; session ad's first rule sank it between them). A move needs the
 producer's value nowhere else, operands the rule covers, and an operator the plan calls
 elementwise, not in place, with no module parameters of its own (``nn.PReLU``'s per-channel
 weight stays put).
@@ -83,22 +86,73 @@ def _shape_reads(node: Node) -> list[Node]:
             or (u.op == "call_method" and u.target == "size")]
 
 
-def _hoist(view: Node, modules: dict[str, Any]) -> bool:
-    """A merging ``view`` hoisted above its elementwise producer (the module's first move)."""
-    producer = view.args[0]
-    src, dst = _shape(producer), _shape(view)
-    k = _merged_at(src, dst) if src and dst else None
-    if k is None or producer.op not in ("call_function", "call_method", "call_module") \
-            or not _elementwise(producer, modules):
-        return False
-    reads = _shape_reads(producer)
-    if set(producer.users) != {view, *reads}:
-        return False
-    tensors = [n for n in producer.all_input_nodes if _shape(n) is not None]
+_CALLS = ("call_function", "call_method", "call_module")
+
+
+def _fusible(node: Node, modules: dict[str, Any]) -> bool:
+    """Whether the plan may fuse ``node`` into a kernel with its neighbours (an input, a parameter, a
+    library operator such as a convolution, or the output: no)."""
+    from agent.builtin.ops import classify
+
+    return node.op in _CALLS and classify(node, modules, {}).fusible
+
+
+def _up_step(node: Node, src: tuple[int, ...], k: int, modules: dict[str, Any]) -> Optional[tuple]:
+    """How a view merging ``node``'s dimensions ``k..`` is hoisted above it: (its tensor operands,
+    their flattenings, its shape reads, its full-shaped operand), or None where it cannot be."""
+    if node.op not in _CALLS or _shape(node) != src or not _elementwise(node, modules):
+        return None
+    reads = _shape_reads(node)
+    if len([u for u in node.users if u not in reads]) != 1:
+        return None
+    tensors = [n for n in node.all_input_nodes if _shape(n) is not None]
     hows = [_operand_flat(n, src, k) for n in tensors]
     full = next((n for n in tensors if _shape(n) == src), None)
     if not tensors or any(h is None for h in hows) or (reads and full is None):
+        return None
+    return tensors, hows, reads, full
+
+
+def _up_to_boundary(node: Node, src: tuple[int, ...], k: int, modules: dict[str, Any]) -> bool:
+    """Whether a view hoisted through ``node`` and on comes to rest where it breaks no fusion (on
+    each full-shaped path, at a node the plan does not fuse): else it would only move the break."""
+    step = _up_step(node, src, k, modules)
+    if step is None:
+        return not _fusible(node, modules)
+    return all(_up_to_boundary(n, src, k, modules) for n in step[0] if _shape(n) == src)
+
+
+def _down_step(node: Node, incoming: Node, dst: tuple[int, ...], k: int,
+               modules: dict[str, Any]) -> Optional[tuple]:
+    """How a view splitting ``incoming`` (to ``dst``, at ``k``) is sunk below its consumer ``node``:
+    (the other tensor operands, their flattenings), or None where it cannot be."""
+    if node.op not in _CALLS or _shape(node) != dst or not _elementwise(node, modules):
+        return None
+    others = [n for n in node.all_input_nodes if n is not incoming and _shape(n) is not None]
+    hows = [_operand_flat(n, dst, k) for n in others]
+    return None if any(h is None for h in hows) else (others, hows)
+
+
+def _down_to_boundary(node: Node, dst: tuple[int, ...], k: int, modules: dict[str, Any]) -> bool:
+    """Whether a view sunk below ``node`` and on comes to rest before the output or operators the
+    plan does not fuse."""
+    users = list(node.users)
+    if len(users) == 1 and _down_step(users[0], node, dst, k, modules) is not None:
+        return _down_to_boundary(users[0], dst, k, modules)
+    return all(u.op == "output" or not _fusible(u, modules) for u in users)
+
+
+def _hoist(view: Node, modules: dict[str, Any]) -> bool:
+    """A merging ``view`` that parts two fusible operators hoisted above its elementwise producer,
+    where the chain above ends at a boundary (the module's first move)."""
+    producer = view.args[0]
+    src, dst = _shape(producer), _shape(view)
+    k = _merged_at(src, dst) if src and dst else None
+    step = _up_step(producer, src, k, modules) if k is not None else None
+    if step is None or not any(_fusible(u, modules) for u in view.users) \
+            or not _up_to_boundary(producer, src, k, modules):
         return False
+    tensors, hows, reads, full = step
     graph = producer.graph
     with graph.inserting_before(producer):
         for n, how in zip(tensors, hows):
@@ -111,22 +165,19 @@ def _hoist(view: Node, modules: dict[str, Any]) -> bool:
 
 
 def _sink(view: Node, modules: dict[str, Any]) -> bool:
-    """A splitting ``view``/``reshape`` sunk below its one elementwise consumer (the second move)."""
+    """A splitting ``view``/``reshape`` that parts two fusible operators sunk below its one
+    elementwise consumer, where the chain below ends at a boundary (the second move)."""
     if view.target == "flatten" or len(view.users) != 1:
         return False
     (consumer,) = view.users
     src, dst = _shape(view.args[0]), _shape(view)
     k = _merged_at(dst, src) if src and dst else None
-    if k is None or consumer.op not in ("call_function", "call_method", "call_module") \
-            or not _elementwise(consumer, modules) or _shape(consumer) != dst:
-        return False
-    others = [n for n in consumer.all_input_nodes if n is not view and _shape(n) is not None]
-    hows = [_operand_flat(n, dst, k) for n in others]
-    if any(h is None for h in hows):
+    step = _down_step(consumer, view, dst, k, modules) if k is not None else None
+    if step is None or not _fusible(view.args[0], modules) or not _down_to_boundary(consumer, dst, k, modules):
         return False
     graph = consumer.graph
     with graph.inserting_before(consumer):
-        for n, how in zip(others, hows):
+        for n, how in zip(*step):
             consumer.replace_input_with(n, _flattened(graph, n, how))
     consumer.replace_input_with(view, view.args[0])
     with graph.inserting_after(consumer):
