@@ -170,6 +170,7 @@ class _Meter:
         self.cuda = device == "cuda"
         self.torch = torch
         self.how = "cuda caching allocator (max_memory_reserved)" if self.cuda else "process resident set (VmHWM)"
+        self._frees = 0         # the allocator's device frees at the last reset (cuda)
 
     @staticmethod
     def _status_kib(field: str) -> Optional[int]:
@@ -201,7 +202,7 @@ class _Meter:
     def gave_back(self) -> bool:
         """Whether the caching allocator freed device memory since ``reset`` (it does so only to
         make room: under a cap, a peak that would have been higher without it)."""
-        return self.cuda and self._device_frees() > getattr(self, "_frees", 0)
+        return self.cuda and self._device_frees() > self._frees
 
     def current(self) -> int:
         if self.cuda:

@@ -32,13 +32,10 @@ from typing import Any, Callable, Optional
 
 from torch.fx import GraphModule, Node
 
+from agent.builtin.ops import ModuleAttr, classify
+from agent.builtin.ops import shape_of as _shape
+
 _VIEWS = ("view", "reshape", "flatten")
-
-
-def _shape(node: Any) -> Optional[tuple[int, ...]]:
-    meta = node.meta.get("tensor_meta") if isinstance(node, Node) else None
-    shape = getattr(meta, "shape", None)
-    return tuple(int(s) for s in shape) if shape is not None else None
 
 
 def _is_view(node: Node) -> bool:
@@ -54,8 +51,6 @@ def _merged_at(src: tuple[int, ...], dst: tuple[int, ...]) -> Optional[int]:
 
 
 def _elementwise(node: Node, modules: dict[str, Any]) -> bool:
-    from agent.builtin.ops import ModuleAttr, classify
-
     info = classify(node, modules, {})
     # an in-place operator on a flattened copy (a tensor that cannot be viewed) would miss its tensor
     return (info.kind == "ew" and info.mutates is None
@@ -92,8 +87,6 @@ _CALLS = ("call_function", "call_method", "call_module")
 def _fusible(node: Node, modules: dict[str, Any]) -> bool:
     """Whether the plan may fuse ``node`` into a kernel with its neighbours (an input, a parameter, a
     library operator such as a convolution, or the output: no)."""
-    from agent.builtin.ops import classify
-
     return node.op in _CALLS and classify(node, modules, {}).fusible
 
 
