@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from at_once import AtOnce
 from typer.testing import CliRunner
 
 from sandbox.admission import Admission, MemoryGate, TaskTooLarge
@@ -46,17 +47,12 @@ class _PresetBook(FootprintBook):
 
 def test_two_runs_that_fit_one_at_a_time_run_sequentially_and_both_finish():
     adm = Admission({"gpu0": 100})
-    inside, most, order = [0], [0], []
-    lock = threading.Lock()
+    at_once, order = AtOnce(), []
 
     def run(name: str) -> None:
         token = adm.admit(name, {"gpu0": 30 + 50})       # 80 of 100: two at once would be 30+30+50
-        with lock:
-            inside[0] += 1
-            most[0] = max(most[0], inside[0])
-        time.sleep(0.2)
-        with lock:
-            inside[0] -= 1
+        with at_once.inside():
+            time.sleep(0.2)
             order.append(name)
         adm.leave(token)
 
@@ -65,7 +61,7 @@ def test_two_runs_that_fit_one_at_a_time_run_sequentially_and_both_finish():
         t.start()
     for t in threads:
         t.join(10)
-    assert sorted(order) == ["a", "b"] and most[0] == 1
+    assert sorted(order) == ["a", "b"] and at_once.most == 1
     assert adm.usage("gpu0") == 0
 
 
@@ -169,18 +165,13 @@ def test_sandbox_runs_of_two_tasks_that_fit_one_at_a_time_wait_and_close_the_idl
     # over a 75 MiB budget two tasks (90) cannot run at once, nor one beside the other's idle reference (80)
     sandbox = Sandbox("cpu", EvalConfig(), footprints=_PresetBook(fps),
                       memory_budgets={"host": 75 * MiB, "shm": 1 << 30})
-    inside, most, ran, closed = [0], [0], [], []
-    lock = threading.Lock()
+    at_once, ran, closed = AtOnce(), [], []
 
     def fake_run_on(slot, spec, source, result, inputs_copy_on_host=False):
         sandbox._refs[(spec.key, slot)] = type("Ref", (), {"lock": threading.Lock(),
                                                            "close": lambda self, why="": closed.append(spec.name)})()
-        with lock:
-            inside[0] += 1
-            most[0] = max(most[0], inside[0])
-        time.sleep(0.2)
-        with lock:
-            inside[0] -= 1
+        with at_once.inside():
+            time.sleep(0.2)
             ran.append(spec.name)
         result.status = Status.correct
 
@@ -192,7 +183,7 @@ def test_sandbox_runs_of_two_tasks_that_fit_one_at_a_time_wait_and_close_the_idl
         t.start()
     for t in threads:
         t.join(20)
-    assert sorted(ran) == ["a", "b"] and most[0] == 1
+    assert sorted(ran) == ["a", "b"] and at_once.most == 1
     assert all(r.status == Status.correct for r in results.values())
     assert len(closed) == 1 and closed[0] == ran[0]      # the first task's idle reference made room
     assert results[ran[1]].phases.get("memory_wait", 0) > 0.1
@@ -613,30 +604,23 @@ def test_tasks_check_measures_needs_several_at_a_time_and_one_short_of_memory_ag
 
     real = footprint.FootprintBook.measure
     calls: list[str] = []
-    at_once, most = [0], [0]
-    lock = threading.Lock()
+    at_once = AtOnce()
 
     def measuring(self, spec, *a, **k):
-        with lock:
-            calls.append(spec.name)
-            at_once[0] += 1
-            most[0] = max(most[0], at_once[0])
-        try:
+        calls.append(spec.name)
+        with at_once.inside():
             time.sleep(0.3)
             fp = real(self, spec, *a, **k)
             if spec.name == "level1/relu" and calls.count("level1/relu") == 1:
                 fp.oom = "CUDA out of memory (beside the others)"
             return fp
-        finally:
-            with lock:
-                at_once[0] -= 1
 
     monkeypatch.setattr(footprint.FootprintBook, "measure", measuring)
     tasks = ["level1/leaky_relu", "level1/relu", "level1/tanh", "level1/sigmoid"]
     out = _invoke(["tasks", "check", *tasks, "--device", "cpu", "--db", str(tmp_path / "k.db"), "--jobs", "3"])
     text = " ".join(out.output.split())
     assert out.exit_code == 0, out.output
-    assert "measuring 4 tasks' memory needs, 3 at a time" in text and most[0] >= 2
+    assert "measuring 4 tasks' memory needs, 3 at a time" in text and at_once.most >= 2
     assert sorted(calls) == sorted(tasks + ["level1/relu"])          # relu measured again, alone
     assert "4 measured now, 0 read from the store" in text
     again = _invoke(["tasks", "check", *tasks, "--device", "cpu", "--db", str(tmp_path / "k.db"), "--jobs", "3"])

@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from at_once import AtOnce
 
 from sandbox.admission import BESIDE_SHARE, MemoryGate
 from sandbox.footprint import Beside, Footprint, FootprintBook, measure_footprint
@@ -126,16 +127,11 @@ def test_switched_off_or_without_a_gate_every_footprint_is_measured_alone(monkey
 
 
 def test_at_most_two_measurements_beside_running_work_at_once_per_gpu():
-    inside, most = [0], [0]
-    lock = threading.Lock()
+    at_once = AtOnce()
 
     def measure(spec, device, numerics, env=None, beside=None):
-        with lock:
-            inside[0] += 1
-            most[0] = max(most[0], inside[0])
-        time.sleep(0.2)
-        with lock:
-            inside[0] -= 1
+        with at_once.inside():
+            time.sleep(0.2)
         return _fp(spec, cap_bytes=beside.cap_bytes)
 
     memory = MemoryGate("cuda", 1, Numerics(), FootprintBook(measure=measure),
@@ -145,7 +141,7 @@ def test_at_most_two_measurements_beside_running_work_at_once_per_gpu():
         t.start()
     for t in threads:
         t.join(10)
-    assert most[0] == 2
+    assert at_once.most == 2
 
 
 @pytest.mark.gpu

@@ -5,10 +5,11 @@ static scan of four candidates evaluated at once, Python 3.11.7)."""
 from __future__ import annotations
 
 import ast
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from at_once import AtOnce
 
 from sandbox import anticheat
 
@@ -16,23 +17,16 @@ HONEST = (Path(__file__).parent / "adversarial" / "cpu" / "honest.py").read_text
 
 
 def test_static_scans_in_many_threads_parse_one_at_a_time(monkeypatch):
-    inside, most = [0], [0]
-    guard = threading.Lock()
+    at_once = AtOnce()
     real = ast.parse
 
     def watched(*args, **kwargs):
-        with guard:
-            inside[0] += 1
-            most[0] = max(most[0], inside[0])
-        try:
+        with at_once.inside():
             time.sleep(0.002)               # long enough for the other threads to arrive
             return real(*args, **kwargs)
-        finally:
-            with guard:
-                inside[0] -= 1
 
     monkeypatch.setattr(ast, "parse", watched)
     with ThreadPoolExecutor(max_workers=8) as pool:
         flags = list(pool.map(lambda _: anticheat.scan(HONEST), range(32)))
-    assert most[0] == 1, f"{most[0]} parses ran at once"
+    assert at_once.most == 1, f"{at_once.most} parses ran at once"
     assert all(f == flags[0] for f in flags)      # and every scan still says the same
