@@ -7,12 +7,12 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import time
 from typing import Any, Callable, ContextManager, Optional
 
 from sandbox import failures
 from sandbox.backends import backend_for
 from sandbox.blocks import block_burst, block_plan
+from sandbox.clock_check import Spent, clock_check
 from sandbox.compare import fp64_verdict
 from sandbox.phases import Stages
 from sandbox.process import WorkerProcess, worker_pids
@@ -36,11 +36,6 @@ def block_timing(blocks: list[Timing]) -> Timing:
     faults = [blk.page_faults for blk in blocks if blk.page_faults is not None]
     return t.model_copy(update={"blocks": len(blocks), "host_load": blocks[-1].host_load,
                                 "page_faults": float(statistics.median(faults)) if len(faults) == len(blocks) else None})
-
-
-# A candidate whose reported time leaves this much of the parent's wall clock unexplained is flagged.
-CLOCK_SLACK_S = 0.25
-CLOCK_FACTOR = 3.0
 
 
 class CandidateChecks:
@@ -158,15 +153,15 @@ class CandidateChecks:
             got = self._time_in_blocks(result, ref, cand, stages, gate, slot, timed, check_runs)
             if got is None:
                 return
-            ct, outs, eager, busy, ref_wall, cand_wall = got
+            ct, outs, eager, busy, ref_spent, cand_spent = got
         else:
             with timing_window(gate, self.gpu, self.device, slot) as gpu:
                 stages.enter("timing")
                 result.add_strays(cand.sweep(), "before its timed runs")
                 self._foreign(gpu, result, "before the timed runs", None)
-                w0 = time.monotonic()
-                ct = cand.ask({**timed, "check_runs": check_runs, "sample": True}, cfg.run_timeout_s)
-                cand_wall = time.monotonic() - w0
+                cand_spent, ref_spent = Spent(cand.worker_pid), Spent(ref.proc.worker_pid if ref.proc is not None else None)
+                with cand_spent.during():
+                    ct = cand.ask({**timed, "check_runs": check_runs, "sample": True}, cfg.run_timeout_s)
                 if not ct.get("ok"):
                     _timing_failed(result, ct, cand)
                     return
@@ -177,10 +172,9 @@ class CandidateChecks:
                 result.add_strays(cand.sweep(), "during its timed runs")
                 self._foreign(gpu, result, "while the candidate was timed", cand.worker_pid)
                 idle = IdleWatch(cand.worker_pid)
-                w0 = time.monotonic()
-                eager = ref.ask({**timed, "samples_path": outs.get("samples_path"), "config": cfg.model_dump(mode="json")}
-                                if outs.get("samples_path") else timed)
-                ref_wall = time.monotonic() - w0
+                with ref_spent.during():
+                    eager = ref.ask({**timed, "samples_path": outs.get("samples_path"), "config": cfg.model_dump(mode="json")}
+                                    if outs.get("samples_path") else timed)
                 result.eager_time = Timing(**eager["timing"])
                 self._one_window(ref, timed, result, compiled=False)
                 self._steady(ref, timed, result)
@@ -212,7 +206,7 @@ class CandidateChecks:
             result.add_flag(FlagKind.suspicious, "changed timing functions: " + ", ".join(ct["tampered"]))
         if ct.get("threads_started"):
             result.add_flag(FlagKind.suspicious, "threads still running after the timed runs")
-        self._clock_check(result, ref_wall, cand_wall)
+        clock_check(result, ref_spent, cand_spent, self.device)
         cand_ms = result.candidate_time.median_ms
         if cand_ms > 0:
             result.speedup_eager = result.eager_time.median_ms / cand_ms
@@ -256,7 +250,7 @@ class CandidateChecks:
         those runs' inputs again, untimed, after the candidate's block (``check_samples``); the
         candidate's worker is watched while every reference block is timed (eager and compiled).
 
-        Returns ``(ct, outs, eager, busy, ref_wall, cand_wall)`` as the one-block sequence leaves
+        Returns ``(ct, outs, eager, busy, ref_spent, cand_spent)`` as the one-block sequence leaves
         them, or None where the candidate failed (the result says how)."""
         cfg = self.config
         seed, warm = int(timed["seed"]), cfg.warmup_runs
@@ -265,7 +259,7 @@ class CandidateChecks:
         times: dict[str, list[Timing]] = {"candidate": [], "eager": [], "compile": []}
         saved: dict[str, Any] = {}
         checked, failed, tampered, threads, busy_parts = 0, [], [], 0, []
-        cand_wall = ref_wall = 0.0
+        cand_spent, ref_spent = Spent(cand.worker_pid), Spent(ref.proc.worker_pid if ref.proc is not None else None)
         time_compile = cfg.time_compile
 
         def verdict(samples: Optional[dict], off: int, path: Optional[str]) -> None:
@@ -289,9 +283,8 @@ class CandidateChecks:
                 for side in order:
                     if side == "candidate":
                         mine = [i - off for i in check_runs if off <= i < off + n]
-                        w0 = time.monotonic()
-                        c = cand.ask({**ask, "check_runs": mine, "sample": True}, cfg.run_timeout_s)
-                        cand_wall += time.monotonic() - w0
+                        with cand_spent.during():
+                            c = cand.ask({**ask, "check_runs": mine, "sample": True}, cfg.run_timeout_s)
                         if not c.get("ok"):
                             _timing_failed(result, c, cand)
                             return None
@@ -313,9 +306,8 @@ class CandidateChecks:
                     idle = IdleWatch(cand.worker_pid)
                     if side == "eager":
                         check = samples_path is not None or len(times["candidate"]) == b + 1
-                        w0 = time.monotonic()
-                        e = ref.ask({**ask, "samples_path": samples_path, "config": conf} if samples_path else ask)
-                        ref_wall += time.monotonic() - w0
+                        with ref_spent.during():
+                            e = ref.ask({**ask, "samples_path": samples_path, "config": conf} if samples_path else ask)
                         times["eager"].append(Timing(**e["timing"]))
                         if check:       # the candidate's block came first: checked while timed
                             verdict(e.get("samples") if samples_path else None, off, samples_path)
@@ -341,7 +333,7 @@ class CandidateChecks:
         ct = {"tampered": tampered, "threads_started": threads}
         outs = {"saved": saved, "samples_path": "blocks"}
         eager = {"samples": {"checked": checked, "failed": sorted(failed)}}
-        return ct, outs, eager, "; ".join(busy_parts) or None, ref_wall, cand_wall
+        return ct, outs, eager, "; ".join(busy_parts) or None, ref_spent, cand_spent
 
     def _ahead_of_clock(self, result: EvalResult, ahead: dict[str, Any]) -> None:
         """The profile ran the clock's preamble before each forward (sandbox.profiling): work of the
@@ -511,18 +503,6 @@ class CandidateChecks:
                 result.speedup_eager = result.speedup_compile = None
                 return False
         return True
-
-    def _clock_check(self, result: EvalResult, ref_wall: float, cand_wall: float) -> None:
-        """The parent's own clock must roughly agree with the times the candidate worker reports."""
-        assert result.candidate_time is not None and result.eager_time is not None
-        runs = result.candidate_time.runs
-        ref_overhead = max(0.0, ref_wall - result.eager_time.mean_ms * runs / 1e3)
-        unexplained = cand_wall - result.candidate_time.mean_ms * runs / 1e3 - ref_overhead
-        reported = result.candidate_time.mean_ms * runs / 1e3
-        if unexplained > CLOCK_SLACK_S and unexplained > CLOCK_FACTOR * max(reported, 1e-3):
-            result.add_flag(FlagKind.suspicious,
-                            f"the parent's clock saw {cand_wall * 1e3:.1f} ms for {runs} timed runs the worker "
-                            f"reported as {reported * 1e3:.1f} ms in total")
 
     def _floor(self, ref: ReferenceWorker, result: EvalResult) -> None:
         try:
