@@ -207,6 +207,21 @@ def test_choice_respects_the_cap_and_fills_with_other_correct_attempts():
     assert [(r, a.attempt_id) for r, a in choose_attempts(h, 4)] == [("best", 2), ("correct", 1), ("correct", 3)]
 
 
+def test_a_correct_attempt_only_contended_is_the_one_to_beat_when_none_is_clean():
+    """Its timing was disturbed (the machine's doing, not the candidate's): the model is still asked to
+    beat it, with its flag shown, never told that no attempt is correct."""
+    contended = correct(0.05, flags=[Flag(kind=FlagKind.contended, reason="a burst of load took one side's block")])
+    fallback = correct(0.01, flags=[Flag(kind=FlagKind.fallback, reason="forward calls torch.nn.functional.linear")])
+    h = [view(1, 0, compile_error()), view(2, 0, contended), view(3, 0, fallback)]
+    assert [(r, a.attempt_id) for r, a in choose_attempts(h, 4)] == [("best", 2), ("failure", 3), ("failure", 1)]
+    user = build_proposal_messages(TASK, GPU, 1, h, None, None)[1][1]["content"]
+    assert "Best so far: attempt 2" in user and "Write a faster `ModelNew` than attempt 2" in user
+    assert "flag contended: a burst of load" in user and "No attempt is correct yet" not in user
+    # a clean attempt, however slow, comes first: the contended one is then a flagged attempt
+    h.append(view(4, 1, correct(0.2)))
+    assert [(r, a.attempt_id) for r, a in choose_attempts(h, 2)] == [("best", 4), ("failure", 3)]
+
+
 def test_choice_never_shows_the_same_source_twice():
     same = src("same")
     h = [view(1, 0, compile_error("error: a"), source=same), view(2, 1, compile_error("error: b"), source=same),
