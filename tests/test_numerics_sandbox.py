@@ -18,6 +18,8 @@ from sandbox.numerics import Numerics
 from sandbox.result import EvalConfig
 from sandbox.tasks import read_spec
 
+from remeasure import remeasured
+
 HERE = Path(__file__).parent
 ROUNDED = read_spec(HERE / "numerics" / "task_rounded_gemm.py", name="numerics/task_rounded_gemm")
 SMALL = read_spec(HERE / "adversarial" / "task_small.py", name="adversarial/task_small")
@@ -42,7 +44,7 @@ def default_sandbox():
 @pytest.mark.parametrize("name", ["full_fp32", "rounded_like_reference", "narrower_than_reference"])
 def test_the_float64_rule_through_the_sandbox(default_sandbox, name):
     path = HERE / "numerics" / "cpu" / f"{name}.py"
-    result = default_sandbox.evaluate(ROUNDED, path.read_text())
+    result = remeasured(lambda: default_sandbox.evaluate(ROUNDED, path.read_text()))
     detail = f"{name}: {result.status.value} {result.error_message} {[t.reason for t in result.trials]}"
     assert result.status.value == _expected(path), detail
     outputs = [o for t in result.trials for o in t.outputs]
@@ -60,7 +62,7 @@ def test_the_float64_rule_through_the_sandbox(default_sandbox, name):
 def test_bf16_precision_through_the_sandbox():
     path = HERE / "numerics" / "cpu" / "bf16_relu_scale.py"
     with Sandbox("cpu", _config(Numerics(precision="bf16")), build_slots=1) as sandbox:
-        result = sandbox.evaluate(SMALL, path.read_text())
+        result = remeasured(lambda: sandbox.evaluate(SMALL, path.read_text()))
         assert result.clean, f"{result.status.value} {result.error_message} {result.first_failed_trial()}"
         check = result.trials[0].outputs[0]
         assert check.dtype == "bfloat16" and check.tolerance.atol == pytest.approx(1e-2)

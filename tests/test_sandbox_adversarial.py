@@ -19,6 +19,8 @@ from sandbox.evaluate import Sandbox
 from sandbox.result import EvalConfig, Status
 from sandbox.tasks import read_spec
 
+from remeasure import remeasured
+
 HERE = Path(__file__).parent / "adversarial"
 TASK = HERE / "task_small.py"
 
@@ -96,7 +98,7 @@ def cpu_sandbox():
 @pytest.mark.parametrize("path", CPU_CASES, ids=[p.stem for p in CPU_CASES])
 def test_cpu_exploit_verdict(cpu_sandbox, path):
     expected, flag = _expectations(path)
-    result = cpu_sandbox.evaluate(read_spec(TASK, name="adversarial/task_small"), path.read_text())
+    result = remeasured(lambda: cpu_sandbox.evaluate(read_spec(TASK, name="adversarial/task_small"), path.read_text()))
     print(f"VERDICT {path.stem}: {result.status.value} flags={sorted(f.kind.value for f in result.flags)} "
           f"strays={result.stray_processes_killed} checked={result.timed_runs_checked} "
           f"speedup={result.speedup_eager}")
@@ -173,7 +175,7 @@ def triton_sandbox():
 @pytest.mark.parametrize("path", [_triton_case(p) for p in TRITON_CASES])
 def test_triton_exploit_verdict(triton_sandbox, path, record_property):
     expected, flag = _expectations(path)
-    result = triton_sandbox.evaluate(read_spec(TASK, name="adversarial/task_small"), path.read_text())
+    result = remeasured(lambda: triton_sandbox.evaluate(read_spec(TASK, name="adversarial/task_small"), path.read_text()))
     record_property("verdict", f"{result.status.value} {sorted(f.kind.value for f in result.flags)}")
     print(f"VERDICT triton/{path.stem} on {triton_sandbox.device}: {result.status.value} "
           f"flags={sorted(f.kind.value for f in result.flags)} error={(result.error_message or '')[:100]!r}")

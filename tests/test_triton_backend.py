@@ -13,6 +13,8 @@ import pytest
 from sandbox.backends import BackendError, backend_for, resolve_backend
 from sandbox.result import EvalConfig, FlagKind
 
+from remeasure import remeasured
+
 HERE = Path(__file__).parent / "triton_cases"
 TASK = HERE / "task_ew.py"
 
@@ -104,7 +106,8 @@ def triton_sandbox():
 def _evaluate(sb, name: str, source: str | None = None):
     from sandbox.tasks import read_spec
 
-    return sb.evaluate(read_spec(TASK, name="triton/task_ew"), source or (HERE / f"{name}.py").read_text())
+    spec, text = read_spec(TASK, name="triton/task_ew"), source or (HERE / f"{name}.py").read_text()
+    return remeasured(lambda: sb.evaluate(spec, text))
 
 
 CASES = ["correct", "incorrect", "compile_error", "no_custom_kernel", "lowered_precision", "half_cast"]
@@ -157,7 +160,7 @@ def test_each_candidate_has_its_own_triton_cache_removed_with_its_worker(triton_
     dirs = []
     for _ in range(2):
         result = _evaluate(triton_sandbox, "cache", source)
-        assert result.clean, result.error_message
+        assert result.clean, (result.status, result.flags, result.error_message)
         found = set(re.findall(r"^CACHE (\S+)$", result.stdout, re.M))
         assert len(found) == 1, result.stdout[-500:]
         dirs.append(Path(found.pop()))
@@ -211,7 +214,8 @@ def test_the_worked_example_is_a_correct_candidate(triton_sandbox):
     from sandbox.tasks import read_spec
 
     source = _example_answer(_first_prompt("triton")[0][-1]["content"])
-    result = triton_sandbox.evaluate(read_spec(HERE / "task_add_relu.py", name="triton/add_relu"), source)
+    spec = read_spec(HERE / "task_add_relu.py", name="triton/add_relu")
+    result = remeasured(lambda: triton_sandbox.evaluate(spec, source))
     assert result.clean, (result.status, result.flags, result.error_message)
 
 
@@ -333,7 +337,7 @@ def test_builtin_triton_candidate_is_correct(triton_sandbox):
 
     spec = _spec("seeds/conv2d_divide_leakyrelu")
     cand = propose(spec, "cpu", 0, 0, [], backend="triton")
-    result = triton_sandbox.evaluate(spec, cand.source)
+    result = remeasured(lambda: triton_sandbox.evaluate(spec, cand.source))
     assert result.clean, (result.status, result.flags, result.error_message)
     assert result.custom_calls_per_forward == 1
 
