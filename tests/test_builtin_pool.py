@@ -5,6 +5,7 @@ the candidates built and judged in the CPU sandbox (right where right, NaN as Py
 where a kernel is planted wrong)."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,33 @@ def test_each_pool_is_one_kernel_with_its_chains(layout, monkeypatch):
     assert [[op for op in g["ops"] if op in POOLS] for g in _pool_groups(cuda)] == [[p] for p in POOLS]
     assert cuda.source.count("_kernel<int><<<") == 3
     compile(cuda.source, "cuda_candidate.py", "exec")
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_nchw_pools_read_a_planes_operands_once_at_its_first_element(device, monkeypatch):
+    """The convolution's bias (and the fixture's own per-channel bias) before a pool are fixed over a
+    window's (n, c) plane: an NCHW pool kernel reads them once, at the plane's first element, before
+    the window loop (``plane_loads``), instead of dividing every window element's index under its
+    guard (level2/65's 4x4 average pool, 64-bit indices: two 64-bit divisions per element read). On
+    the channels-last view a window spans rows and columns, and the operands keep their element's
+    index."""
+    monkeypatch.setenv(CUDA_POOL_ENV, "1")
+    plane = {"cuda": "base", "cpu": "nc * H * W"}[device]
+
+    def pools(layout: str) -> list[str]:
+        cand = generate(_spec(), device, Knobs(layout=layout, graph="off"))
+        src = cand.source
+        return [src[src.index(f"{g['name']} begin"):src.index(f"{g['name']} end")] for g in _pool_groups(cand)]
+
+    nchw = pools("nchw")
+    assert len(nchw) == 3
+    k = nchw[1]                                   # b's own bias (and, on cuda, the convolution's)
+    load = k.index(f"const float pl")
+    assert f"kl_off({plane}, " in k[load:k.index("\n", load)]
+    window = k[k.index("acc = "):]
+    assert load < k.index("acc = ") and re.search(r"\bpl\d+\b", window)       # read once, used in the window
+    assert not any("kl_off(i, " in k for k in nchw)
+    assert not any("const float pl" in k for k in pools("nhwc"))
 
 
 def test_cuda_pool_kernels_are_on_unless_switched_off(monkeypatch):

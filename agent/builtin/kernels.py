@@ -286,7 +286,8 @@ class KernelGroup:
         channel (a group or instance norm) or one channel over every sample (a batch norm): runs
         over the batch and the last dim only, or the last dim only. Of a layer norm: runs before its
         normalised dims. Of a reduction (its column kernels, ``chan`` an output's first element):
-        runs clear of the reduced dims."""
+        runs clear of the reduced dims. Of an NCHW pool: runs over N and C (``chan``: the window's
+        plane's first element)."""
         if acc.kind != "runs":
             return False
         if self.kind == "reduce":        # the column kernels: runs clear of the reduced dims
@@ -294,6 +295,10 @@ class KernelGroup:
             return bool(dims) and all(b < dims[0] or a > dims[-1] for a, b in acc.runs)
         if len(self.p_shape) < 3:
             return False
+        if self.kind == "pool":
+            # an NCHW pool's window lies in one (n, c) plane: ``chan`` is the plane's first element;
+            # on the channels-last view (N, *spatial, C) a window crosses rows and columns, not channels
+            return self.core_info.params.get("layout") == "nchw" and all(b <= 1 for _, b in acc.runs)
         if self.kind == "norm" and self.core_info.params.get("channels_last"):
             last = len(self.p_shape) - 1
             ok = {(last, last)} if self.op == "batch_norm" else {(0, 0), (last, last)}
@@ -406,11 +411,8 @@ class KernelGroup:
             return loads[self._input_of[o]]
         return c_float(o)
 
-    def _body(self, nodes: list[Node], space: str, index: str, lane: Optional[int], prefix: str,
-              extra_loads: Optional[list[Value]] = None, chan: Optional[str] = None,
-              row: Optional[str] = None) -> tuple[list[str], dict[int, str]]:
-        lines: list[str] = []
-        loads: dict[int, str] = {}
+    def _wanted(self, nodes: list[Node], extra_loads: Optional[list[Value]] = None) -> list[int]:
+        """The inputs ``nodes`` (and ``extra_loads``) read, each once, in order of first use."""
         wanted: list[int] = []
         for n in nodes:
             for o in self.plan.infos[n].operands:
@@ -418,8 +420,36 @@ class KernelGroup:
                     wanted.append(self._input_of[o])
         for v in extra_loads or []:
             wanted.append(self._input_of[v.key if isinstance(v, ModuleAttr) else v])
-        for k in dict.fromkeys(wanted):
+        return list(dict.fromkeys(wanted))
+
+    def _prologue_extra(self) -> list[Value]:
+        if self.core is None:
+            return []
+        data = self.core_info.operands[0]
+        return [] if data in self.members else [data]
+
+    def plane_loads(self, chan: str) -> str:
+        """Declarations ``const float pl<k>`` of the prologue's operands fixed over a plane
+        (``per_channel``), read at ``chan``: placed before a loop over the plane's elements, whose
+        ``prologue(..., hoisted=True)`` then reads them (a pool's window loop, unrolled with a guard
+        on each element, keeps an index division under each guard otherwise)."""
+        lines = []
+        for k in self._wanted(self.prologue_nodes, self._prologue_extra()):
+            acc = self.accesses[(k, "p")]
+            if acc.kind == "runs" and self.per_channel(acc):
+                lines.append(f"const float pl{k} = {self._load_expr(acc, chan, None, chan)};")
+        return "\n".join(lines)
+
+    def _body(self, nodes: list[Node], space: str, index: str, lane: Optional[int], prefix: str,
+              extra_loads: Optional[list[Value]] = None, chan: Optional[str] = None,
+              row: Optional[str] = None, hoisted: bool = False) -> tuple[list[str], dict[int, str]]:
+        lines: list[str] = []
+        loads: dict[int, str] = {}
+        for k in self._wanted(nodes, extra_loads):
             acc = self.accesses[(k, space)]
+            if hoisted and acc.kind == "runs" and self.per_channel(acc):
+                loads[k] = f"pl{k}"                 # declared by ``plane_loads``
+                continue
             name = f"{prefix}{k}"
             lines.append(f"const float {name} = {self._load_expr(acc, index, lane, chan, row)};")
             loads[k] = name
@@ -430,19 +460,21 @@ class KernelGroup:
         return lines, loads
 
     def prologue(self, index: str = "i", lane: Optional[int] = None, assign: bool = False,
-                 chan: Optional[str] = None, row: Optional[str] = None) -> str:
+                 chan: Optional[str] = None, row: Optional[str] = None, hoisted: bool = False) -> str:
         """Statements computing every prologue value and ``x`` (the core's input, or the output);
         ``assign``: assign an ``x`` declared outside instead of declaring it; ``chan``: the index
         of the first element of ``index``'s channel, for the per-channel operands (``per_channel``);
-        ``row``: the position of ``index`` within its row, for the operands ``along_row``."""
+        ``row``: the position of ``index`` within its row, for the operands ``along_row``;
+        ``hoisted``: the per-channel operands read from ``plane_loads``' declarations."""
         decl = "x = " if assign else "const float x = "
         if self.core is None:
-            lines, _ = self._body(self.prologue_nodes, "p", index, lane, "a", chan=chan, row=row)
+            lines, _ = self._body(self.prologue_nodes, "p", index, lane, "a", chan=chan, row=row, hoisted=hoisted)
             lines.append(f"{decl}{self.var(self.out_node)};")
             return "\n".join(lines)
         data = self.core_info.operands[0]
-        extra = [] if data in self.members else [data]
-        lines, loads = self._body(self.prologue_nodes, "p", index, lane, "a", extra, chan=chan, row=row)
+        extra = self._prologue_extra()
+        lines, loads = self._body(self.prologue_nodes, "p", index, lane, "a", extra, chan=chan, row=row,
+                                  hoisted=hoisted)
         x = self.var(data) if data in self.members else loads[self._input_of[data]]
         lines.append(f"{decl}{x};")
         return "\n".join(lines)
