@@ -260,6 +260,33 @@ def test_a_cached_build_keeps_how_it_was_built(tmp_path, monkeypatch):
     assert second.build.cached and second.build.notes == first.build.notes
 
 
+def test_the_candidates_profile_is_taken_with_the_device_held_as_for_its_timing(sandbox, monkeypatch):
+    """Beside background work (another candidate loading or warming up, a footprint measured beside)
+    12 of session ad's 388 profiles summed to 1.3-2x their timed forward: the candidate's profile
+    request goes out with the slot's gate held for timing, as its timed runs do."""
+    from sandbox.pool import DeviceGate
+    from sandbox.process import WorkerProcess
+
+    asked: list[tuple[str, bool, WorkerProcess]] = []
+    real_ask = WorkerProcess.ask
+
+    def ask(self, payload, *args, **kwargs):
+        gates = sandbox._gates
+        asked.append((payload.get("op"), any(g._timing for g in gates), self))
+        return real_ask(self, payload, *args, **kwargs)
+
+    monkeypatch.setattr(WorkerProcess, "ask", ask)
+    assert sandbox._gates and all(isinstance(g, DeviceGate) for g in sandbox._gates)
+    result = sandbox.evaluate(read_spec(TASK, name="adversarial/task_small"), (ADV / "cpu" / "honest.py").read_text())
+    assert result.status is Status.correct and result.profile, (result.status, result.error_message)
+    references = {id(ref.proc) for ref in sandbox._refs.values()}
+    mine = [(op, held) for op, held, proc in asked if id(proc) not in references]
+    assert [held for op, held in mine if op == "profile"] == [True], mine
+    assert any(op == "time" and held for op, held in mine) and not any(op == "trial" and held for op, held in mine)
+    # the reference's profile, taken once per task under its lock, is not (see CandidateChecks.run)
+    assert not any(held for op, held, proc in asked if op == "profile" and id(proc) in references)
+
+
 def test_identical_candidate_is_a_cache_hit(sandbox):
     spec = read_spec(TASK, name="adversarial/task_small")
     src = (ADV / "cpu" / "honest.py").read_text()
