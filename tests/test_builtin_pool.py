@@ -114,6 +114,23 @@ def test_nchw_pools_read_a_planes_operands_once_at_its_first_element(device, mon
     assert not any("const float pl" in k for k in pools("nhwc"))
 
 
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_cuda_pool_kernels_take_an_outputs_position_apart_with_launch_time_divisors(layout, monkeypatch):
+    """An output's (n, c, [od,] oh, ow) from its index: divisions by the sizes as ``KlDiv`` fixed at
+    launch (a multiply-high and a shift for 32-bit indices; exact: test_builtin_division), not by
+    ``/`` and ``%`` on runtime values (about twenty instructions each, up to six an output)."""
+    monkeypatch.setenv(CUDA_POOL_ENV, "1")
+    for path, divisors in ((CONV_POOL, ["dOW", "dOH"]), (CONV3D_POOL, ["dOW", "dOH", "dOD"])):
+        cand = generate(_spec(path), "cuda", Knobs(layout=layout, graph="off"))
+        for g in _pool_groups(cand):
+            k = cand.source[cand.source.index(f"{g['name']} begin"):cand.source.index(f"{g['name']} end")]
+            body = k[k.index("for (I o = "):k.index("float acc")]
+            assert all(f"kl_div(t, {d})" in body for d in divisors), body
+            assert ("kl_div(o, dC)" in body) == (layout == "nhwc"), body
+            assert "%" not in body and " / " not in body, body
+            assert "KlDiv<int>((int)meta[7])" in k          # (the fixture's sizes need no 64-bit launch)
+
+
 def test_cuda_pool_kernels_are_on_unless_switched_off(monkeypatch):
     """The CUDA pool kernels were judged on a GPU (scripts/gpu_pool_check.py): a cuda candidate fuses
     its pools unless KERNELLOOP_CUDA_POOL=0, which keeps PyTorch's pooling; the CPU's are always fused."""
