@@ -411,6 +411,36 @@ def generate(spec: TaskSpec, device: str, knobs: Knobs = DEFAULT_KNOBS, cuts: tu
                               uncovered_ops=list(r.header.get("uncovered", [])))
 
 
+def group_traffic(spec: TaskSpec, device: str, choices: dict[str, Any],
+                  numerics: Optional[Numerics] = None) -> dict[str, dict[str, Any]]:
+    """For a builtin candidate's header ``choices`` (its knobs, cuts and exclusions), each kernel
+    group's name -> its ``kind``, ``ops`` and ``bytes``: every input read once and the output
+    written once at the task's sizes, the least memory traffic its kernel can have (a norm's
+    second pass, a tile's re-reads are not counted). With a profile's kernel times it gives each
+    kernel's achieved bandwidth (``scripts/kernel_bandwidth.py``)."""
+    import math
+
+    from agent.builtin.ops import shape_of
+
+    traced = trace_task(spec, device, numerics)
+    if not traced.ok:
+        return {}
+    fb = Feedback(cuts=set(choices.get("cuts") or []), excluded=set(choices.get("excluded") or []),
+                  precision=traced.precision)
+    rendered = _Generator(traced, device, fb, getattr(numerics, "math", None)).render(Knobs(**_knobs_of(choices)))
+    out: dict[str, dict[str, Any]] = {}
+    for code in rendered.groups:
+        kg = code.kg
+        shapes = [(i.shape, i.dtype) for i in getattr(kg, "inputs", [])]
+        shapes.append((shape_of(kg.out_node) if getattr(kg, "out_node", None) is not None else None,
+                       getattr(kg, "out_dtype", None)))
+        if any(sh is None or dt is None for sh, dt in shapes):
+            continue
+        size = sum(math.prod(sh) * dt.itemsize for sh, dt in shapes)
+        out[kg.name] = {"kind": kg.kind, "ops": list(kg.ops), "bytes": int(size)}
+    return out
+
+
 def _propose_triton(spec: TaskSpec, device: str, sample: int, history: list, numerics: Optional[Numerics]) -> GeneratedCandidate:
     from agent.builtin.triton_gen import propose_triton
 
