@@ -12,6 +12,8 @@ from agent.builtin.codegen import Knobs
 from agent.builtin.unrolled_rnn import MIN_STEPS
 from sandbox.tasks import read_spec
 
+from remeasure import remeasured
+
 LOOP = Path(__file__).parent / "fixtures" / "builtin" / "rnn_loop.py"
 
 
@@ -66,7 +68,7 @@ def test_the_replay_is_clean_and_the_candidate_is_correct_in_the_cpu_sandbox():
     cand = propose(spec, "cpu", 0, 0, [])
     assert cand.choices["groups"][0]["kind"] == "recurrent"
     cfg = EvalConfig(numerics=Numerics(), trials=2, warmup_runs=1, timed_runs=2, time_compile=False, profile=False)
-    result = evaluate(spec, cand.source, "cpu", cfg)
+    result = remeasured(lambda: evaluate(spec, cand.source, "cpu", cfg))
     assert result.status is Status.correct and result.clean, (result.status, result.error_message, result.flags)
     wrong_src = cand.source.replace("torch.zeros_like(self.i2h.bias)", "torch.full_like(self.i2h.bias, 0.01)")
     assert wrong_src != cand.source
