@@ -159,7 +159,7 @@ class CandidateChecks:
                 stages.enter("timing")
                 result.add_strays(cand.sweep(), "before its timed runs")
                 self._foreign(gpu, result, "before the timed runs", None)
-                cand_spent, ref_spent = Spent(cand.worker_pid), Spent(ref.proc.worker_pid if ref.proc is not None else None)
+                cand_spent, ref_spent = self._spent(cand.worker_pid), self._spent(ref.proc.worker_pid if ref.proc is not None else None)
                 with cand_spent.during():
                     ct = cand.ask({**timed, "check_runs": check_runs, "sample": True}, cfg.run_timeout_s)
                 if not ct.get("ok"):
@@ -239,6 +239,12 @@ class CandidateChecks:
         stages.enter("floor")
         self._floor(ref, result)
 
+    def _spent(self, pid: Optional[int]) -> Spent:
+        """The parent's clock over a worker's timed asks, and on ``cpu`` the worker's CPU time too
+        (``sandbox.clock_check``; on ``cuda`` it says nothing of the device's work, and reading it
+        walks the process table)."""
+        return Spent(pid if self.device == "cpu" else None)
+
     def _time_in_blocks(self, result: EvalResult, ref: ReferenceWorker, cand: WorkerProcess, stages: Stages,
                         gate: Any, slot: Any, timed: dict[str, Any], check_runs: list[int]) -> Optional[tuple]:
         """The ``cpu`` timing: the timed runs split into ``self.blocks`` short blocks per side,
@@ -266,7 +272,7 @@ class CandidateChecks:
         times: dict[str, list[Timing]] = {"candidate": [], "eager": [], "compile": []}
         saved: dict[str, Any] = {}
         checked, failed, tampered, threads, busy_parts = 0, [], [], 0, []
-        cand_spent, ref_spent = Spent(cand.worker_pid), Spent(ref.proc.worker_pid if ref.proc is not None else None)
+        cand_spent, ref_spent = self._spent(cand.worker_pid), self._spent(ref.proc.worker_pid if ref.proc is not None else None)
         time_compile = cfg.time_compile
 
         def verdict(samples: Optional[dict], off: int, path: Optional[str]) -> None:
