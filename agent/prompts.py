@@ -21,7 +21,7 @@ import jinja2
 from agent.critic.patterns import classify
 from agent.types import AttemptView, DeviceFacts
 from sandbox.numerics import Numerics
-from sandbox.result import DISQUALIFYING_FLAGS, EvalResult, FlagKind, Status
+from sandbox.result import DISQUALIFYING_FLAGS, EvalResult, Status
 from sandbox.tasks import TaskSpec
 
 FIRST = "propose_first"
@@ -350,8 +350,8 @@ def choose_attempts(history: list[AttemptView], max_shown: int = 4) -> list[tupl
     if not clean:
         # correct, its only doubt its timing (``contended``: the machine was disturbed, not the
         # candidate's doing): still the one to improve on, its flag shown with it
-        clean = sorted((a for a in history if a.result is not None and a.result.correct
-                        and _doubtful(a.result) == [FlagKind.contended.value]), key=lambda a: (speed(a), a.attempt_id))
+        clean = sorted((a for a in history if a.result is not None and a.result.contended_only),
+                       key=lambda a: (speed(a), a.attempt_id))
     chosen: list[tuple[str, AttemptView]] = []
     if clean and fresh(clean[0]):
         chosen.append(("best", clean[0]))

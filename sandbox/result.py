@@ -253,6 +253,12 @@ class EvalResult(BaseModel):
         return self.correct and not any(f.kind in DISQUALIFYING_FLAGS for f in self.flags)
 
     @property
+    def contended_only(self) -> bool:
+        """Correct, and its only doubt its timing (``contended``: the machine was disturbed, the
+        harness's condition, not the candidate's): the candidate to measure again, or to improve on."""
+        return self.correct and {f.kind for f in self.flags if f.kind in DISQUALIFYING_FLAGS} == {FlagKind.contended}
+
+    @property
     def fp64_measured(self) -> bool:
         """Whether the float64 check measured an output (then ``inaccurate`` is its verdict)."""
         return any(o.fp64_rel_rms is not None for t in self.trials for o in t.outputs)

@@ -7,19 +7,15 @@ from __future__ import annotations
 
 from typing import Callable
 
-from sandbox.result import DISQUALIFYING_FLAGS, EvalResult, FlagKind
+from sandbox.result import EvalResult
 
 TRIES = 3
-
-
-def only_contended(result: EvalResult) -> bool:
-    return result.correct and {f.kind for f in result.flags if f.kind in DISQUALIFYING_FLAGS} == {FlagKind.contended}
 
 
 def remeasured(evaluate: Callable[[], EvalResult], tries: int = TRIES) -> EvalResult:
     result = evaluate()
     for _ in range(tries - 1):
-        if not only_contended(result):
+        if not result.contended_only:
             break
         result = evaluate()
     return result

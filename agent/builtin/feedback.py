@@ -375,8 +375,6 @@ def remeasured(correct: list[tuple[AttemptView, dict[str, Any]]], fb: Feedback) 
     every clean attempt as measured, and its source evaluated once. Session x: 7_GoogleNetInceptionV1's CUDA-graph candidate met a
     GPU slow for seconds (its own replay 4.4 ms against 1.15 in a quiet check) and was flagged; the
     next round measured its graph-free twin (0.48x eager), which became the clean best."""
-    from sandbox.result import DISQUALIFYING_FLAGS, FlagKind
-
     def timed(att: AttemptView) -> Optional[float]:
         t = getattr(att.result, "candidate_time", None)
         return t.median_ms if t is not None and t.median_ms > 0 else None
@@ -385,9 +383,8 @@ def remeasured(correct: list[tuple[AttemptView, dict[str, Any]]], fb: Feedback) 
     hashes = {a.attempt_id: body_hash(a.source) for a, _ in correct}
     count = Counter(hashes.values())
     for att, h in sorted(correct, key=lambda ah: timed(ah[0]) or float("inf")):
-        kinds = {f.kind for f in att.result.flags if f.kind in DISQUALIFYING_FLAGS}
         t = timed(att)
-        if kinds != {FlagKind.contended} or t is None or count[hashes[att.attempt_id]] > 1:
+        if not att.result.contended_only or t is None or count[hashes[att.attempt_id]] > 1:
             continue
         if (att.result.speedup_eager or 0.0) >= 1.0 and (not clean or t < min(clean)):
             fb.remeasure, fb.remeasure_attempt, fb.remeasure_hash = h, att.attempt_id, hashes[att.attempt_id]
