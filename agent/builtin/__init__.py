@@ -400,15 +400,22 @@ def _replay(spec: TaskSpec, numerics: Optional[Numerics], device: str = "cpu"):
 def generate(spec: TaskSpec, device: str, knobs: Knobs = DEFAULT_KNOBS, cuts: tuple[str, ...] = (),
              excluded: tuple[str, ...] = (), numerics: Optional[Numerics] = None) -> GeneratedCandidate:
     """The candidate for explicit knobs (no history), in ``numerics`` (None: fp32): for tests and tools."""
-    traced = trace_task(spec, device, numerics)
-    if not traced.ok:
+    traced, r = _rendered(spec, device, knobs, cuts, excluded, numerics)
+    if r is None:
         return _untraceable(traced, device, Feedback(precision=traced.precision))
-    fb = Feedback(cuts=set(cuts), excluded=set(excluded), precision=traced.precision)
-    gen = _Generator(traced, device, fb, getattr(numerics, "math", None))
-    r = gen.render(knobs)
     covered = sorted({op for kg in r.groups for op in kg.kg.ops})
     return GeneratedCandidate(source=r.source, choices=r.header, covered_ops=covered,
                               uncovered_ops=list(r.header.get("uncovered", [])))
+
+
+def _rendered(spec: TaskSpec, device: str, knobs: Knobs, cuts: Any = (), excluded: Any = (),
+              numerics: Optional[Numerics] = None) -> tuple[Traced, Optional[Rendered]]:
+    """The task traced and, where it traced, rendered for explicit knobs, cuts and exclusions."""
+    traced = trace_task(spec, device, numerics)
+    if not traced.ok:
+        return traced, None
+    fb = Feedback(cuts=set(cuts), excluded=set(excluded), precision=traced.precision)
+    return traced, _Generator(traced, device, fb, getattr(numerics, "math", None)).render(knobs)
 
 
 def group_traffic(spec: TaskSpec, device: str, choices: dict[str, Any],
@@ -422,12 +429,10 @@ def group_traffic(spec: TaskSpec, device: str, choices: dict[str, Any],
 
     from agent.builtin.ops import shape_of
 
-    traced = trace_task(spec, device, numerics)
-    if not traced.ok:
+    _, rendered = _rendered(spec, device, Knobs(**_knobs_of(choices)), choices.get("cuts") or (),
+                            choices.get("excluded") or (), numerics)
+    if rendered is None:
         return {}
-    fb = Feedback(cuts=set(choices.get("cuts") or []), excluded=set(choices.get("excluded") or []),
-                  precision=traced.precision)
-    rendered = _Generator(traced, device, fb, getattr(numerics, "math", None)).render(Knobs(**_knobs_of(choices)))
     out: dict[str, dict[str, Any]] = {}
     for code in rendered.groups:
         kg = code.kg
