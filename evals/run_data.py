@@ -120,6 +120,16 @@ def _record_from(attempt, name: str) -> AttemptRecord:
     return rec
 
 
+def evaluation_result(session, evaluation_id: int) -> dict[str, Any]:
+    """A stored evaluation's ``EvalResult`` as a dict (the column holds JSON text or a dict)."""
+    import json
+
+    from store.models import Evaluation
+
+    result = session.get(Evaluation, evaluation_id).result
+    return json.loads(result) if isinstance(result, str) else result
+
+
 def load_run(session, run_id: int) -> RunData:
     """Read one run from the store (raises LookupError for an unknown run)."""
     import sqlalchemy as sa

@@ -19,9 +19,8 @@ sys.path.insert(0, str(ROOT))
 
 from agent.critic.grounded import is_library_kernel  # noqa: E402
 from evals.metrics import best_attempt  # noqa: E402
-from evals.run_data import load_run  # noqa: E402
+from evals.run_data import evaluation_result, load_run  # noqa: E402
 from store import Store  # noqa: E402
-from store.models import Evaluation  # noqa: E402
 
 
 NORMS = ("bn_fw", "bn_bw", "batch_norm", "layer_norm", "group_norm", "instance_norm")
@@ -52,8 +51,7 @@ def main() -> None:
             best = best_attempt(data.records_for(task))
             if best is None or best.evaluation_id is None or not best.eager_ms:
                 continue
-            result = session.get(Evaluation, best.evaluation_id).result
-            result = json.loads(result) if isinstance(result, str) else result
+            result = evaluation_result(session, best.evaluation_id)
             ref = result.get("reference_profile") or []
             lib_ms = sum(k["total_us"] for k in ref if library_kernel(k["name"])) / 1e3
             rows.append({"task": task, "eager_ms": best.eager_ms, "best_ms": best.candidate_ms,

@@ -24,11 +24,10 @@ sys.path.insert(0, str(ROOT))
 from agent.builtin import group_traffic  # noqa: E402
 from agent.builtin.feedback import parse_header  # noqa: E402
 from evals.metrics import best_attempt  # noqa: E402
-from evals.run_data import load_run  # noqa: E402
+from evals.run_data import evaluation_result, load_run  # noqa: E402
 from sandbox.numerics import Numerics  # noqa: E402
 from sandbox.tasks import TaskSpec  # noqa: E402
 from store import Store  # noqa: E402
-from store.models import Evaluation  # noqa: E402
 
 DISTURBED = 1.15        # a profile's kernels summed to this much more than the timed median
 
@@ -41,8 +40,7 @@ def rows_for(session, run: int) -> list[dict]:
         header = parse_header(best.source) if best is not None else None
         if best is None or best.evaluation_id is None or not header or header.get("generator") != "builtin":
             continue
-        result = session.get(Evaluation, best.evaluation_id).result
-        result = json.loads(result) if isinstance(result, str) else result
+        result = evaluation_result(session, best.evaluation_id)
         profile = result.get("profile") or []
         if not profile or not best.candidate_ms:
             continue
