@@ -25,15 +25,17 @@ from agent.builtin import group_traffic  # noqa: E402
 from agent.builtin.feedback import parse_header  # noqa: E402
 from evals.metrics import best_attempt  # noqa: E402
 from evals.run_data import evaluation_result, load_run  # noqa: E402
-from sandbox.numerics import Numerics  # noqa: E402
+from sandbox.numerics import numerics_of_run_config  # noqa: E402
 from sandbox.tasks import TaskSpec  # noqa: E402
 from store import Store  # noqa: E402
 
 DISTURBED = 1.15        # a profile's kernels summed to this much more than the timed median
 
 
-def rows_for(session, run: int) -> list[dict]:
+def rows_for(session, run: int) -> tuple[str, list[dict]]:
+    """(the run's device and numerics, in words; a row per generated kernel of each task's best)."""
     data = load_run(session, run)
+    numerics, _ = numerics_of_run_config(data.run.get("config"))
     rows = []
     for task in data.task_names:
         best = best_attempt(data.records_for(task))
@@ -45,7 +47,6 @@ def rows_for(session, run: int) -> list[dict]:
         if not profile or not best.candidate_ms:
             continue
         spec = TaskSpec(name=task, path=f"{task}.py", source=data.task_sources[task])
-        numerics = Numerics(precision=header.get("precision", "fp32"), math=header.get("math", "default"))
         try:
             traffic = group_traffic(spec, header.get("device", "cuda"), header, numerics)
         except Exception as exc:  # noqa: BLE001 - one task's trace failing leaves the others
@@ -60,7 +61,7 @@ def rows_for(session, run: int) -> list[dict]:
             rows.append({"task": task, "group": m.group(1), "kind": g["kind"], "ops": "+".join(g["ops"]),
                          "kernel": k["name"].split("(")[0], "us": k["total_us"], "bytes": g["bytes"],
                          "tb_s": g["bytes"] / k["total_us"] / 1e6, "prof_over_timed": ratio})
-    return rows
+    return f"{data.run['device']} {data.run['device_name']} / {numerics.label}", rows
 
 
 def main() -> None:
@@ -71,12 +72,13 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     with Store(args.db).reader() as session:
-        rows = rows_for(session, args.run)
+        where, rows = rows_for(session, args.run)
     rows = [r for r in rows if args.kind in (None, r["kind"])]
     rows.sort(key=lambda r: -r["us"])
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps({"device_and_numerics": where, "kernels": rows}, indent=1))
         return
+    print(f"device and numerics: {where}\n")
     print("| task | group | kind | operators | kernel | us per forward | least MB | TB/s | prof/timed |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
