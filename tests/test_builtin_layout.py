@@ -401,6 +401,38 @@ def test_channel_reductions_in_channels_last_match_on_cuda(channel_reductions, k
     assert report["ok"], report
 
 
+def test_softmax_rows_are_stored_four_values_at_once_on_cuda(channel_reductions):
+    """The write pass of a softmax or log_softmax row stores a lane's four values as one vector on
+    the vector path (the regs and warp kernels; session af's H100 profile had level2/91's softmax
+    row kernel at 1.4 TB/s with four scalar stores for each vector it loaded), and the launch takes
+    that path only where the output is aligned for it. Reductions to one value a row store no
+    vectors, and without vectors every value is stored alone. (Rendering; the GPU test above judges
+    both knob settings.)"""
+    import re
+
+    _, spec = channel_reductions
+    vector_store = "*reinterpret_cast<float4*>(out + i0) = o;"
+
+    def reduction_groups(source: str) -> dict[str, str]:
+        return dict(re.findall(r"// ---- (kl_g\d+) begin: reduction(.*?)// ---- \1 end", source, re.S))
+
+    groups = reduction_groups(generate(spec, "cuda", Knobs(layout="nhwc")).source)
+    full = {name for name, code in groups.items() if "softmax" in code.split("template", 1)[0]}
+    rows = {name for name in full if f"{name}_regs(" in groups[name]}
+    assert len(groups) == 10 and len(full) == 4 and len(rows) == 2    # 16 channels: the column kernel
+    for name, code in groups.items():
+        if name in rows:
+            regs = code[code.index(f"{name}_regs("):code.index(f"{name}_launch(")]
+            assert regs.count(vector_store) == 1 and "o.w = z;" in regs
+            assert code.count(vector_store) == 2                       # and the warp kernel's write pass
+        if name in full:
+            assert "(R % 4 == 0) && kl_aligned_to(outs[0], 16)" in code
+        else:
+            assert vector_store not in code and "kl_aligned_to(outs[0]" not in code
+    scalar = reduction_groups(generate(spec, "cuda", Knobs(layout="nhwc", vec=False)).source)
+    assert scalar.keys() == groups.keys() and not any("reinterpret_cast<float4*>(out" in c for c in scalar.values())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_channels_last_input_copy_is_pytorchs_on_cuda(channel_reductions):
