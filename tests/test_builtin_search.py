@@ -156,3 +156,46 @@ def test_builtin_rounds_keep_a_monotone_best_and_print_their_gains(tmp_path, mon
     assert "Gains by round" in out
     for rnd in range(3):
         assert f"round {rnd}: " in out
+
+
+def test_channels_last_goes_last_where_the_references_convolution_ran_full_fp32():
+    """Session af (one H100, level 2): of 20 convolution tasks whose reference profile named only
+    cuDNN's full-fp32 convolution kernels, 17 had their channels-last candidate (TF32 in cuDNN)
+    judged incorrect or inaccurate; round 1 spent its attempt there. Such evidence now ranks the
+    channels-last neighbour after every other (on level2/57 round 1 then takes the direct
+    convolution; this seed's cuda candidate has none, so another NCHW neighbour); a TF32 reference
+    kernel, or no reference profile yet, leaves the order as it was."""
+    from agent.builtin.feedback import fp32_reference_convolution
+    from sandbox.numerics import Numerics
+
+    task = ROOT / "tasks" / "seeds" / "conv2d_divide_leakyrelu.py"
+    if not task.is_file():
+        pytest.skip("tasks/seeds is not in this checkout")
+    spec, numerics = read_spec(task), Numerics()
+    first = propose(spec, "cuda", 0, 0, [], numerics=numerics)
+    assert _knobs(first.source)["layout"] == "nchw"
+
+    def round1(reference_kernel: str | None) -> dict:
+        result = _result(1.0)
+        if reference_kernel is not None:
+            result.reference_profile = [KernelStat(name=reference_kernel, count=1, total_us=70.0, share=0.7),
+                                        KernelStat(name="void at::native::elementwise_kernel<128, 2>", count=1,
+                                                   total_us=30.0, share=0.3)]
+        history = [_view(1, 0, first.source, result)]
+        return _knobs(propose(spec, "cuda", 1, 0, history, numerics=numerics).source), history
+
+    fp32 = "sm80_xmma_fprop_implicit_gemm_f32f32_f32f32_f32_nchwkcrs_nchw_tilesize128x128x8_stage3_warpsize2x2x1_g1"
+    tf32 = "sm90_xmma_fprop_implicit_gemm_tf32f32_tf32f32_f32_nhwckrsc_nchw_tilesize128x128x32_warpgroupsize1x1x1"
+    knobs, history = round1(fp32)
+    assert fp32_reference_convolution(history) == fp32
+    assert knobs["layout"] == "nchw" and knobs != _knobs(first.source)
+    fb = read_history(history, "cuda")
+    fb.search.doubtful.add(("layout", "nhwc"))
+    order = variant_order(fb, "fp32", nchw_first=True)
+    nhwc = [i for i, k in enumerate(order) if k.layout == "nhwc"]
+    others = [i for i, k in enumerate(order) if k.layout == "nchw" and k.as_dict() != _knobs(first.source)]
+    assert max(others) < min(nhwc)
+    for kernel in (tf32, None):
+        knobs, history = round1(kernel)
+        assert fp32_reference_convolution(history) is None
+        assert knobs["layout"] == "nhwc"

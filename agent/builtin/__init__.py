@@ -25,7 +25,8 @@ from typing import Any, Optional
 from agent.builtin import attention, recurrent, unrolled_rnn
 from agent.builtin.codegen import HEADER_PREFIX, Knobs, Rendered, body_hash, render_candidate
 from agent.builtin.dtypes import precision_of
-from agent.builtin.feedback import Feedback, _knobs_of, parse_header, read_history, variant_order
+from agent.builtin.feedback import (Feedback, _knobs_of, fp32_reference_convolution, parse_header, read_history,
+                                    variant_order)
 from agent.builtin.kernels import KernelGroup
 from agent.builtin.plan import Plan, classify_graph, make_plan
 from agent.builtin.search import lineage
@@ -274,6 +275,12 @@ def _propose_one(spec: TaskSpec, device: str, round: int, sample: int,
     # (only where a convolution is rewritten to channels-last: elsewhere both layouts are one code)
     nchw_convs = device == "cpu" or (numerics is not None and "conv" in numerics.tf32_classes(device))
     nchw_first = nchw_convs and gen.other("nhwc") is not None
+    # where the reference's own convolutions ran full fp32, a channels-last one (TF32) is tried last
+    full_fp32 = fp32_reference_convolution(history) if nchw_first and device == "cuda" else None
+    if full_fp32 is not None and fb.search is not None:
+        fb.search.doubtful.add(("layout", "nhwc"))
+        fb.notes.append(f"the reference's convolution ran in full fp32 ({full_fp32.split('(')[0][:80]}): "
+                        "channels-last (TF32 in cuDNN) tried after every other variant")
     # the CUDA-graph replay where it applies to this forward (graphed.py), else every setting without it
     graphs = "graph" in gen.render(DEFAULT_KNOBS).knobs_used
     # sample 0 measures again a correct candidate that only a disturbed window kept from being clean

@@ -368,6 +368,23 @@ def variant_order(fb: Feedback, precision: Optional[str] = None, nchw_first: boo
     return order
 
 
+_CONV_KERNEL_RE = re.compile(r"fprop|dgrad|implicit_conv|convolve", re.I)
+
+
+def fp32_reference_convolution(history: list[AttemptView]) -> Optional[str]:
+    """The name of a convolution kernel the reference ran in full fp32, where the profiles of the
+    reference stored with earlier evaluations name convolution kernels (cuDNN's ``fprop``/``dgrad``
+    implicit GEMMs and ``convolveNd`` engines) and none of them TF32 (``tf32`` in its name); None
+    otherwise. Under PyTorch's default math cuDNN picks a full-fp32 NCHW algorithm for few input
+    channels (level2/57: 8) and a TF32 one for the same convolution channels-last, whose 1e-3
+    differences then fail the tolerance and the float64 rule."""
+    names = [k.name for att in history if att.result is not None
+             for k in (getattr(att.result, "reference_profile", None) or []) if _CONV_KERNEL_RE.search(k.name)]
+    if not names or any("tf32" in n.lower() for n in names):
+        return None
+    return names[0]
+
+
 def remeasured(correct: list[tuple[AttemptView, dict[str, Any]]], fb: Feedback) -> None:
     """Set ``fb.remeasure`` to the correct attempt to measure once more, if there is one: flagged
     ``contended`` and nothing else that disqualifies (the reference's window or the GPU was disturbed:

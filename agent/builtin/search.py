@@ -16,6 +16,12 @@ fastest correct attempt it was derived from, ``changed``: the knobs it sets diff
   width change in 1 of 31; a profile that put the kernels' own knobs first (the rule before)
   spent rounds 1-3 of level2/91 (a softmax over channels, 50% of its time in its own kernel) on
   block sizes and never tried channels-last;
+* ``doubtful``: a knob value the measured evidence says will likely fail, tried only after every
+  other neighbour like a loss: channels-last where the reference's convolutions ran cuDNN's full
+  fp32 kernels while the candidate's would run in TF32 (``feedback.fp32_reference_convolution``;
+  session af, one H100, level 2: of 20 convolution tasks whose reference profile named only full
+  fp32 convolution kernels, 17 had their channels-last candidate judged incorrect or inaccurate,
+  the other three rendering no different convolution; of 43 with TF32 ones, none);
 * ``own_share``: the share of the incumbent's profiled time spent in its own kernels, which
   orders the rest. Where it is small (below ``LIBRARY_BOUND``) the library operators dominate,
   and knobs that only retune the generated kernels (block, vec, reduce) can gain little: the
@@ -55,6 +61,7 @@ class SearchState:
     steps: list[Step] = field(default_factory=list)
     lost: set[tuple[str, Any]] = field(default_factory=set)
     won: set[tuple[str, Any]] = field(default_factory=set)
+    doubtful: set[tuple[str, Any]] = field(default_factory=set)
     own_share: Optional[float] = None
 
 
@@ -100,14 +107,14 @@ def read_search(measured: list[tuple[Any, dict[str, Any]]], best_attempt: Option
 
 
 def neighbour_key(diff: dict[str, Any], state: Optional[SearchState]) -> tuple[int, tuple[int, int, int]]:
-    """(measured losses, rank) for a variant that sets the knobs ``diff`` (knob -> value)
-    differently from the incumbent: the losses sort before the distance, the rank (measured wins
+    """(measured losses and doubts, rank) for a variant that sets the knobs ``diff`` (knob -> value)
+    differently from the incumbent: the losses and doubts sort before the distance, the rank (measured wins
     first, then structural changes, then the profile's order) after it, before the fixed knob
     priority."""
     structural = 0 if diff and all(k in STRUCTURAL for k in diff) else 1
     if state is None:
         return 0, (0, structural, 0)
-    lost = sum(1 for kv in diff.items() if kv in state.lost)
+    lost = sum(1 for kv in diff.items() if kv in state.lost or kv in state.doubtful)
     won = sum(1 for kv in diff.items() if kv in state.won)
     kernel_only = bool(diff) and all(k in KERNEL_ONLY for k in diff)
     share = state.own_share
