@@ -16,9 +16,10 @@ from sandbox.clock_check import Spent, clock_check
 from sandbox.compare import fp64_verdict
 from sandbox.phases import Stages
 from sandbox.process import WorkerProcess, worker_pids
-from sandbox.quiet import GpuWatch, IdleWatch, TimingHistory, timing_window, unsteady
+from sandbox.quiet import GpuWatch, IdleWatch, TimingHistory, timing_window
 from sandbox.reference import Precomputed, ReferenceWorker
 from sandbox.result import EvalConfig, EvalResult, FlagKind, KernelStat, OutputCheck, Status, Timing, Trial
+from sandbox.steady import SteadyWindows
 
 # cpu's interleaved blocks: warm-up runs before every block after the first (the first has the config's)
 BLOCK_WARMUP = 1
@@ -38,14 +39,15 @@ def block_timing(blocks: list[Timing]) -> Timing:
                                 "page_faults": float(statistics.median(faults)) if len(faults) == len(blocks) else None})
 
 
-class CandidateChecks:
+class CandidateChecks(SteadyWindows):
     """Runs the cascade's trials, timing and evidence stages for one sandbox's config and device."""
 
     def __init__(self, config: EvalConfig, device: str, gpu: Optional[str] = None,
                  history: Optional[TimingHistory] = None, inputs_copy_on_host: bool = False,
                  blocks: int = 1, quiet: Callable[[], ContextManager[Any]] = contextlib.nullcontext):
         """``gpu``: the slot's GPU (a CUDA_VISIBLE_DEVICES entry, watched through NVML);
-        ``quiet``: held around a reference's second timing (``_one_window``, ``_steady``): on cuda
+        ``quiet``: held around a second timing of the reference (``_one_window``, ``_steady``) or of the
+        candidate (``_candidate_window``; ``sandbox.steady``): on cuda
         the sandbox's builds stopped (``sandbox.pool.BuildPause``), whose compilers beside the
         timed runs' host thread are what made windows unsteady;
         ``history``: the sandbox's running medians of reference timings (``sandbox.quiet``);
@@ -160,8 +162,11 @@ class CandidateChecks:
                 result.add_strays(cand.sweep(), "before its timed runs")
                 self._foreign(gpu, result, "before the timed runs", None)
                 cand_spent, ref_spent = self._spent(cand.worker_pid), self._spent(ref.proc.worker_pid if ref.proc is not None else None)
+                ask = {**timed, "check_runs": check_runs, "sample": True}
                 with cand_spent.during():
-                    ct = cand.ask({**timed, "check_runs": check_runs, "sample": True}, cfg.run_timeout_s)
+                    ct = cand.ask(ask, cfg.run_timeout_s)
+                if ct.get("ok"):
+                    ct, cand_spent = self._candidate_window(cand, ask, ct, cand_spent, result)
                 if not ct.get("ok"):
                     _timing_failed(result, ct, cand)
                     return
@@ -394,72 +399,6 @@ class CandidateChecks:
         result.error_message = f"timed run {i} returned a wrong output: {why}{more}"
         result.speedup_eager = result.speedup_compile = None
         return False
-
-    def _time_again(self, ref: ReferenceWorker, timed: dict[str, Any], result: EvalResult,
-                    compiled: bool = False) -> Timing:
-        """The reference (its compiled module where ``compiled``) timed again with ``quiet`` held,
-        counted in ``reference_retimed``."""
-        result.reference_retimed += 1
-        with self.quiet():
-            return Timing(**ref.ask({**timed, "compiled": True} if compiled else timed)["timing"])
-
-    def _one_window(self, ref: ReferenceWorker, timed: dict[str, Any], result: EvalResult, compiled: bool) -> None:
-        """A reference timing that is not one steady window (``sandbox.quiet.unsteady``: its median
-        far above its own fastest run) is timed again, and kept from the second window; unsteady
-        again: ``contended``. On ``cuda`` only (a shared CPU host's runs jump by themselves)."""
-        attr = "compile_time" if compiled else "eager_time"
-        first = getattr(result, attr)
-        if self.device != "cuda" or first is None:
-            return
-        why = unsteady(first)
-        if why is None:
-            return
-        again = self._time_again(ref, timed, result, compiled)
-        setattr(result, attr, again)
-        still = unsteady(again)
-        if still is not None:
-            result.add_flag(FlagKind.contended, f"the reference's {'compiled' if compiled else 'eager'} timing was "
-                            f"not one steady window twice: {why}; timed again: {still}")
-
-    def _steady(self, ref: ReferenceWorker, timed: dict[str, Any], result: EvalResult) -> None:
-        """A reference eager time far above the task's fastest so far (``TimingHistory.slower``) or
-        off its running median is timed again; still so: ``contended``. The task's first one, which
-        nothing is known to compare with, is timed twice (the second window with ``quiet`` held) and
-        the faster kept: a launch-bound reference's whole window can run slow and steady (session w:
-        up to 2.7x on a quiet host), and a task's first evaluation is its builtin's first candidate.
-        On ``cuda`` only: a shared CPU host's timings jump by themselves (on 2 shared cores the
-        suite's reference medians moved between 0.3 and 15 ms from one evaluation to the next), so
-        there it would flag honest candidates; on ``cpu`` the candidate's processes are swept and
-        its worker watched instead, and ``host_load`` records the host's load."""
-        if self.history is None or result.eager_time is None or self.device != "cuda":
-            return
-        key = (result.task_sha256 or result.task, result.device_name, self.config.numerics.label)
-        if not self.history.known(key) and not result.reference_retimed:
-            again = self._time_again(ref, timed, result)
-            if again.median_ms < result.eager_time.median_ms:
-                result.eager_time = again
-
-        def off(t: Timing) -> Optional[str]:
-            return self.history.slower(key, t.median_ms) or self.history.departure(key, t.median_ms, t.iqr_ms)
-
-        why = off(result.eager_time)
-        if why is not None:
-            result.eager_time = self._time_again(ref, timed, result)
-            again = off(result.eager_time)
-            fastest = self.history.fastest_timing(key)
-            if again is not None and self.history.slower(key, result.eager_time.median_ms) and fastest is not None:
-                # slow but steady twice (sessions w and x: windows of a launch-bound reference 1.3-3.4x
-                # slow for seconds, with the SM clock at its maximum and no other process on the GPU;
-                # the harness's condition, not the candidate's): the task's fastest window stands in,
-                # so the speedup is the lower one, as if measured in the reference's best condition
-                result.stderr += (f"\n[kernelloop] the reference's eager time was far above the task's fastest twice "
-                                  f"({why}; timed again: {again}): its fastest window ({fastest.median_ms:.4g} ms) "
-                                  f"is used instead, so the speedup is the lower one")
-                result.eager_time = fastest.model_copy(update={"from_earlier": True})
-            elif again is not None:
-                result.add_flag(FlagKind.contended, f"the reference's eager time was off the task's earlier ones "
-                                f"twice: {why}; timed again: {again}")
-        self.history.add(key, result.eager_time.median_ms, result.eager_time.iqr_ms, result.eager_time)
 
     @staticmethod
     def _foreign(gpu: Optional[GpuWatch], result: EvalResult, when: str, timed: Optional[int]) -> set[int]:

@@ -19,9 +19,9 @@ Three observations around each evaluation's timing (``sandbox.checks``):
 * **a running median** per task, device and numerics (``cuda`` only: a shared CPU host's
   timings jump by themselves): a reference eager median that departs from its running median by
   more than the measured spread is timed again; if it stays off, the evaluation is ``contended``;
-* **a steady window** (``cuda`` only): a reference timing (eager or compiled) whose median is
-  more than ``UNSTEADY_RATIO`` times its own fastest run is timed again; unsteady again: the
-  evaluation is ``contended``. On four H200 lanes (sessions u and v) 95% of reference medians were
+* **a steady window** (``cuda`` only): a reference timing (eager or compiled) or the candidate's
+  whose median is more than ``UNSTEADY_RATIO`` times its own fastest run is timed again (with the
+  same ask: ``sandbox.steady``); unsteady again: the evaluation is ``contended``. On four H200 lanes (sessions u and v) 95% of reference medians were
   within 5% of their fastest run, and about 2% were 1.3-3.4x it without any other flag: runs
   2-5x slower for 30-100 ms inside the window (as if one to four other jobs shared the GPU),
   where NVML saw no other process, and a task's first evaluations have no running median yet.

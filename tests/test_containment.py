@@ -843,6 +843,54 @@ def test_an_unsteady_reference_window_is_timed_again_then_flagged(compiled, seco
     assert r.reference_retimed == 0 and not r.has_flag("contended")
 
 
+# level2/67's best candidate in session af (one H100), judged clean: ten of twenty runs about 2x
+_SESSION_AF_67 = [3.41, 3.42, 3.40, 3.40, 3.40, 3.41, 3.41, 4.07, 3.77, 9.88, 6.90, 6.99, 6.97, 6.94, 6.92, 6.87,
+                  6.90, 6.94, 5.67, 3.40]
+
+
+@pytest.mark.parametrize("second, contended", [(_SESSION_AF_67, True), ([3.40] * 20, False)])
+def test_an_unsteady_candidate_window_is_timed_again_with_the_same_ask_then_flagged(second, contended):
+    """The candidate's timing is held to the reference's rule: a window with a slow stretch (session
+    af's level2/67) is timed again with the same ask (its inputs, sampled runs and spot-check runs:
+    the checks after it read the second window), inside ``quiet``, and kept; the parent's clock is
+    then read over the second ask alone; unsteady again: contended, never clean. A steady window is
+    not asked again, and on cpu nothing is judged."""
+    import contextlib
+
+    from sandbox.checks import CandidateChecks
+    from sandbox.clock_check import Spent
+
+    held = []
+
+    @contextlib.contextmanager
+    def quiet():
+        held.append("in")
+        yield
+        held.append("out")
+
+    class _Cand(_Windows):
+        worker_pid = None
+
+        def ask(self, payload, timeout=None):
+            assert held == ["in"], "timed again outside the quiet context"
+            return super().ask(payload)
+
+    ask = {"op": "time", "seed": 7, "check_runs": [3, 19], "sample": True}
+    checks = CandidateChecks(EvalConfig(), "cuda", "0", TimingHistory(), quiet=quiet)
+    r = EvalResult(status=Status.correct, task="t", device="cuda")
+    first, spent = {"ok": True, "timing": _window(_SESSION_AF_67)}, Spent(None)
+    cand = _Cand(second)
+    reply, kept_spent = checks._candidate_window(cand, ask, first, spent, r)
+    assert cand.asked == [ask] and held == ["in", "out"] and kept_spent is not spent
+    assert reply["timing"]["samples_ms"] == second and "timed again" in r.stderr
+    assert r.has_flag("contended") is contended
+    steady = {"ok": True, "timing": _window([3.40] * 20)}
+    r2 = EvalResult(status=Status.correct, task="t", device="cuda")
+    assert checks._candidate_window(_Cand(), ask, steady, spent, r2) == (steady, spent) and not r2.flags
+    on_cpu = CandidateChecks(EvalConfig(), "cpu", None, TimingHistory(), quiet=quiet)
+    assert on_cpu._candidate_window(_Cand(), ask, first, spent, r2) == (first, spent) and not r2.flags
+
+
 def test_a_second_reference_window_is_timed_with_the_quiet_context_held():
     """The retime of an unsteady window runs inside ``quiet`` (on cuda the sandbox's builds
     stopped: their compilers beside the host thread that launches the timed runs)."""
