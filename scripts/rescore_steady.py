@@ -4,7 +4,8 @@ The judge times a reference again where its median is far above its own fastest 
 the evaluation ``contended`` where the second window is unsteady too. Stores written before that
 rule keep every run of every timing (``samples_ms``), so the rule can be applied to them after the
 fact: this copies each store given into OUT_DIR (the originals are never written) and flags, in the
-copy, each evaluation whose stored eager or compiled reference timing is unsteady. There was no
+copy, each evaluation whose stored eager or compiled reference timing, or (the live rule's since
+session af, ``sandbox.steady``) whose candidate's timing, is unsteady. There was no
 second window then, so the copy is stricter than the live rule (which keeps an evaluation whose
 retime is steady). It also flags each evaluation whose eager median is far above the fastest eager
 median of the same task in the store (``sandbox.quiet.slower``: a whole window slow and steady, as
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sandbox.quiet import slower, unsteady  # noqa: E402
 from sandbox.result import Timing  # noqa: E402
 
-REFERENCE_TIMINGS = ("eager_time", "compile_time")
+TIMINGS = ("eager_time", "compile_time", "candidate_time")
 
 
 def rescore(store: Path, out_dir: Path) -> tuple[Path, int, int]:
@@ -45,7 +46,7 @@ def rescore(store: Path, out_dir: Path) -> tuple[Path, int, int]:
                 fastest[task] = min(eager, fastest.get(task, eager))
         flagged = 0
         for eid, result in results.items():
-            why = [f"{k}: {w}" for k in REFERENCE_TIMINGS if result.get(k)
+            why = [f"{k}: {w}" for k in TIMINGS if result.get(k)
                    for w in [unsteady(Timing(**result[k]))] if w]
             if result.get("eager_time"):
                 far = slower(result["eager_time"]["median_ms"], fastest.get(_task(result)))
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         if not store.is_file():
             ap.error(f"no store at {store}")
         dst, n, flagged = rescore(store, args.out_dir)
-        print(f"{store} -> {dst}: {flagged} of {n} evaluations flagged contended (an unsteady reference window, "
+        print(f"{store} -> {dst}: {flagged} of {n} evaluations flagged contended (an unsteady reference or candidate window, "
               "or an eager median over 1.25x the task's fastest in the store)")
     return 0
 

@@ -33,19 +33,21 @@ def _rescored(tmp_path: Path, name: str, results: list[dict]) -> tuple[Path, sql
     return store, sqlite3.connect(out / f"lane_{name}")
 
 
-def test_only_unsteady_reference_windows_are_flagged_and_only_in_the_copy(tmp_path):
+def test_only_unsteady_windows_are_flagged_and_only_in_the_copy(tmp_path):
     steady = {"eager_time": _timing([3.09] * 20), "compile_time": _timing([2.7] * 20),
-              "candidate_time": _timing([2.0] * 10 + [6.0] * 10), "flags": []}      # the candidate's is not judged
+              "candidate_time": _timing([2.0] * 19 + [6.0]), "flags": []}          # one slow run: steady
     burst = {"eager_time": _timing([6.2] * 11 + [3.09] * 9), "flags": [{"kind": "precision", "reason": "x"}]}
     slow_compile = {"eager_time": _timing([3.09] * 20), "compile_time": _timing([2.7] * 5 + [8.1] * 15)}
-    store, copy = _rescored(tmp_path, "lane_0.db", [steady, burst, slow_compile])
+    candidate = {"eager_time": _timing([3.09] * 20), "candidate_time": _timing([2.0] * 9 + [6.0] * 11), "flags": []}
+    store, copy = _rescored(tmp_path, "lane_0.db", [steady, burst, slow_compile, candidate])
     rows = {i: (json.loads(r), c) for i, r, c in copy.execute("select id, result, contended from evaluations")}
     assert rows[1][1] == 0 and rows[1][0]["flags"] == []
     assert rows[2][1] == 1 and [f["kind"] for f in rows[2][0]["flags"]] == ["precision", "contended"]
     assert "eager_time" in rows[2][0]["flags"][1]["reason"]
     assert rows[3][1] == 1 and "compile_time" in rows[3][0]["flags"][0]["reason"]
+    assert rows[4][1] == 1 and "candidate_time" in rows[4][0]["flags"][0]["reason"]
     original = sqlite3.connect(store)
-    assert [c for (c,) in original.execute("select contended from evaluations")] == [0, 0, 0]
+    assert [c for (c,) in original.execute("select contended from evaluations")] == [0, 0, 0, 0]
 
 
 def test_an_eager_window_slow_and_steady_against_the_tasks_fastest_is_flagged(tmp_path):
