@@ -9,10 +9,11 @@ convolutions sample 1 is the channels-last one), ``fp32/default``, is
   (KernelBench's harness, imported by path and unchanged; ``cuda_event`` timing, the reference
   timed by the same function: ``ref_runtime / runtime``, means),
 
-and the two speedups are printed side by side with their ratio (goal: within 3%). Builds come
-first, side by side on the CPU (each candidate's ``load_inline`` into one extensions folder that
-KernelBench's harness then finds built; the sandbox's evaluations build in parallel in their own
-cache), so the GPU timings run one at a time on a quiet device.
+and the two speedups are printed side by side with their ratio (goal: within 3%), with
+KernelBench's reason where it refuses a candidate. The plain builds come first, side by side on the
+CPU (each candidate's ``load_inline`` into one extensions folder that KernelBench's harness then
+finds built); then the sandbox's evaluations (building in their own cache, niced, as in a run), so
+neither harness times beside the other's compilers; the GPU timings run one at a time.
 
     KERNELLOOP_KERNELBENCH=.kb python scripts/kb_harness.py [--tasks level2/24_... ...] [--sample 1] [--json out.json]
 
@@ -101,6 +102,15 @@ def _best_of_run(run_id: int, db: str | None, limit: int, only: list[str] | None
     return picked
 
 
+def _kb_why(kb) -> str:
+    """Why KernelBench's harness did not find a candidate correct, from its result's metadata (its
+    output mismatch with the largest and mean differences per trial, a runtime or compile error)."""
+    meta = getattr(kb, "metadata", None) or {}
+    keys = ("correctness_issue", "max_difference", "avg_difference", "runtime_error", "compilation_error")
+    parts = [f"{k}: {meta[k]}" for k in keys if meta.get(k) not in (None, "", [])]
+    return "; ".join(str(p)[:300] for p in parts) or "no reason in its metadata"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", nargs="*", default=None,
@@ -151,11 +161,13 @@ def main() -> None:
             print("  sandbox builds: " + ", ".join("ok" if c.result().ok else "FAILED" for c in checks))
         return
     print(f"numerics {numerics.describe()}; {torch.cuda.get_device_name(0)}; {len(specs)} candidates", flush=True)
-    with Sandbox("cuda", cfg) as sb, ThreadPoolExecutor(len(specs) + 1) as pool:
-        # the sandbox's builds and the plain builds side by side (CPU); each GPU slot is held by
-        # one evaluation at a time, and KernelBench's runs start once everything is built and evaluated
+    # the plain builds first, then the sandbox's evaluations (their own builds niced, as in a run):
+    # session af's ten ran beside the plain builds' compilers, which are neither niced nor stopped
+    # for the sandbox's timings, and two of its candidates read 12% slower than KernelBench timed them
+    prebuild(sources, ext_dir)
+    with Sandbox("cuda", cfg) as sb, ThreadPoolExecutor(len(specs)) as pool:
+        # each GPU slot is held by one evaluation at a time; KernelBench's runs start once all are evaluated
         kl_futures = {s.name: pool.submit(sb.evaluate, s, sources[s.name]) for s in specs}
-        prebuild(sources, ext_dir)
         ours = {name: f.result() for name, f in kl_futures.items()}
     eval_kernel_against_ref = kernelbench_eval(kernelbench_root())
     rows = []
@@ -171,12 +183,13 @@ def main() -> None:
                "kernelloop_eager_ms": r.eager_time.median_ms if r.eager_time else None,
                "kernelloop_candidate_ms": r.candidate_time.median_ms if r.candidate_time else None,
                "kb_correct": kb.correctness, "kb_ref_us": kb.ref_runtime, "kb_runtime_us": kb.runtime,
-               "kb_speedup": kb_speedup}
+               "kb_speedup": kb_speedup, "kb_why": None if kb.correctness else _kb_why(kb)}
         row["ratio"] = (r.speedup_eager / kb_speedup) if (r.speedup_eager and kb_speedup) else None
         rows.append(row)
         print(f"  {s.name:60s} kernelloop {r.status.value}{'' if r.clean else ' (flagged)'} "
               f"{r.speedup_eager or 0:.3f}x  KernelBench {'correct' if kb.correctness else 'incorrect'} "
-              f"{kb_speedup or 0:.3f}x  ratio {row['ratio'] or 0:.3f}", flush=True)
+              f"{kb_speedup or 0:.3f}x  ratio {row['ratio'] or 0:.3f}"
+              + (f"\n    KernelBench: {row['kb_why']}" if row["kb_why"] else ""), flush=True)
     within = [r for r in rows if r["ratio"] and abs(r["ratio"] - 1) <= goal]
     print(f"{len(within)} of {len(rows)} tasks within {goal:.0%} (kernelloop: medians; KernelBench: means of "
           f"{args.perf_trials} cuda_event runs)")
