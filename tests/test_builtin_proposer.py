@@ -364,6 +364,62 @@ def test_conv_bias_and_global_pools_become_parts_of_the_generated_kernels(tmp_pa
             torch.testing.assert_close(got, want)
 
 
+CONV_NORM_RESIDUAL = """
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 8, 3)
+        self.b = nn.Conv2d(3, 8, 3)
+        self.norm = nn.GroupNorm(4, 8)
+
+    def forward(self, x):
+        y = self.a(x)
+        r = y + torch.tanh(self.norm(y))                    # level2/92: the norm and the residual read y
+        z = self.b(x)
+        s = self.norm(z).sum(dim=1, keepdim=True) + z.amax(dim=1, keepdim=True)   # a norm and a reduction
+        return torch.logsumexp(r, dim=1), s
+
+
+def get_inputs():
+    return [torch.randn(2, 3, 10, 9)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+def test_a_convolution_read_by_a_norm_and_its_residual_gives_its_bias_to_the_norms_kernel(tmp_path):
+    """level2/92 (session af, H100): the convolution's output feeds a group norm and, after it, a
+    residual add; its bias stayed cuDNN's, PyTorch's add a pass of its own (448 us of 1,988). Now the
+    bias is the norm's prologue and the residual reads that value in the same kernel; where a norm and a
+    reduction both read the output, the bias stays the library's. The rewritten graph computes the
+    reference."""
+    from agent.builtin.trace import trace_task
+
+    path = tmp_path / "conv_norm_residual.py"
+    path.write_text(CONV_NORM_RESIDUAL)
+    spec = read_spec(path, name="fixtures/conv_norm_residual")
+    cand = generate(spec, "cuda", Knobs(layout="nchw"))
+    ops = [g["ops"] for g in cand.choices["groups"]]
+    assert ["add", "group_norm", "tanh", "add"] in ops, ops
+    assert "torch.conv2d(x, v_a_weight, None," in cand.source and "self.b(x)" in cand.source
+    traced = trace_task(spec, "cuda")
+    task = load_task(spec)
+    torch.manual_seed(0)
+    ref = task.Model()
+    gm = copy.deepcopy(traced.gm)
+    gm.load_state_dict(ref.state_dict(), assign=True)
+    x = torch.randn(2, 3, 10, 9)
+    with torch.no_grad():
+        for got, want in zip(gm(x), ref(x)):
+            torch.testing.assert_close(got, want)
+
+
 def test_incorrect_group_is_narrowed_then_left_to_pytorch():
     spec = _gn_spec()       # on the CPU the conv keeps its bias: the first add is the task's own
     first = propose(spec, "cpu", 0, 0, [])

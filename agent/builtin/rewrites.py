@@ -45,9 +45,13 @@ def split_conv_bias(gm: GraphModule, device: str) -> bool:
             continue
         users = list(node.users)
         infos = [pool_info(u, modules, device) or classify(u, modules, {}) for u in users]
-        # one fusible user, or elementwise users (one kernel with the add); the add before several
-        # reductions would be a kernel of its own, as PyTorch's bias add is
-        if not users or not all(i.fusible for i in infos) or (len(users) > 1 and any(i.kind != "ew" for i in infos)):
+        # one fusible user, or elementwise users (one kernel with the add), or one norm and elementwise
+        # users (level2/92's residual ``x_conv + hardswish(tanh(group_norm(x_conv)))``: the norm's
+        # epilogue reads its own prologue's value); the add before several reductions would be a
+        # kernel of its own, as PyTorch's bias add is
+        cores = [i for i in infos if i.kind != "ew"]
+        if not users or not all(i.fusible for i in infos) or (len(users) > 1 and (
+                len(cores) > 1 or any(i.kind != "norm" for i in cores))):
             continue
         rank = len(mod.kernel_size)          # spatial dimensions after the channels
         if mod.transposed:
