@@ -302,6 +302,22 @@ def test_exploration_continues_around_the_fastest_correct():
         assert sum(k[n] != best[n] for n in k) == 1, (k, best)
 
 
+def _rewritten_graph_computes_the_reference(spec) -> None:
+    """The task's graph as traced for cuda (its rewrites applied), run on the CPU with the reference's
+    weights, against the reference."""
+    from agent.builtin.trace import trace_task
+
+    traced = trace_task(spec, "cuda")
+    torch.manual_seed(0)
+    ref = load_task(spec).Model()
+    gm = copy.deepcopy(traced.gm)
+    gm.load_state_dict(ref.state_dict(), assign=True)
+    x = torch.randn(2, 3, 10, 9)
+    with torch.no_grad():
+        for got, want in zip(gm(x), ref(x)):
+            torch.testing.assert_close(got, want)
+
+
 CONV_USERS = """
 import torch
 import torch.nn as nn
@@ -340,8 +356,6 @@ def test_conv_bias_and_global_pools_become_parts_of_the_generated_kernels(tmp_pa
     kernel of its own). A global average pool (function or module) is traced as the mean ATen
     computes, fused after the operators before it; a pool to 2 x 2 stays the library's. The rewritten
     graph computes the reference."""
-    from agent.builtin.trace import trace_task
-
     path = tmp_path / "conv_users.py"
     path.write_text(CONV_USERS)
     spec = read_spec(path, name="fixtures/conv_users")
@@ -352,16 +366,7 @@ def test_conv_bias_and_global_pools_become_parts_of_the_generated_kernels(tmp_pa
     src = cand.source
     assert "torch.conv2d(x, v_a_weight, None," in src and "self.b(x)" in src
     assert "adaptive_avg_pool2d(" in src and "self.pool(" not in src
-    traced = trace_task(spec, "cuda")
-    task = load_task(spec)
-    torch.manual_seed(0)
-    ref = task.Model()
-    gm = copy.deepcopy(traced.gm)
-    gm.load_state_dict(ref.state_dict(), assign=True)
-    x = torch.randn(2, 3, 10, 9)
-    with torch.no_grad():
-        for got, want in zip(gm(x), ref(x)):
-            torch.testing.assert_close(got, want)
+    _rewritten_graph_computes_the_reference(spec)
 
 
 CONV_NORM_RESIDUAL = """
@@ -399,8 +404,6 @@ def test_a_convolution_read_by_a_norm_and_its_residual_gives_its_bias_to_the_nor
     bias is the norm's prologue and the residual reads that value in the same kernel; where a norm and a
     reduction both read the output, the bias stays the library's. The rewritten graph computes the
     reference."""
-    from agent.builtin.trace import trace_task
-
     path = tmp_path / "conv_norm_residual.py"
     path.write_text(CONV_NORM_RESIDUAL)
     spec = read_spec(path, name="fixtures/conv_norm_residual")
@@ -408,16 +411,7 @@ def test_a_convolution_read_by_a_norm_and_its_residual_gives_its_bias_to_the_nor
     ops = [g["ops"] for g in cand.choices["groups"]]
     assert ["add", "group_norm", "tanh", "add"] in ops, ops
     assert "torch.conv2d(x, v_a_weight, None," in cand.source and "self.b(x)" in cand.source
-    traced = trace_task(spec, "cuda")
-    task = load_task(spec)
-    torch.manual_seed(0)
-    ref = task.Model()
-    gm = copy.deepcopy(traced.gm)
-    gm.load_state_dict(ref.state_dict(), assign=True)
-    x = torch.randn(2, 3, 10, 9)
-    with torch.no_grad():
-        for got, want in zip(gm(x), ref(x)):
-            torch.testing.assert_close(got, want)
+    _rewritten_graph_computes_the_reference(spec)
 
 
 def test_incorrect_group_is_narrowed_then_left_to_pytorch():

@@ -843,6 +843,21 @@ def test_an_unsteady_reference_window_is_timed_again_then_flagged(compiled, seco
     assert r.reference_retimed == 0 and not r.has_flag("contended")
 
 
+def _quiet_recorder():
+    """A ``quiet`` context that records its entry and exit in the list returned with it."""
+    import contextlib
+
+    held: list[str] = []
+
+    @contextlib.contextmanager
+    def quiet():
+        held.append("in")
+        yield
+        held.append("out")
+
+    return held, quiet
+
+
 # level2/67's best candidate in session af (one H100), judged clean: ten of twenty runs about 2x
 _SESSION_AF_67 = [3.41, 3.42, 3.40, 3.40, 3.40, 3.41, 3.41, 4.07, 3.77, 9.88, 6.90, 6.99, 6.97, 6.94, 6.92, 6.87,
                   6.90, 6.94, 5.67, 3.40]
@@ -855,18 +870,10 @@ def test_an_unsteady_candidate_window_is_timed_again_with_the_same_ask_then_flag
     the checks after it read the second window), inside ``quiet``, and kept; the parent's clock is
     then read over the second ask alone; unsteady again: contended, never clean. A steady window is
     not asked again, and on cpu nothing is judged."""
-    import contextlib
-
     from sandbox.checks import CandidateChecks
     from sandbox.clock_check import Spent
 
-    held = []
-
-    @contextlib.contextmanager
-    def quiet():
-        held.append("in")
-        yield
-        held.append("out")
+    held, quiet = _quiet_recorder()
 
     class _Cand(_Windows):
         worker_pid = None
@@ -894,18 +901,10 @@ def test_an_unsteady_candidate_window_is_timed_again_with_the_same_ask_then_flag
 def test_a_second_reference_window_is_timed_with_the_quiet_context_held():
     """The retime of an unsteady window runs inside ``quiet`` (on cuda the sandbox's builds
     stopped: their compilers beside the host thread that launches the timed runs)."""
-    import contextlib
-
     from sandbox.checks import CandidateChecks
     from sandbox.result import Timing
 
-    held = []
-
-    @contextlib.contextmanager
-    def quiet():
-        held.append("in")
-        yield
-        held.append("out")
+    held, quiet = _quiet_recorder()
 
     class _Seen(_Windows):
         def ask(self, payload):
