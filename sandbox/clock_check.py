@@ -13,7 +13,11 @@ and a second pytest beside the suite: an honest Triton candidate's 5 runs report
 that computed for the unexplained time used that CPU (its threads and children count); one that
 waited for a core did not. There the gap without the CPU time to match is the host's: the timing is
 ``contended`` (no clean speedup), the candidate not ``suspicious``. On ``cuda`` the device does the
-work, and a worker's CPU time says nothing of it: the wall-clock rule alone.
+work, and a worker's CPU time says nothing of it: the wall-clock rule alone, except where the
+worker's caching allocator retried failed allocations during the timed runs (``Timing.alloc_retries``):
+the GPU's memory was short, which costs host time no event sees, and the timing is ``contended``. (A
+worker that reports retries it did not make only trades ``suspicious`` for ``contended``: neither is
+clean.)
 """
 from __future__ import annotations
 
@@ -68,6 +72,12 @@ def clock_check(result: EvalResult, ref: Spent, cand: Spent, device: str) -> Non
         return
     seen = (f"the parent's clock saw {cand.wall * 1e3:.1f} ms for {runs} timed runs the worker reported as "
             f"{reported * 1e3:.1f} ms in total")
+    retries = result.candidate_time.alloc_retries or 0
+    if device == "cuda" and retries > 0:
+        result.add_flag(FlagKind.contended, f"{seen}, and its allocator retried {retries} time(s) after failed "
+                        "allocations in that time: the GPU's memory was short (the harness's condition), so "
+                        "the timing is not the candidate's")
+        return
     if device == "cpu" and cand.cpu is not None and ref.cpu is not None:
         if not _over(_unexplained(cand.cpu, reported, ref.cpu, ref_reported), reported):
             result.add_flag(FlagKind.contended, f"{seen}, but its worker used only {cand.cpu * 1e3:.1f} ms of CPU "

@@ -160,6 +160,13 @@ class Timing(BaseModel):
     # read against them.
     host_cpu_mhz: Optional[float] = None
     gpu_sm_mhz: Optional[float] = None
+    # cuda: the caching allocator over the window (sandbox.timing.allocator_counts): the blocks it took
+    # from the driver (``cudaMalloc``) and the times an allocation failed, the cache was freed and it
+    # tried again (the GPU's memory short). Either costs host time no event sees, on the parent's clock
+    # (sandbox.clock_check); session af's level2/100 channels-last candidate spent 589 ms of its thread's
+    # wall time on 23 runs of 4.8 ms each.
+    device_allocs: Optional[int] = None
+    alloc_retries: Optional[int] = None
     # A reference window measured earlier in the run, standing in for this evaluation's (sandbox.checks
     # ``_steady``: this one was far above the task's fastest twice; the fastest is used, so the
     # speedup is the lower one)

@@ -46,15 +46,33 @@ def time_runs(fn: Callable[..., Any], make_args: Callable[[int], Sequence[Any]],
     """Time ``fn(*make_args(i))`` for ``runs`` runs (``hardware.clock.time_samples``) and summarise them
     (on cpu with the median minor page faults per timed call, ``Timing.page_faults``)."""
     faults: Optional[list[int]] = [] if device != "cuda" else None
+    alloc0 = allocator_counts(device)
     cpu0, wall0, pre0 = time.thread_time(), time.perf_counter(), _preemptions()
     samples, clock = time_samples(fn, make_args, device, warmup=warmup, runs=runs, flush_l2=flush_l2,
                                   on_output=on_output, faults=faults)
     cpu, wall, pre = time.thread_time() - cpu0, time.perf_counter() - wall0, _preemptions()
+    alloc1 = allocator_counts(device)
     t = summarize(samples, clock, faults)
     t.host_cpu_ms, t.host_wall_ms = round(cpu * 1e3, 3), round(wall * 1e3, 3)
     t.host_preempted = pre - pre0 if pre is not None and pre0 is not None else None
     t.host_cpu_mhz, t.gpu_sm_mhz = clocks(device)
+    if alloc0 is not None and alloc1 is not None:
+        t.device_allocs, t.alloc_retries = alloc1[0] - alloc0[0], alloc1[1] - alloc0[1]
     return t
+
+
+def allocator_counts(device: str) -> Optional[tuple[int, int]]:
+    """cuda: the caching allocator's counts so far of blocks taken from the driver and of retries
+    after a failed allocation (``torch.cuda.memory_stats``); None elsewhere or where unknown."""
+    if device != "cuda":
+        return None
+    try:
+        import torch
+
+        stats = torch.cuda.memory_stats()
+        return int(stats.get("num_device_alloc", 0)), int(stats.get("num_alloc_retries", 0))
+    except Exception:  # noqa: BLE001 - no statistics (another allocator backend): not known
+        return None
 
 
 def clocks(device: str) -> tuple[Optional[float], Optional[float]]:

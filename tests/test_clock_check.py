@@ -74,6 +74,34 @@ def test_cuda_keeps_the_wall_clock_rule_whatever_the_cpu_time():
     assert _flags(r) == ["suspicious"]
 
 
+def test_on_cuda_a_window_whose_allocator_retried_is_contended_not_suspicious():
+    """Session af: level2/100's channels-last candidate (4.8 ms runs, 1.8x compile) was flagged
+    suspicious twice, the parent's clock seeing about 615 ms for runs reported as 95 ms, its own timing
+    thread 589 ms. Failed allocations retried over the window (the GPU's memory short: the harness's
+    condition) make it contended; without retries the wall-clock rule stands."""
+    r = _result("cuda")
+    r.candidate_time.alloc_retries = 3
+    clock_check(r, _spent(*REF), _spent(0.901, None), "cuda")
+    assert _flags(r) == ["contended"] and "retried 3 time(s)" in r.flags[0].reason and not r.clean
+    r = _result("cuda")
+    r.candidate_time.alloc_retries, r.candidate_time.device_allocs = 0, 12
+    clock_check(r, _spent(*REF), _spent(0.901, None), "cuda")
+    assert _flags(r) == ["suspicious"]
+
+
+def test_the_timing_counts_the_allocators_driver_allocations_and_retries_on_cuda_only(monkeypatch):
+    import torch
+
+    from sandbox import timing
+
+    counts = iter([{"num_device_alloc": 5, "num_alloc_retries": 1}, {"num_device_alloc": 9, "num_alloc_retries": 3}])
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a, **k: next(counts))
+    assert timing.allocator_counts("cuda") == (5, 1) and timing.allocator_counts("cuda") == (9, 3)
+    assert timing.allocator_counts("cpu") is None
+    t = timing.time_runs(lambda x: x + 1, lambda i: (torch.ones(4),), "cpu", warmup=1, runs=3)
+    assert t.device_allocs is None and t.alloc_retries is None
+
+
 def test_no_cpu_figure_keeps_the_wall_clock_rule():
     r = _result("cpu")
     clock_check(r, _spent(*REF), _spent(0.901, None), "cpu")
