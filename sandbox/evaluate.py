@@ -558,7 +558,8 @@ class Sandbox:
             cand.kill()
             contained(result, cand, "after its evaluation")
             result.stdout = cand.output("stdout")
-            result.stderr = cand.output("stderr")
+            # the harness's notes from its checks (retimes, skipped checks) after the candidate's own stderr
+            result.stderr = cand.output("stderr") + result.stderr
             cand.cleanup()
 
     def _load_candidate(self, spec: TaskSpec, source: str, result: EvalResult, cand: WorkerProcess) -> bool:

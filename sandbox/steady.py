@@ -8,7 +8,7 @@ never a clean speedup).
 
 The candidate's window is held to the same rule as the reference's (``_candidate_window``): on
 session af's H100 run 8 of 290 candidate windows were unsteady and judged clean, among them
-level2/67's best (runs at 3.40 ms, ten of twenty at 6.9-9.9 ms: median 4.87 ms) and 74's
+level2/67's best (runs at 3.40 ms, ten of twenty at 5.7-9.9 ms: median 4.87 ms) and 74's
 (0.64 ms fastest, median 4.30): a speedup read off such a median is the disturbance's.
 """
 from __future__ import annotations

@@ -287,6 +287,24 @@ def test_the_candidates_profile_is_taken_with_the_device_held_as_for_its_timing(
     assert not any(held for op, held, proc in asked if op == "profile" and id(proc) in references)
 
 
+def test_the_harness_notes_made_during_the_checks_reach_the_result(sandbox, monkeypatch):
+    """A note the checks append to the result's stderr (a window timed again, the float64 check
+    skipped, torch.compile failing) is kept after the candidate's own stderr, which was written over
+    it: no such note was in any of session af's 300 stored results."""
+    from sandbox.checks import CandidateChecks
+
+    real_floor = CandidateChecks._floor
+
+    def floor(self, ref, result):
+        result.stderr += "\n[kernelloop] a note from the checks"
+        return real_floor(self, ref, result)
+
+    monkeypatch.setattr(CandidateChecks, "_floor", floor)
+    result = sandbox.evaluate(read_spec(TASK, name="adversarial/task_small"), (ADV / "cpu" / "honest.py").read_text())
+    assert result.status is Status.correct, (result.status, result.error_message)
+    assert result.stderr.endswith("\n[kernelloop] a note from the checks"), result.stderr[-300:]
+
+
 def test_identical_candidate_is_a_cache_hit(sandbox):
     spec = read_spec(TASK, name="adversarial/task_small")
     src = (ADV / "cpu" / "honest.py").read_text()
