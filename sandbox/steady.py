@@ -21,6 +21,13 @@ from sandbox.reference import ReferenceWorker
 from sandbox.result import EvalResult, FlagKind, Timing
 
 
+def _unsteady_twice(result: EvalResult, what: str, why: str, again: Timing) -> None:
+    """``contended`` where the second window of ``what`` (the first unsteady: ``why``) is unsteady too."""
+    still = unsteady(again)
+    if still is not None:
+        result.add_flag(FlagKind.contended, f"{what} was not one steady window twice: {why}; timed again: {still}")
+
+
 class SteadyWindows:
     """Mixed into ``CandidateChecks``: uses its ``config``, ``device``, ``history``, ``quiet`` and
     ``_spent``."""
@@ -40,10 +47,7 @@ class SteadyWindows:
             again = cand.ask(ask, self.config.run_timeout_s)
         result.stderr += f"\n[kernelloop] the candidate's timing was not one steady window ({why}): timed again"
         if again.get("ok"):
-            still = unsteady(Timing(**again["timing"]))
-            if still is not None:
-                result.add_flag(FlagKind.contended, f"the candidate's timing was not one steady window twice: "
-                                f"{why}; timed again: {still}")
+            _unsteady_twice(result, "the candidate's timing", why, Timing(**again["timing"]))
         return again, again_spent
 
     def _time_again(self, ref: ReferenceWorker, timed: dict[str, Any], result: EvalResult,
@@ -67,10 +71,7 @@ class SteadyWindows:
             return
         again = self._time_again(ref, timed, result, compiled)
         setattr(result, attr, again)
-        still = unsteady(again)
-        if still is not None:
-            result.add_flag(FlagKind.contended, f"the reference's {'compiled' if compiled else 'eager'} timing was "
-                            f"not one steady window twice: {why}; timed again: {still}")
+        _unsteady_twice(result, f"the reference's {'compiled' if compiled else 'eager'} timing", why, again)
 
     def _steady(self, ref: ReferenceWorker, timed: dict[str, Any], result: EvalResult) -> None:
         """A reference eager time far above the task's fastest so far (``TimingHistory.slower``) or
