@@ -181,8 +181,7 @@ class CandidateChecks(SteadyWindows):
                     eager = ref.ask({**timed, "samples_path": outs.get("samples_path"), "config": cfg.model_dump(mode="json")}
                                     if outs.get("samples_path") else timed)
                 result.eager_time = Timing(**eager["timing"])
-                self._one_window(ref, timed, result, compiled=False)
-                self._steady(ref, timed, result)
+                self._steady(ref, timed, result, retimed=self._one_window(ref, timed, result, compiled=False))
                 if cfg.time_compile:
                     try:
                         # its output checked too, by the float64 rule where this evaluation runs the float64 check
@@ -190,7 +189,8 @@ class CandidateChecks(SteadyWindows):
                                         "fp64": bool(cfg.numerics.fp64_check)})
                         result.compile_time = Timing(**comp["timing"])
                         _compile_check(result, comp)
-                        self._one_window(ref, timed, result, compiled=True)
+                        self._steady(ref, timed, result, compiled=True,
+                                     retimed=self._one_window(ref, timed, result, compiled=True))
                     except RuntimeError as exc:
                         result.stderr += f"\n[kernelloop] torch.compile of the reference failed: {exc}"
                 busy = idle.busy()

@@ -17,8 +17,9 @@ Three observations around each evaluation's timing (``sandbox.checks``):
   timed runs): it is not the window's and is not judged. A window starts once the timing holds the slot's device (``timing_window``), after any
   background work it waited for;
 * **a running median** per task, device and numerics (``cuda`` only: a shared CPU host's
-  timings jump by themselves): a reference eager median that departs from its running median by
-  more than the measured spread is timed again; if it stays off, the evaluation is ``contended``;
+  timings jump by themselves): a reference median (eager, or compiled in a history of its own)
+  that departs from its running median by more than the measured spread is timed again; if it stays
+  off, the evaluation is ``contended`` (``sandbox.steady``);
 * **a steady window** (``cuda`` only): a reference timing (eager or compiled) or the candidate's
   whose median is more than ``UNSTEADY_RATIO`` times its own fastest run is timed again (with the
   same ask: ``sandbox.steady``); unsteady again: the evaluation is ``contended``. On four H200 lanes (sessions u and v) 95% of reference medians were

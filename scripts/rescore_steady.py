@@ -7,10 +7,11 @@ fact: this copies each store given into OUT_DIR (the originals are never written
 copy, each evaluation whose stored eager or compiled reference timing, or (the live rule's since
 session af, ``sandbox.steady``) whose candidate's timing, is unsteady. There was no
 second window then, so the copy is stricter than the live rule (which keeps an evaluation whose
-retime is steady). It also flags each evaluation whose eager median is far above the fastest eager
-median of the same task in the store (``sandbox.quiet.slower``: a whole window slow and steady, as
-launch-bound references ran in session w's lanes); the live rule compares with the evaluations before
-it only, this one with all of them. Read the copies with ``report`` or ``scripts/suite_table.py``.
+retime is steady). It also flags each evaluation whose eager (or compiled) median is far above the
+fastest eager (compiled) median of the same task in the store (``sandbox.quiet.slower``: a whole window
+slow and steady, as launch-bound references ran in session w's lanes, and level2/82's first compiled
+window in session ag's); the live rule compares with the evaluations before it only, this one with
+all of them. Read the copies with ``report`` or ``scripts/suite_table.py``.
 
     python scripts/rescore_steady.py /tmp/rescored .gpu-store/u-l2/lane_0.db .gpu-store/u-l2/lane_1.db
 """
@@ -29,6 +30,7 @@ from sandbox.quiet import slower, unsteady  # noqa: E402
 from sandbox.result import Timing  # noqa: E402
 
 TIMINGS = ("eager_time", "compile_time", "candidate_time")
+REFERENCE_TIMINGS = ("eager_time", "compile_time")
 
 
 def rescore(store: Path, out_dir: Path) -> tuple[Path, int, int]:
@@ -39,19 +41,21 @@ def rescore(store: Path, out_dir: Path) -> tuple[Path, int, int]:
     try:
         rows = con.execute("select id, result from evaluations").fetchall()
         results = {eid: json.loads(raw) for eid, raw in rows}
-        fastest: dict[str, float] = {}
+        fastest: dict[tuple[str, str], float] = {}
         for result in results.values():
-            task, eager = _task(result), (result.get("eager_time") or {}).get("median_ms")
-            if eager:
-                fastest[task] = min(eager, fastest.get(task, eager))
+            for kind in REFERENCE_TIMINGS:
+                key, ms = (_task(result), kind), (result.get(kind) or {}).get("median_ms")
+                if ms:
+                    fastest[key] = min(ms, fastest.get(key, ms))
         flagged = 0
         for eid, result in results.items():
             why = [f"{k}: {w}" for k in TIMINGS if result.get(k)
                    for w in [unsteady(Timing(**result[k]))] if w]
-            if result.get("eager_time"):
-                far = slower(result["eager_time"]["median_ms"], fastest.get(_task(result)))
-                if far:
-                    why.append(f"eager_time: {far.replace('so far', 'in the store')}")
+            for kind in REFERENCE_TIMINGS:
+                if result.get(kind):
+                    far = slower(result[kind]["median_ms"], fastest.get((_task(result), kind)))
+                    if far:
+                        why.append(f"{kind}: {far.replace('so far', 'in the store')}")
             if not why:
                 continue
             result.setdefault("flags", []).append(
@@ -79,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"no store at {store}")
         dst, n, flagged = rescore(store, args.out_dir)
         print(f"{store} -> {dst}: {flagged} of {n} evaluations flagged contended (an unsteady reference or candidate window, "
-              "or an eager median over 1.25x the task's fastest in the store)")
+              "or a reference median over 1.25x the task's fastest of its kind in the store)")
     return 0
 
 

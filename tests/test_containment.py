@@ -991,6 +991,51 @@ def test_a_tasks_first_reference_window_is_timed_twice_and_the_faster_kept():
     assert later.eager_time.median_ms == 3.93 and later.eager_time.from_earlier
 
 
+@pytest.mark.parametrize("again, used", [(6.96, 5.32), (5.34, 5.34)])
+def test_the_compiled_reference_time_is_held_to_its_own_history_as_the_eager_one(again, used):
+    """Session ag (one H100): level2/59's fourth compiled window read 6.96 ms, steady, after three of
+    5.33 (its candidate read 1.32x torch.compile there, 1.01x in the other three). The compiled time
+    now has the eager time's rule, in a history of its own: the task's first compiled window is timed
+    twice and the faster kept; a later one far above the fastest is timed again (with ``compiled``
+    asked) and, slow again, the fastest compiled window (5.32 ms) stands in. The eager history is not touched."""
+    from sandbox.checks import CandidateChecks
+    from sandbox.result import Timing
+
+    class _Asked(_Ref):
+        def ask(self, payload):
+            assert payload.get("compiled") is True
+            return super().ask(payload)
+
+    checks = CandidateChecks(EvalConfig(), "cuda", "0", TimingHistory())
+
+    def evaluation(eager, compiled):
+        return EvalResult(status=Status.correct, task="t", device="cuda", eager_time=Timing(**_timing(eager)),
+                          compile_time=Timing(**_timing(compiled)))
+
+    first = evaluation(5.40, 7.09)
+    checks._steady(_Ref([5.41]), {}, first)
+    ref = _Asked([5.33])
+    checks._steady(ref, {}, first, compiled=True)
+    assert ref.asked == 1 and first.compile_time.median_ms == 5.33 and first.eager_time.median_ms == 5.40
+    for ms in (5.33, 5.32):
+        r = evaluation(5.40, ms)
+        checks._steady(_Ref([]), {}, r)
+        checks._steady(_Asked([]), {}, r, compiled=True)
+        assert not r.flags
+    slow = evaluation(5.40, 6.96)
+    checks._steady(_Ref([]), {}, slow)
+    ref = _Asked([again])
+    checks._steady(ref, {}, slow, compiled=True)
+    assert ref.asked == 1 and slow.compile_time.median_ms == used and not slow.has_flag("contended")
+    assert slow.compile_time.from_earlier is (used != again)
+    assert ("compiled time was far above the task's fastest twice" in slow.stderr) is (used != again)
+    assert slow.eager_time.median_ms == 5.40 and not slow.eager_time.from_earlier
+    unsteady_first = evaluation(5.40, 7.09)
+    fresh = CandidateChecks(EvalConfig(), "cuda", "0", TimingHistory())
+    fresh._steady(_Asked([]), {}, unsteady_first, compiled=True, retimed=True)   # its second window taken already
+    assert unsteady_first.compile_time.median_ms == 7.09
+
+
 def test_an_sm_flag_says_whether_the_process_was_a_worker_of_the_run_and_if_it_still_runs():
     from sandbox.quiet import _whose
 

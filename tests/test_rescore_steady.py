@@ -59,3 +59,15 @@ def test_an_eager_window_slow_and_steady_against_the_tasks_fastest_is_flagged(tm
     assert flagged == {1: 1, 2: 0, 3: 0, 4: 0}
     (reason,) = [f["reason"] for f in json.loads(copy.execute("select result from evaluations where id = 1").fetchone()[0])["flags"]]
     assert "3.38x the task's fastest median in the store (3.93 ms)" in reason
+
+
+def test_a_compiled_window_slow_and_steady_against_the_tasks_fastest_compiled_is_flagged(tmp_path):
+    """level2/82 in session ag (one H100): its first compiled window read 7.09 ms, steady, the next
+    three 3.83-3.85; the eager windows (9.8 ms) are their own kind and flag nothing."""
+    _, copy = _rescored(tmp_path, "lane_2.db", [{"task": "82", "eager_time": _timing([9.8] * 20),
+                                                 "compile_time": _timing([c] * 20), "flags": []}
+                                                for c in (7.09, 3.84, 3.85, 3.83)])
+    flagged = {i: c for i, c in copy.execute("select id, contended from evaluations")}
+    assert flagged == {1: 1, 2: 0, 3: 0, 4: 0}
+    (reason,) = [f["reason"] for f in json.loads(copy.execute("select result from evaluations where id = 1").fetchone()[0])["flags"]]
+    assert reason.startswith("re-scored, not one steady window: compile_time: ") and "(3.83 ms)" in reason
