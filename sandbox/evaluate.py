@@ -144,11 +144,11 @@ class Sandbox:
     # ---------------------------------------------------------------- helpers
     def _device_work(self, slot: int, kind: str = "other") -> Any:
         """Held around the harness's own device work of ``kind`` on ``slot`` (a reference starting,
-        a candidate loading, a warm worker's warm-up): it waits while a candidate or reference is
-        timed there. On an H100 such work beside a timed window showed in NVML as another
-        process's SM use (1-3%) and flagged honest candidates ``contended``; on the CPU target it
-        shares the timed runs' cores."""
-        return self._gates[slot].background(kind=kind)
+        a candidate loading, a warm worker's warm-up, a worker's exit): it waits while a candidate
+        or reference is timed there. On an H100 such work beside a timed window showed in NVML as
+        another process's SM use (1-3%) and flagged honest candidates ``contended``; on the CPU
+        target it shares the timed runs' cores. A stopped run does not wait for it (``_aborted``)."""
+        return self._gates[slot].background(abandon=self._aborted, kind=kind)
 
     @property
     def gate_account(self) -> dict[str, dict[str, float]]:
@@ -239,7 +239,7 @@ class Sandbox:
         with self._refs_lock:
             ref = self._refs.pop(key, None)
         if ref is not None:
-            with ref.lock:
+            with ref.lock, self._device_work(key[1], "reference exit"):
                 ref.close("idle, its memory admitted to another task's run")
 
     def prepare(self, spec: TaskSpec) -> None:
@@ -306,9 +306,9 @@ class Sandbox:
 
     def _close_task(self, spec: TaskSpec) -> None:
         with self._refs_lock:
-            refs = [self._refs.pop(k) for k in [k for k in self._refs if k[0] == spec.key]]
-        for ref in refs:
-            with ref.lock:
+            refs = [(k[1], self._refs.pop(k)) for k in [k for k in self._refs if k[0] == spec.key]]
+        for slot, ref in refs:
+            with ref.lock, self._device_work(slot, "reference exit"):
                 ref.close("its task ended")
         for slot in range(len(self.slots)):
             self.memory.forget_reference((spec.key, slot))
@@ -555,7 +555,11 @@ class Sandbox:
         finally:
             if first is not None:
                 first.discard()
-            cand.kill()
+            # its exit (the driver tearing its CUDA context down) kept out of the next timing on the
+            # slot, which used to take the slot the moment the checks let it go (session ag's H100 run:
+            # 22 of 400 evaluations flagged for the SM use of a worker of their own run)
+            with self._device_work(slot, "candidate exit"):
+                cand.kill()
             contained(result, cand, "after its evaluation")
             result.stdout = cand.output("stdout")
             # the harness's notes from its checks (retimes, skipped checks) after the candidate's own stderr

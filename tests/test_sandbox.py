@@ -287,6 +287,37 @@ def test_the_candidates_profile_is_taken_with_the_device_held_as_for_its_timing(
     assert not any(held for op, held, proc in asked if op == "profile" and id(proc) in references)
 
 
+def test_workers_end_with_the_slots_gate_held_for_background_work(monkeypatch):
+    """A worker's exit (the driver tearing its CUDA context down) is the harness's own device work:
+    the candidate used to be killed after its slot was let go, so the next timing on the slot could
+    begin beside it (session ag's H100: 22 of 400 evaluations flagged for the SM use of a worker of
+    their own run). The candidate's kill and a finished task's reference closing now hold the slot's
+    gate as background work: never inside another evaluation's timing window."""
+    from sandbox.evaluate import Sandbox
+    from sandbox.process import WorkerProcess
+    from sandbox.reference import ReferenceWorker
+    from sandbox.result import EvalConfig
+
+    seen: list[tuple[str, bool]] = []
+    real_kill, real_close = WorkerProcess.kill, ReferenceWorker.close
+
+    def held(sb):
+        return any(g._background for g in sb._gates)
+
+    cfg = EvalConfig(trials=1, timed_runs=2, warmup_runs=1, time_compile=False, run_timeout_s=60.0)
+    with Sandbox("cpu", cfg, build_slots=1, warm_workers=0) as sb:
+        monkeypatch.setattr(WorkerProcess, "kill", lambda self: (seen.append((self.role, held(sb))), real_kill(self))[1])
+        monkeypatch.setattr(ReferenceWorker, "close", lambda self, *a, **k: (seen.append(("reference close", held(sb))),
+                                                                             real_close(self, *a, **k))[1])
+        spec = read_spec(TASK, name="adversarial/task_small")
+        result = sb.evaluate(spec, (ADV / "cpu" / "honest.py").read_text())
+        assert result.status is Status.correct, (result.status, result.error_message)
+        sb.release(spec)
+        assert ("candidate", True) in seen and ("reference close", True) in seen, seen
+        assert sb.gate_account.get("candidate exit", {}).get("n", 0) >= 1
+        assert sb.gate_account.get("reference exit", {}).get("n", 0) >= 1
+
+
 def test_the_harness_notes_made_during_the_checks_reach_the_result(sandbox, monkeypatch):
     """A note the checks append to the result's stderr (a window timed again, the float64 check
     skipped, torch.compile failing) is kept after the candidate's own stderr, which was written over
