@@ -200,7 +200,8 @@ class CandidateChecks(SteadyWindows):
                     busy = (busy + "; " if busy else "") + "its worker used the GPU while the reference was timed"
         if busy:
             result.add_flag(FlagKind.suspicious, busy)
-            result.add_flag(FlagKind.contended, "the candidate's process ran while the reference was timed")
+            # what was seen: its CPU time (``IdleWatch``), or its SM use by NVML's samples
+            result.add_flag(FlagKind.contended, "the candidate's worker was not idle while the reference was timed")
         if not self._timed_runs(result, eager.get("samples"), outs.get("samples_path")):
             return
         stages.enter("spot_checks")

@@ -198,8 +198,36 @@ def sample_period_us(nv: Any, handle: Any, key: str) -> int:
     return period
 
 
+def latest_stamp(nv: Any, handle: Any) -> Optional[int]:
+    """The newest time stamp among the samples NVML holds now (per-process SM samples and the
+    device's utilization samples), on NVML's own clock; None where it shows none. A sample stamped
+    later than this was taken after the call."""
+    stamps: list[int] = []
+    try:
+        stamps += [int(s.timeStamp) for s in nv.nvmlDeviceGetProcessUtilization(handle, 0)]
+    except Exception:  # noqa: BLE001 - none buffered, or not supported: the host's clock alone judges
+        pass
+    try:
+        _, samples = nv.nvmlDeviceGetSamples(handle, nv.NVML_GPU_UTILIZATION_SAMPLES, 0)
+        stamps += [int(x.timeStamp) for x in samples]
+    except Exception:  # noqa: BLE001
+        pass
+    return max(stamps) if stamps else None
+
+
 class GpuWatch:
-    """One slot's GPU: foreign compute processes and foreign SM use over a timed window."""
+    """One slot's GPU: foreign compute processes and foreign SM use over a timed window.
+
+    A window's start is known on two clocks: the host's (``since``) and NVML's (``base``: the newest
+    stamp NVML held when the window began). NVML's stamps can run ahead of the host's clock: on
+    session ag's H100, samples read within a few milliseconds of a window's start were stamped
+    245-1,018 ms after it by the host's clock, so samples of the work just before the window (the
+    evaluation's own trials and timed runs) were judged the window's, and 22 of 400 honest
+    evaluations were flagged for the SM use of a worker of their own run. A sample tells the use over
+    the period before its stamp, and the next sample after ``base`` may cover up to a period before
+    the window began: only samples stamped after both ``since`` plus a period and ``base`` plus two
+    are judged.
+"""
 
     def __init__(self, gpu: Optional[str]):
         self.nvml = _nvml()
@@ -215,11 +243,14 @@ class GpuWatch:
                            else self.nvml.nvmlDeviceGetHandleByUUID(ident))
         except Exception as exc:  # noqa: BLE001
             self.note = f"NVML could not open GPU {gpu!r} ({type(exc).__name__}): the GPU was not watched"
+        self.base: Optional[int] = None
         self.since = int(time.time() * 1e6)         # SM use is judged from here on, window by window
+        self.start()
 
     def start(self) -> None:
         if self.handle is not None:
             self.since = int(time.time() * 1e6)
+            self.base = latest_stamp(self.nvml, self.handle)
 
     def foreign(self, own_root: int, allowed: Iterable[Optional[int]] = (),
                 workers: Iterable[int] = ()) -> list[tuple[int, str]]:
@@ -250,14 +281,19 @@ class GpuWatch:
             pass
         try:
             period = sample_period_us(nv, self.handle, self.ident)
-            first = self.since + period         # samples stamped earlier began before the window
+            # samples stamped earlier began before the window, by either clock
+            first = self.since + period if self.base is None else max(self.since + period, self.base + 2 * period)
             for s in nv.nvmlDeviceGetProcessUtilization(self.handle, self.since):
                 if s.pid not in allowed and s.smUtil > 0 and int(s.timeStamp) > first:
-                    # when, so that a flag can be told from a sample period longer than the device's
-                    # (session ad, one H200: 4 of 200 evaluations of rounds 0-1 and 16 of 200 of rounds 2-3 flagged so)
+                    # when, on both clocks, so that a flag can be told from a sample period longer than
+                    # the device's (session ad, one H200: 4 of 200 evaluations of rounds 0-1 and 16 of 200
+                    # of rounds 2-3 flagged so) or from NVML's clock running ahead (session ag)
+                    after_base = ("" if self.base is None else
+                                  f", {(int(s.timeStamp) - self.base) / 1000:.0f} ms after NVML's newest sample then")
                     found.append((s.pid, f"pid {s.pid}{_whose(s.pid, workers)} used {s.smUtil}% of the SMs "
                                          f"(a sample stamped {(int(s.timeStamp) - self.since) / 1000:.0f} ms "
-                                         f"into the window; sample period {period / 1000:.0f} ms)"))
+                                         f"into the window by the host's clock{after_base}; "
+                                         f"sample period {period / 1000:.0f} ms)"))
         except Exception as exc:  # noqa: BLE001
             # NVML's own error (not supported, no sample since `since`) is expected; anything else is
             # the harness's fault and is said, not swallowed (a TypeError here once skipped every check)

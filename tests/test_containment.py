@@ -564,7 +564,8 @@ def test_gpu_watch_flags_foreign_processes_and_sm_use_but_the_timed_worker(monke
         # and the reason says whose it is and whether it still runs
         ours = dict(w.foreign(os.getpid(), [], [child.pid, 999_998]))
         assert "a worker of this run, running" in ours[child.pid] and "(a worker" not in ours[777]
-        assert calls[1] >= calls[0] > 0                   # each window starts where the last ended
+        windows = [c for c in calls if c]                  # (0: NVML's newest stamp read at each start)
+        assert windows[1] >= windows[0] > 0                # each window starts where the last ended
     finally:
         child.kill()
         child.wait()
@@ -736,6 +737,38 @@ def test_a_harness_error_reading_sm_samples_is_said_not_swallowed(monkeypatch):
             r = EvalResult(status=Status.correct, task="t", device="cuda")
             CandidateChecks._foreign(w, r, "while the reference was timed", None)
             assert "SM use was not judged (TypeError" in r.stderr and r.has_flag("contended")
+
+
+def test_sm_samples_are_judged_on_nvmls_clock_where_it_runs_ahead_of_the_hosts(monkeypatch):
+    """Session ag's H100: samples read within milliseconds of a window's start were stamped 245-1,018 ms
+    after it by the host's clock (NVML's stamps ahead of it), and the SM use of the evaluation's own
+    trials just before the window was judged the window's: 22 of 400 honest evaluations flagged. A
+    window's start is also taken on NVML's clock (its newest stamp then), and only samples two periods
+    past that are judged."""
+    import types
+
+    import sandbox.quiet as quiet
+
+    ahead = 800_000                             # NVML's clock 0.8 s ahead of the host's
+    clock = {"stamp": None}
+
+    def util(handle, since):
+        if since == 0:                          # what NVML holds now: its newest sample, on its own clock
+            return [types.SimpleNamespace(pid=1, smUtil=0, timeStamp=int(time.time() * 1e6) + ahead - 50_000)]
+        return [types.SimpleNamespace(pid=777, smUtil=20, timeStamp=clock["stamp"])]
+
+    monkeypatch.setattr(quiet, "_NVML", _fake_nvml(lambda h: [], util, stamps=[0, 200_000, 400_000, 600_000]))
+    monkeypatch.setattr(quiet, "_PERIODS", {})
+    w = GpuWatch("0")
+    assert w.base is not None and w.base - w.since > 600_000
+    clock["stamp"] = w.since + ahead + 100_000          # the trials before the window: 900 ms "into" it by the host
+    assert w.foreign(os.getpid()) == []
+    clock["stamp"] = w.since + ahead + 400_000          # two periods past NVML's start: the window's own
+    (found,) = w.foreign(os.getpid())
+    assert found[0] == 777 and "ms after NVML's newest sample then" in found[1]
+    # where NVML holds no sample, the host's clock alone judges, as before
+    monkeypatch.setattr(quiet, "_NVML", _fake_nvml(lambda h: [], lambda h, since: [], stamps=None))
+    assert GpuWatch("0").base is None
 
 
 def test_a_worker_of_the_sandbox_is_not_foreign_while_the_driver_still_lists_it(monkeypatch):
