@@ -555,9 +555,7 @@ class Sandbox:
         finally:
             if first is not None:
                 first.discard()
-            # its exit (the driver tearing its CUDA context down) kept out of the next timing on the
-            # slot, which used to take the slot the moment the checks let it go (session ag's H100 run:
-            # 22 of 400 evaluations flagged for the SM use of a worker of their own run)
+            # its exit (its CUDA context torn down) kept out of the slot's next timing (docs/judge.md)
             with self._device_work(slot, "candidate exit"):
                 cand.kill()
             contained(result, cand, "after its evaluation")

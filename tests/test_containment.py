@@ -270,6 +270,38 @@ def test_samples_of_small_outputs_are_whole_and_of_large_ones_secret():
     assert not torch.equal(a, b)                         # fresh entropy per run: not a fixed pattern
 
 
+@pytest.mark.parametrize("layout", ["channels_last_3d", "permuted", "expanded", "sliced", "contiguous"])
+def test_samples_of_a_non_contiguous_output_are_read_in_place_and_match_the_flat_order(layout, tmp_path):
+    """The sampler reads a channels-last (permuted, expanded, sliced) output's sampled elements through
+    its strides, not from a whole copy made after every timed run (level2/100's channels-last
+    candidate: 126 MB a run); the positions are the flat row-major ones the reference checks, so an
+    honest candidate returning such a layout passes and a wrong element in it is caught."""
+    from sandbox.runcheck import gather
+
+    base = torch.randn(2, 5, 4, 6, 7)
+    x = {"channels_last_3d": base.contiguous(memory_format=torch.channels_last_3d),
+         "permuted": base.permute(0, 2, 3, 4, 1).contiguous().permute(0, 4, 1, 2, 3),
+         "expanded": base[:, :1].expand(2, 5, 4, 6, 7),
+         "sliced": torch.randn(4, 10, 4, 6, 14)[1::2, ::2, :, :, ::2],
+         "contiguous": base}[layout]
+    assert x.shape == base.shape and (layout == "contiguous") is x.is_contiguous()
+    pos = torch.randint(0, x.numel(), (300,))
+    assert torch.equal(gather(x, pos), x.reshape(-1)[pos])
+    ref = x.contiguous()
+    refs = {i: [x] for i in range(3)}
+    _samples(refs, tmp_path / "s.pt")
+    check = SampleCheck(str(tmp_path / "s.pt"), "cpu", 3, CONFIG)
+    for i in range(3):
+        check(i, ref)
+    assert check.finish(None) == {"checked": 3, "failed": []}
+    wrong = x + 1.0                                    # the same layout (TensorIterator keeps it), every element off
+    _samples({0: [wrong]}, tmp_path / "w.pt")
+    no_fp64 = CONFIG.model_copy(update={"numerics": CONFIG.numerics.model_copy(update={"fp64_check": False})})
+    check = SampleCheck(str(tmp_path / "w.pt"), "cpu", 1, no_fp64)
+    check(0, ref)
+    assert check.finish(None)["failed"]
+
+
 def test_honest_timed_runs_pass_and_are_counted(tmp_path):
     refs = {i: [torch.randn(64, 80), torch.randn(3)] for i in range(5)}
     _samples(refs, tmp_path / "s.pt")

@@ -117,3 +117,20 @@ def test_the_conservative_line_takes_each_tasks_fastest_reference_and_counts_con
     line = fastest_reference(recs)
     # t: 4 / 0.5 = 8x eager, 2 / 0.5 = 4x compile; u: 1 / 1 = 1x both (the suspicious 0.1 ms is not counted)
     assert "geomean vs eager 2.83x, vs compile 2.00x over 2 tasks" in line, line
+
+
+def test_the_median_line_reads_each_tasks_fastest_clean_candidate_against_its_typical_reference():
+    """level2/82 in session ag: compile 7.09 ms in its first evaluation, 3.83-3.85 in the other three;
+    the candidate's 3.45 ms read 2.04x against the first. Against the task's median compile time it
+    reads 1.11x; a contended candidate does not count here."""
+    from evals.metrics import AttemptRecord
+    from suite_table import median_reference
+
+    recs = [AttemptRecord(attempt_id=i + 1, task="82", round=i, status="correct", clean=True,
+                          candidate_ms=cand, eager_ms=9.8, compile_ms=comp)
+            for i, (cand, comp) in enumerate(((3.48, 7.09), (4.41, 3.84), (3.45, 3.85), (3.52, 3.83)))]
+    recs.append(AttemptRecord(attempt_id=9, task="82", round=3, status="correct", clean=False, flags=["contended"],
+                              candidate_ms=1.0, eager_ms=9.8, compile_ms=3.84))
+    line = median_reference(recs)
+    # median compile of (7.09, 3.84, 3.85, 3.83, 3.84) = 3.84; 3.84 / 3.45 = 1.11; eager 9.8 / 3.45 = 2.84
+    assert "geomean vs eager 2.84x, vs compile 1.11x over 1 tasks" in line, line
