@@ -544,6 +544,9 @@ class Sandbox:
                         result, ref, cand, stages, first, self._gates[slot], self._slot_locks[slot])
                 finally:
                     stages.enter(None)
+                    # its exit (its CUDA context torn down; anything it left running) before the slot's
+                    # next timing can begin: killed after the slot was let go, it overlapped it (docs/judge.md)
+                    cand.kill()
                     self._slot_locks[slot].release()
         except (WorkerTimeout, WorkerDied, failures.InfraFailure) as exc:
             verdict = failures.classify(exc, cand)
@@ -555,9 +558,7 @@ class Sandbox:
         finally:
             if first is not None:
                 first.discard()
-            # its exit (its CUDA context torn down) kept out of the slot's next timing (docs/judge.md)
-            with self._device_work(slot, "candidate exit"):
-                cand.kill()
+            cand.kill()             # where it did not reach the slot, at once (it may be hung there)
             contained(result, cand, "after its evaluation")
             result.stdout = cand.output("stdout")
             # the harness's notes from its checks (retimes, skipped checks) after the candidate's own stderr

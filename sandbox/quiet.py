@@ -226,8 +226,7 @@ class GpuWatch:
     evaluations were flagged for the SM use of a worker of their own run. A sample tells the use over
     the period before its stamp, and the next sample after ``base`` may cover up to a period before
     the window began: only samples stamped after both ``since`` plus a period and ``base`` plus two
-    are judged.
-"""
+    are judged."""
 
     def __init__(self, gpu: Optional[str]):
         self.nvml = _nvml()

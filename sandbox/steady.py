@@ -82,8 +82,9 @@ class SteadyWindows:
         ``contended``. The task's first one, which nothing is known to compare with, is timed twice (the
         second window with ``quiet`` held) and the faster kept: a launch-bound reference's whole window
         can run slow and steady (session w: up to 2.7x on a quiet host), and a task's first evaluation is
-        its builtin's first candidate (``retimed``: ``_one_window`` took its second window already). The compiled time is held to it as the eager one is: in session
-        ag (one H100) level2/82's first compiled window read 7.09 ms, steady, where its next three read
+        its builtin's first candidate (``retimed``: ``_one_window`` took its second window already).
+        The compiled time is held to it as the eager one is: in session ag (one H100) level2/82's
+        first compiled window read 7.09 ms, steady, where its next three read
         3.83-3.85, and 59's fourth 6.96 after three of 5.33: each made its candidate's speedup against
         torch.compile 1.8x and 1.3x what the other evaluations measured. Each kind has its own history.
         On ``cuda`` only: a shared CPU host's timings jump by themselves (on 2 shared cores the suite's
