@@ -287,6 +287,13 @@ def test_samples_of_a_non_contiguous_output_are_read_in_place_and_match_the_flat
     assert x.shape == base.shape and (layout == "contiguous") is x.is_contiguous()
     pos = torch.randint(0, x.numel(), (300,))
     assert torch.equal(gather(x, pos), x.reshape(-1)[pos])
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        gather(x, pos)
+    whole = [e.name for e in prof.events() if e.name in ("aten::copy_", "aten::clone", "aten::contiguous")
+             and any(list(shape) == list(x.shape) for shape in e.input_shapes)]
+    assert whole == [], whole                      # no copy of the whole output, whatever its layout
     ref = x.contiguous()
     refs = {i: [x] for i in range(3)}
     _samples(refs, tmp_path / "s.pt")
