@@ -36,7 +36,7 @@ import re
 import statistics
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -145,19 +145,27 @@ def median_reference(records: list[AttemptRecord]) -> str:
     against the median of the task's eager and compile medians over all its evaluations, so that one
     evaluation's slow reference window does not set the task's speedup (session ag: level2/82's
     first compiled window, 7.09 ms against 3.83-3.85 in its other three, made it "2.04x compile")."""
+    vs_eager, vs_compile = _against_reference(records, lambda r: r.clean, statistics.median)
+    return (f"against each task's median reference times over its evaluations (its fastest clean candidate): "
+            f"geomean vs eager {_fmt(geomean(vs_eager))}, vs compile {_fmt(geomean(vs_compile))} over {len(vs_eager)} tasks")
+
+
+def _against_reference(records: list[AttemptRecord], counts: Callable[[AttemptRecord], bool],
+                       typical: Callable[[list[float]], float]) -> tuple[list[float], list[float]]:
+    """Per task with a candidate that ``counts``: ``typical`` of its eager medians, and of its compile
+    medians, over its evaluations, each divided by its fastest such candidate's time."""
     vs_eager, vs_compile = [], []
     for task in sorted({r.task for r in records}):
         mine = [r for r in records if r.task == task]
-        fast = min((r.candidate_ms for r in mine if r.clean and r.candidate_ms), default=None)
+        fast = min((r.candidate_ms for r in mine if r.candidate_ms and counts(r)), default=None)
         eager = [r.eager_ms for r in mine if r.eager_ms]
         comp = [r.compile_ms for r in mine if r.compile_ms]
         if fast:
             if eager:
-                vs_eager.append(statistics.median(eager) / fast)
+                vs_eager.append(typical(eager) / fast)
             if comp:
-                vs_compile.append(statistics.median(comp) / fast)
-    return (f"against each task's median reference times over its evaluations (its fastest clean candidate): "
-            f"geomean vs eager {_fmt(geomean(vs_eager))}, vs compile {_fmt(geomean(vs_compile))} over {len(vs_eager)} tasks")
+                vs_compile.append(typical(comp) / fast)
+    return vs_eager, vs_compile
 
 
 def fastest_reference(records: list[AttemptRecord]) -> str:
@@ -166,18 +174,8 @@ def fastest_reference(records: list[AttemptRecord]) -> str:
     from sandbox.result import DISQUALIFYING_FLAGS
 
     doubt = {str(getattr(f, "value", f)) for f in DISQUALIFYING_FLAGS} - {"contended"}
-    vs_eager, vs_compile = [], []
-    for task in sorted({r.task for r in records}):
-        mine = [r for r in records if r.task == task]
-        fast = min((r.candidate_ms for r in mine if r.status == "correct" and r.candidate_ms
-                    and not doubt & set(r.flags)), default=None)
-        eager = min((r.eager_ms for r in mine if r.eager_ms), default=None)
-        comp = min((r.compile_ms for r in mine if r.compile_ms), default=None)
-        if fast:
-            if eager:
-                vs_eager.append(eager / fast)
-            if comp:
-                vs_compile.append(comp / fast)
+    vs_eager, vs_compile = _against_reference(
+        records, lambda r: r.status == "correct" and not doubt & set(r.flags), min)
     return (f"against each task's fastest reference medians in these stores (its fastest correct candidate, "
             f"contended ones included): geomean vs eager {_fmt(geomean(vs_eager))}, vs compile "
             f"{_fmt(geomean(vs_compile))} over {len(vs_eager)} tasks")
