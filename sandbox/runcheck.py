@@ -230,7 +230,7 @@ class SampleCheck:
             if bound is None:
                 return _why(check, self.config, rechecked=False)
             sampled = Fp64Bound(bound.ref64[pos], bound.ref_max_abs, numerics)
-            again = compare_tensor(check.index, ref[check.index].reshape(-1)[pos], vals, self.config, sampled)
+            again = compare_tensor(check.index, gather(ref[check.index], pos), vals, self.config, sampled)
             if again.mismatched or again.nan_count or again.inf_count:
                 return _why(again, self.config, rechecked=True)
         return None
