@@ -9,7 +9,7 @@ child's SM samples (``nvmlDeviceGetProcessUtilization``) and prints, per burst, 
 stamp showing use against the burst's start and end, and the offset of NVML's newest stamp from
 ``time.time()`` read back to back (``sandbox.quiet.latest_stamp``).
 
-    source scripts/gpu_env.sh && python3 scripts/nvml_lag.py --bursts 6 --burst-ms 300 --gap-ms 1500
+    source scripts/gpu_env.sh && python3 scripts/nvml_lag.py --bursts 6 --burst-ms 300 --gap-ms 4000
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu", type=int, default=0)
     ap.add_argument("--bursts", type=int, default=6)
     ap.add_argument("--burst-ms", type=float, default=300.0)
-    ap.add_argument("--gap-ms", type=float, default=1500.0)
+    ap.add_argument("--gap-ms", type=float, default=4000.0)
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
 
@@ -73,8 +73,12 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(0.02)
     bursts = [json.loads(line) for line in child.stdout.read().splitlines() if line.startswith("{")]
     rows = []
-    for b in bursts:
-        busy = sorted(t for t, u in samples.items() if u > 0 and b["start_us"] - 2_000_000 < t < b["end_us"] + 3_000_000)
+    for i, b in enumerate(bursts):
+        # a burst's busy samples: those stamped nearer to it than to its neighbours (session ah's first
+        # run took a fixed span wider than the gap, and read the neighbours' samples as this burst's)
+        lo = (bursts[i - 1]["end_us"] + b["start_us"]) // 2 if i else b["start_us"] - args.gap_ms * 500
+        hi = (b["end_us"] + bursts[i + 1]["start_us"]) // 2 if i + 1 < len(bursts) else b["end_us"] + args.gap_ms * 500
+        busy = sorted(t for t, u in samples.items() if u > 0 and lo <= t < hi)
         rows.append({"first_after_start_ms": (busy[0] - b["start_us"]) / 1000 if busy else None,
                      "last_after_end_ms": (busy[-1] - b["end_us"]) / 1000 if busy else None})
     out = {"sample_period_ms": period / 1000, "bursts": rows,
