@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from agent.builtin import Knobs, generate, propose
-from agent.builtin.conv import CUDA_CONV_ENV, DEFAULT_TILE, MMA_TILE, TILES
+from agent.builtin.conv import CUDA_CONV_ENV, DEFAULT_TILE, MMA_TILE, SLIDE_TILES, TILES
 from sandbox.tasks import read_spec, with_device_sizes
 
 FIXTURE = Path(__file__).parent / "fixtures" / "builtin" / "conv_direct.py"
@@ -91,7 +91,7 @@ def test_cuda_direct_convolutions_are_on_unless_switched_off(monkeypatch):
     monkeypatch.setenv(CUDA_CONV_ENV, "0")
     assert not _conv_groups(generate(_spec(), "cuda", DIRECT))
     monkeypatch.delenv(CUDA_CONV_ENV, raising=False)
-    for tile in TILES:
+    for tile in [*TILES, *SLIDE_TILES]:
         cuda = generate(_spec(), "cuda", Knobs(layout="nchw", conv="direct", conv_tile=tile))
         groups = _conv_groups(cuda)
         # on cuda the bias is split off the convolution (trace.py) and fused as an add
@@ -131,7 +131,7 @@ def test_the_tensor_core_tile_renders_3xtf32_mma_and_is_tried_only_when_switched
     monkeypatch.delenv(MMA_ENV, raising=False)
     assert MMA_TILE not in tile_names()
     monkeypatch.setenv(MMA_ENV, "1")
-    assert tile_names() == [*TILES, MMA_TILE]
+    assert tile_names() == [*TILES, *SLIDE_TILES, MMA_TILE]
 
 
 def test_unsupported_convolutions_stay_the_librarys(tmp_path):
@@ -260,7 +260,7 @@ def test_the_direct_twin_comes_second_where_the_layout_changes_nothing():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", [MMA_TILE, *TILES])
+@pytest.mark.parametrize("tile", [*SLIDE_TILES, MMA_TILE, *TILES])
 def test_the_cuda_direct_convolutions_are_correct_on_a_gpu(tile):
     """The CUDA kernels (templates/cuda_conv.cu.j2), every tile (the tensor-core one first: it has not
     run on a GPU yet), judged by the sandbox on a GPU: the six convolutions of the fixture (bias or

@@ -259,7 +259,7 @@ def test_distinct_candidates_within_a_round():
     # convolution is off on cuda by default (conv.direct_on): conv and conv_tile are their defaults
     assert cands[0].choices["knobs"] == {"fusion": "max", "vec": True, "block": 256, "reduce": "onepass",
                                          "matmul": "tc3", "layout": "nhwc", "attention": "fused",
-                                         "recurrent": "fused", "conv": "library", "conv_tile": "4x8",
+                                         "recurrent": "fused", "conv": "library", "conv_tile": "c8x8",
                                          "graph": "off"}
 
 

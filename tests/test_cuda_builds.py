@@ -63,7 +63,7 @@ def test_builtin_candidate_builds(sandbox, path, knobs, monkeypatch):
 BUILTIN_FIXTURES = ROOT / "tests" / "fixtures" / "builtin"
 
 
-@pytest.mark.parametrize("variant", ["conv:4x16", "conv:2x16", "conv:4x8", "conv:8x8", "conv:3xtf32",
+@pytest.mark.parametrize("variant", ["conv:4x16", "conv:2x16", "conv:4x8", "conv:8x8", "conv:c8x8", "conv:c4x8", "conv:3xtf32",
                                      "pool:nchw", "pool:nhwc"])
 def test_builtin_conv_and_pool_kernels_build(sandbox, variant):
     """The direct convolution in every CUDA tile (conv_direct.py: stride, dilation, 3-D, a prologue),
@@ -71,11 +71,11 @@ def test_builtin_conv_and_pool_kernels_build(sandbox, variant):
     (conv_pool.py): templates cuda_conv / cuda_pool compile."""
     from agent.builtin import generate
     from agent.builtin.codegen import Knobs
-    from agent.builtin.conv import MMA_TILE, TILES
+    from agent.builtin.conv import MMA_TILE, SLIDE_TILES, TILES
 
     kind, value = variant.split(":")
     if kind == "conv":
-        assert value in [*TILES, MMA_TILE]
+        assert value in [*TILES, *SLIDE_TILES, MMA_TILE]
         spec = read_spec(BUILTIN_FIXTURES / "conv_direct.py", name="fixtures/conv_direct")
         cand = generate(spec, "cuda", Knobs(layout="nchw", conv="direct", conv_tile=value))
     else:

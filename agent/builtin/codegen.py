@@ -12,7 +12,7 @@ import jinja2
 from torch.fx import Node
 
 from agent.builtin import graphed, pysource
-from agent.builtin.conv import rendered_tile, shared_floats, tile_shape
+from agent.builtin.conv import DEFAULT_TILE, rendered_tile, shared_floats, tile_shape
 from agent.builtin.dtypes import at_type, c_type
 from agent.builtin.gemm import TcGemm, tc3_gemms
 from agent.builtin.kernels import (LANES, NARROW_MAX_ELEMENTS, LAUNCH_VARIANTS, KernelGroup, narrow_indices_on,
@@ -40,7 +40,7 @@ class Knobs:
     attention: str = "fused"   # fused (q@k^T..softmax|relu..@v in one kernel, see attention.py) | library
     recurrent: str = "fused"   # fused (nn.LSTM/GRU/RNN with their own time loop, see recurrent.py) | library
     conv: str = "library"      # library (cuDNN/oneDNN) | direct (small-K convolutions as fp32 FMA kernels with their epilogue, see conv.py)
-    conv_tile: str = "4x8"     # the direct convolution's CUDA tile: output rows x channels per thread (conv.TILES)
+    conv_tile: str = DEFAULT_TILE   # the direct convolution's CUDA tile (conv.TILES, conv.SLIDE_TILES)
     graph: str = "replay"      # replay (the forward replayed from a CUDA graph where it launches many kernels, see graphed.py) | off
 
     def as_dict(self) -> dict[str, Any]:
@@ -241,7 +241,7 @@ class GroupCode:
         p = self.kg.core_info.params
         tile = rendered_tile(p, self.knobs.conv_tile)
         s_in, s_w = shared_floats(p, tile)
-        return {**p, "tile": tile_shape(tile, p["out_channels"]), "s_in": s_in, "s_w": s_w,
+        return {**p, "tile": tile_shape(tile, p["out_channels"], p["kernel3"][2]), "s_in": s_in, "s_w": s_w,
                 "w": self.kg.params[0], "b": self.kg.params[1] if p["bias"] else None}
 
     def _conv_sizes(self) -> list[str]:

@@ -48,7 +48,9 @@ MAX_K = {2: 128, 3: 128}            # C_in * prod(kernel) at most this: fp32 FMA
 # is 32 output columns (one warp, consecutive x: coalesced stores) x rows_per_thread * warp_rows
 # rows x channels_per_thread * channel groups channels, about 256 threads
 TILES = {"4x16": (4, 16, 2), "2x16": (2, 16, 4), "4x8": (4, 8, 4), "8x8": (8, 8, 2)}
-DEFAULT_TILE = "4x8"          # fastest on 15 of 17 level-2 tasks on an H200 (session q, gpu_conv_check)
+# c8x8 (a register-blocked tile, below): on one H100 (session ah, gpu_conv_check, 8 level-2 2-D tasks)
+# geomean 0.959x compile against 4x8's 0.936x (before: 4x8, fastest on 15 of 17 tasks on an H200, session q)
+DEFAULT_TILE = "c8x8"
 THREADS = 256
 MAX_SHARED_BYTES = 160 * 1024      # staged input tile + weights (dynamic shared memory, sm_80+)
 # The tensor-core tile: the same convolution as an implicit GEMM on TF32 mma.sync (m16n8k8) in three
@@ -58,6 +60,16 @@ MAX_SHARED_BYTES = 160 * 1024      # staged input tile + weights (dynamic shared
 # The FMA tiles run at about a third of the fp32 FMA peak (session s). On an H200 (session u) this one
 # was correct on 17 level-2 tasks but slower overall (geomean 0.917x compile against 4x8's 0.970x), so
 # it stays off unless KERNELLOOP_CUDA_CONV_3XTF32=1 (docs/builtin_conv.md).
+# The register-blocked tiles: a thread keeps `px` consecutive output columns x 8 channels (a warp 32
+# columns x 256 / px / 8 rows of one channel group, a block up to 8 channel groups: 64 channels): per
+# input channel and kernel row one run of vector loads of the thread's input values serves every
+# kernel column, a GEMM's blocking rather than one column per lane (docs/builtin_conv.md). They need
+# stride and dilation 1 along x (the columns consecutive in the staged row); elsewhere the FMA tile
+# FALLBACK_TILE. c8x8: 64 accumulators, 127 registers (two blocks an SM); c4x8: 32, twice the warps.
+SLIDE_TILES = {"c8x8": 8, "c4x8": 4}
+SLIDE_MIN_BLOCKS = {8: 2, 4: 4}    # blocks an SM the registers are bounded for (127 and 64: no spill on sm_90a)
+TRANSPOSE_STRIDE = 36              # floats a row of a warp's transpose area (32 + 4: no bank conflicts)
+FALLBACK_TILE = "4x8"
 MMA_TILE = "3xtf32"
 MMA_ENV = "KERNELLOOP_CUDA_CONV_3XTF32"
 MMA_ROWS = 8                       # warps per block, one output row each
@@ -71,7 +83,7 @@ def mma_on() -> bool:
 
 def tile_names() -> list[str]:
     """The ``conv_tile`` values the search tries: the FMA tiles, and the tensor-core one where on."""
-    return list(TILES) + ([MMA_TILE] if mma_on() else [])
+    return list(TILES) + list(SLIDE_TILES) + ([MMA_TILE] if mma_on() else [])
 
 _MODULES = {nn.Conv2d: 2, nn.Conv3d: 3}
 _FUNCTIONS = {F.conv2d: 2, torch.conv2d: 2, F.conv3d: 3, torch.conv3d: 3}
@@ -96,18 +108,24 @@ def _tuple(v: Any, dims: int) -> Optional[tuple[int, ...]]:
     return None
 
 
-def tile_shape(tile: str, out_channels: int) -> dict[str, Any]:
+def tile_shape(tile: str, out_channels: int, kernel_width: int = 1) -> dict[str, Any]:
     """The CUDA block of ``tile`` for ``out_channels``: rows/channels per thread, warp rows,
     channel groups (fewer where the convolution has fewer channels), the block's tile sizes.
     The tensor-core tile (``mma``): one output row per warp, ``cob`` channels in n-tiles of 8,
     the weights staged with a row stride of ``cob + 8`` (B fragments' loads without bank conflicts)."""
     if tile == MMA_TILE:
         cob = min(MMA_COB, -(-out_channels // 8) * 8)
-        return {"mma": True, "py": 1, "ct": cob, "wy": MMA_ROWS, "cg": 1, "th": MMA_ROWS, "tw": 32, "cob": cob,
+        return {"mma": True, "slide": False, "py": 1, "ct": cob, "wy": MMA_ROWS, "cg": 1, "th": MMA_ROWS, "tw": 32, "cob": cob,
                 "nt": cob // 8, "ws": cob + 8, "threads": 32 * MMA_ROWS}
+    if tile in SLIDE_TILES:
+        px = SLIDE_TILES[tile]
+        cg = max(1, min(-(-out_channels // 8), THREADS // 32))
+        return {"mma": False, "slide": True, "px": px, "ct": 8, "cg": cg, "th": 32 // (32 // px), "tw": 32,
+                "lanes_x": 32 // px, "min_blocks": SLIDE_MIN_BLOCKS[px], "cob": cg * 8, "threads": 32 * cg, "tws": TRANSPOSE_STRIDE,
+                "nv": slide_loads(px, kernel_width), "iwp": slide_row_floats(px, kernel_width)}
     py, ct, wy = TILES[tile]
     cg = max(1, min(-(-out_channels // ct), THREADS // (32 * wy)))
-    return {"mma": False, "py": py, "ct": ct, "wy": wy, "cg": cg, "th": py * wy, "tw": 32, "cob": cg * ct,
+    return {"mma": False, "slide": False, "py": py, "ct": ct, "wy": wy, "cg": cg, "th": py * wy, "tw": 32, "cob": cg * ct,
             "threads": 32 * wy * cg}
 
 
@@ -115,17 +133,33 @@ def shared_floats(params: dict[str, Any], tile: str) -> tuple[int, int]:
     """(input tile, weights) floats a block of ``tile`` stages in shared memory; the tensor-core
     tile stages each twice (TF32 values and remainders), the weights over ``k`` rounded up to 8,
     and the input's offset per ``k`` (one int each)."""
-    t = tile_shape(tile, params["out_channels"])
     kd, kh, kw = params["kernel3"]
+    t = tile_shape(tile, params["out_channels"], kw)
     _, sh, sw = params["stride3"]
     _, dh, dw = params["dilation3"]
     ih = (t["th"] - 1) * sh + (kh - 1) * dh + 1
     iw = (t["tw"] - 1) * sw + (kw - 1) * dw + 1
     s_in = params["in_channels"] * kd * ih * iw
+    if t.get("slide"):
+        # rows padded to whole float4s, past the last thread's vector loads; the warps' transpose
+        # areas reuse the input tile once the products are done
+        return max(params["in_channels"] * kd * ih * t["iwp"], t["cg"] * t["th"] * t["tws"]), params["k"] * t["cob"]
     if t["mma"]:
         k8 = -(-params["k"] // 8) * 8
         return (2 * s_in + k8 + 3) // 4 * 4, 2 * k8 * t["ws"]
     return (s_in + 3) // 4 * 4, params["k"] * t["cob"]
+
+
+def slide_loads(px: int, kw: int) -> int:
+    """float4 loads of a staged input row per thread of a register-blocked tile (its ``px`` columns
+    and the kernel's width less one)."""
+    return -(-(px + kw - 1) // 4)
+
+
+def slide_row_floats(px: int, kw: int) -> int:
+    """A staged input row of a register-blocked tile: its 32 + kw - 1 values, at least as far as
+    the last thread's vector loads reach, rounded up to whole float4s."""
+    return max(-(-(32 + kw - 1) // 4) * 4, 32 - px + 4 * slide_loads(px, kw))
 
 
 def rendered_tile(params: dict[str, Any], tile: str) -> str:
@@ -134,6 +168,9 @@ def rendered_tile(params: dict[str, Any], tile: str) -> str:
     every FMA tile)."""
     if tile == MMA_TILE and sum(shared_floats(params, tile)) * 4 > MAX_SHARED_BYTES:
         return DEFAULT_TILE
+    if tile in SLIDE_TILES and (params["stride3"][2] != 1 or params["dilation3"][2] != 1
+                               or sum(shared_floats(params, tile)) * 4 > MAX_SHARED_BYTES):
+        return FALLBACK_TILE
     return tile
 
 
