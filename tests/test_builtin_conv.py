@@ -101,6 +101,29 @@ def test_cuda_direct_convolutions_are_on_unless_switched_off(monkeypatch):
         compile(cuda.source, "cuda_candidate.py", "exec")
 
 
+def test_the_register_blocked_tiles_take_unit_stride_convolutions_and_copy_raw_inputs_asynchronously():
+    """``c8x8``/``c4x8`` (conv.SLIDE_TILES) need stride and dilation 1 along x: the fixture's strided and
+    dilated convolutions fall back to the FMA tile, the other four are register-blocked, persistent
+    blocks; the three whose input is read as it is (no prologue, float32) copy each next tile in with
+    cp.async, the one behind ``x + 1.0`` stages its input through the prologue."""
+    from agent.builtin.conv import FALLBACK_TILE, rendered_tile
+
+    for tile in SLIDE_TILES:
+        cuda = generate(_spec(), "cuda", Knobs(layout="nchw", conv="direct", conv_tile=tile))
+        src = cuda.source
+        assert src.count("// a register-blocked tile") == 4
+        # (each kernel stages at two places: its first tile, and each next one)
+        assert src.count("cp.async.ca.shared.global") == 2 * 3 and src.count("cp.async.wait_group 1") == 3
+        assert src.count("the prologue applied as each tile's input is staged") == 1
+        assert src.count("persistent blocks: as many as the SMs hold at once") == 4
+        assert src.count("_kernel<int><<<grid") == 6
+    strided = {"stride3": (1, 1, 2), "dilation3": (1, 1, 1), "kernel3": (1, 3, 3), "in_channels": 3,
+               "out_channels": 6, "k": 27, "padding3": (0, 1, 1)}
+    assert rendered_tile(strided, "c8x8") == FALLBACK_TILE
+    assert rendered_tile({**strided, "stride3": (1, 2, 1)}, "c8x8") == "c8x8"     # rows may stride
+    assert rendered_tile({**strided, "stride3": (1, 1, 1), "dilation3": (1, 1, 2)}, "c4x8") == FALLBACK_TILE
+
+
 def test_the_tensor_core_tile_renders_3xtf32_mma_and_is_tried_only_when_switched_on(monkeypatch):
     """``conv_tile=3xtf32`` (conv.MMA_TILE): the same six convolutions and chains, each an implicit
     GEMM on TF32 mma.sync in three products (the operands split into TF32 value and remainder as

@@ -67,7 +67,7 @@ MAX_SHARED_BYTES = 160 * 1024      # staged input tile + weights (dynamic shared
 # stride and dilation 1 along x (the columns consecutive in the staged row); elsewhere the FMA tile
 # FALLBACK_TILE. c8x8: 64 accumulators, 127 registers (two blocks an SM); c4x8: 32, twice the warps.
 SLIDE_TILES = {"c8x8": 8, "c4x8": 4}
-SLIDE_MIN_BLOCKS = {8: 2, 4: 4}    # blocks an SM the registers are bounded for (127 and 64: no spill on sm_90a)
+SLIDE_MIN_BLOCKS = {8: 2, 4: 3}    # blocks an SM the registers are bounded for (128 and 85: no spill on sm_90a)
 TRANSPOSE_STRIDE = 36              # floats a row of a warp's transpose area (32 + 4: no bank conflicts)
 FALLBACK_TILE = "4x8"
 MMA_TILE = "3xtf32"
@@ -143,7 +143,8 @@ def shared_floats(params: dict[str, Any], tile: str) -> tuple[int, int]:
     if t.get("slide"):
         # rows padded to whole float4s, past the last thread's vector loads; the warps' transpose
         # areas reuse the input tile once the products are done
-        return max(params["in_channels"] * kd * ih * t["iwp"], t["cg"] * t["th"] * t["tws"]), params["k"] * t["cob"]
+        # two tiles' input (one computed while the next is staged), each also a transpose area
+        return 2 * max(params["in_channels"] * kd * ih * t["iwp"], t["cg"] * t["th"] * t["tws"]), params["k"] * t["cob"]
     if t["mma"]:
         k8 = -(-params["k"] // 8) * 8
         return (2 * s_in + k8 + 3) // 4 * 4, 2 * k8 * t["ws"]

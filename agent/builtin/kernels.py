@@ -479,6 +479,16 @@ class KernelGroup:
         lines.append(f"{decl}{x};")
         return "\n".join(lines)
 
+    def raw_core_input(self) -> Optional[int]:
+        """The kernel input the core reads as it is (no prologue, float32, read element for element):
+        one a block may copy straight into shared memory (``cp.async``); None where a prologue computes
+        the core's input or a conversion stands between."""
+        if self.core is None or self.prologue_nodes:
+            return None
+        k = self._input_of.get(self.core_info.operands[0])
+        acc = self.accesses.get((k, "p")) if k is not None else None
+        return k if acc is not None and acc.kind == "direct" and self.inputs[k].ctype == "float" else None
+
     @property
     def cache_ok(self) -> bool:
         """The write pass can take ``x`` from a cache: no epilogue operator reads a prologue value."""
