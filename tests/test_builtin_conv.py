@@ -142,13 +142,14 @@ def test_the_tensor_core_tile_renders_3xtf32_mma_and_is_tried_only_when_switched
     # n-tiles of 8 channels, weights' rows padded by 8 (B fragments without bank conflicts), at most 64 a block
     assert tile_shape(MMA_TILE, 64)["nt"] == 8 and tile_shape(MMA_TILE, 64)["ws"] == 72
     assert tile_shape(MMA_TILE, 12)["cob"] == 16 and tile_shape(MMA_TILE, 200)["cob"] == 64
-    # a convolution whose doubled staging would not fit keeps the default (FMA) tile
-    from agent.builtin.conv import MAX_SHARED_BYTES, rendered_tile, shared_floats
+    # a convolution whose doubled staging would not fit gets the FMA tile
+    from agent.builtin.conv import FALLBACK_TILE, MAX_SHARED_BYTES, rendered_tile, shared_floats
 
     big = {"out_channels": 64, "in_channels": 14, "k": 126, "kernel3": (1, 3, 3), "stride3": (1, 2, 2),
            "dilation3": (1, 1, 1)}
-    assert sum(shared_floats(big, DEFAULT_TILE)) * 4 <= MAX_SHARED_BYTES < sum(shared_floats(big, MMA_TILE)) * 4
-    assert rendered_tile(big, MMA_TILE) == DEFAULT_TILE
+    assert sum(shared_floats(big, FALLBACK_TILE)) * 4 <= MAX_SHARED_BYTES < sum(shared_floats(big, MMA_TILE)) * 4
+    # (the FMA tile, which takes its stride: not the default, a register-blocked tile that would not)
+    assert rendered_tile(big, MMA_TILE) == FALLBACK_TILE != DEFAULT_TILE
     assert rendered_tile({**big, "stride3": (1, 1, 1)}, MMA_TILE) == MMA_TILE       # 112 KB: it fits
     assert rendered_tile(big, "4x16") == "4x16"
     monkeypatch.delenv(MMA_ENV, raising=False)

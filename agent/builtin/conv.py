@@ -65,7 +65,7 @@ MAX_SHARED_BYTES = 160 * 1024      # staged input tile + weights (dynamic shared
 # input channel and kernel row one run of vector loads of the thread's input values serves every
 # kernel column, a GEMM's blocking rather than one column per lane (docs/builtin_conv.md). They need
 # stride and dilation 1 along x (the columns consecutive in the staged row); elsewhere the FMA tile
-# FALLBACK_TILE. c8x8: 64 accumulators, 127 registers (two blocks an SM); c4x8: 32, twice the warps.
+# FALLBACK_TILE. c8x8: 64 accumulators, 128 registers (two blocks an SM); c4x8: 32, three blocks.
 SLIDE_TILES = {"c8x8": 8, "c4x8": 4}
 SLIDE_MIN_BLOCKS = {8: 2, 4: 3}    # blocks an SM the registers are bounded for (128 and 85: no spill on sm_90a)
 TRANSPOSE_STRIDE = 36              # floats a row of a warp's transpose area (32 + 4: no bank conflicts)
@@ -112,7 +112,9 @@ def tile_shape(tile: str, out_channels: int, kernel_width: int = 1) -> dict[str,
     """The CUDA block of ``tile`` for ``out_channels``: rows/channels per thread, warp rows,
     channel groups (fewer where the convolution has fewer channels), the block's tile sizes.
     The tensor-core tile (``mma``): one output row per warp, ``cob`` channels in n-tiles of 8,
-    the weights staged with a row stride of ``cob + 8`` (B fragments' loads without bank conflicts)."""
+    the weights staged with a row stride of ``cob + 8`` (B fragments' loads without bank conflicts).
+    A register-blocked tile (``slide``): ``px`` columns a thread, ``lanes_x`` threads along a row,
+    ``nv`` float4 loads and ``iwp`` floats a staged input row for a kernel ``kernel_width`` wide."""
     if tile == MMA_TILE:
         cob = min(MMA_COB, -(-out_channels // 8) * 8)
         return {"mma": True, "slide": False, "py": 1, "ct": cob, "wy": MMA_ROWS, "cg": 1, "th": MMA_ROWS, "tw": 32, "cob": cob,
@@ -141,9 +143,9 @@ def shared_floats(params: dict[str, Any], tile: str) -> tuple[int, int]:
     iw = (t["tw"] - 1) * sw + (kw - 1) * dw + 1
     s_in = params["in_channels"] * kd * ih * iw
     if t.get("slide"):
-        # rows padded to whole float4s, past the last thread's vector loads; the warps' transpose
-        # areas reuse the input tile once the products are done
-        # two tiles' input (one computed while the next is staged), each also a transpose area
+        # two tiles' input (one computed while the next is staged), rows padded to whole float4s
+        # past the last thread's vector loads; each also the warps' transpose areas once its
+        # products are done
         return 2 * max(params["in_channels"] * kd * ih * t["iwp"], t["cg"] * t["th"] * t["tws"]), params["k"] * t["cob"]
     if t["mma"]:
         k8 = -(-params["k"] // 8) * 8
@@ -164,11 +166,12 @@ def slide_row_floats(px: int, kw: int) -> int:
 
 
 def rendered_tile(params: dict[str, Any], tile: str) -> str:
-    """The tile a kernel is written with: ``tile``, or the default where the tensor-core tile's
-    staging (each operand twice) would not fit ``MAX_SHARED_BYTES`` (a matched convolution fits
-    every FMA tile)."""
+    """The tile a kernel is written with: ``tile``; ``FALLBACK_TILE`` (an FMA tile: a matched
+    convolution fits every one) where the tensor-core tile's staging (each operand twice) or a
+    register-blocked tile's (two tiles' input) would not fit ``MAX_SHARED_BYTES``, and where a
+    register-blocked tile is asked for a stride or dilation along x (its columns are consecutive)."""
     if tile == MMA_TILE and sum(shared_floats(params, tile)) * 4 > MAX_SHARED_BYTES:
-        return DEFAULT_TILE
+        return FALLBACK_TILE
     if tile in SLIDE_TILES and (params["stride3"][2] != 1 or params["dilation3"][2] != 1
                                or sum(shared_floats(params, tile)) * 4 > MAX_SHARED_BYTES):
         return FALLBACK_TILE
