@@ -165,7 +165,7 @@ def main() -> int:
     torch.backends.cudnn.allow_tf32 = False
     mod = load_inline("conv_lab", CPP, cuda_sources=[CUDA.replace("#include <torch/extension.h>",
                       "#include <torch/extension.h>\n#include <ATen/cuda/CUDAContext.h>")], functions=["run"],
-                      extra_cuda_cflags=["-O3", "--use_fast_math" if False else "-O3", "-Xptxas", "-v"], verbose=False)
+                      extra_cuda_cflags=["-O3"], verbose=False)
     for size in (int(s) for s in args.sizes.split(",")):
         torch.manual_seed(0)
         x = torch.rand(128, 8, size, size, device="cuda")

@@ -3,7 +3,7 @@
 For tests/fixtures/builtin/conv_direct.py (small: bias/no bias, stride 2, dilation 2, a prologue, 3-D)
 and, with --kb, every level-2 task whose cuda candidate gets a direct convolution (or those given
 with --tasks), at their published sizes: the direct-convolution candidate in each tile variant
-(``conv_tile``: by default the default tile and 4x16, ``--tiles`` for others, ``--quick``: the default only) and its cuDNN twin (``layout=nchw, conv=library``:
+(``conv_tile``: by default the default tile (c8x8) and the FMA tile 4x8, ``--tiles`` for others, ``--quick``: the default only) and its cuDNN twin (``layout=nchw, conv=library``:
 the same chains as an epilogue kernel after cuDNN) are generated, built (in parallel, before any
 timing) and run beside the reference (the same seed's weights and inputs).
 
@@ -41,13 +41,13 @@ from builtin_candidate import (compare_with_references, compiled_median_ms, cuda
                                flat_outputs, reference_and_candidate)
 
 from agent.builtin import Knobs, generate  # noqa: E402
-from agent.builtin.conv import CUDA_CONV_ENV, DEFAULT_TILE, MMA_TILE, TILES  # noqa: E402
+from agent.builtin.conv import CUDA_CONV_ENV, DEFAULT_TILE, FALLBACK_TILE, MMA_TILE, SLIDE_TILES, TILES  # noqa: E402
 
 os.environ[CUDA_CONV_ENV] = "1"      # the CUDA direct convolutions (on by default since session q; =0 switches them off)
 from sandbox.tasks import read_spec  # noqa: E402
 
 LIBRARY = Knobs(layout="nchw")
-DEFAULT_TILES = (DEFAULT_TILE, "4x16")     # 32 accumulators a thread (64-78 registers) and 64 (116-128)
+DEFAULT_TILES = (DEFAULT_TILE, FALLBACK_TILE)     # the register-blocked default and the FMA tile before it
 
 
 def direct(tile: str) -> Knobs:
@@ -124,7 +124,7 @@ def main() -> int:
                                                   "whose cuda candidate gets a direct convolution)")
     ap.add_argument("--quick", action="store_true", help=f"the default tile ({DEFAULT_TILE}) only")
     ap.add_argument("--tiles", default=None, help=f"tiles to check (default: {','.join(DEFAULT_TILES)}; any of "
-                                                  f"{','.join([*TILES, MMA_TILE])}: {MMA_TILE} is the 3xTF32 tensor-core tile)")
+                                                  f"{','.join([*TILES, *SLIDE_TILES, MMA_TILE])}: {MMA_TILE} is the 3xTF32 tensor-core tile)")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile of the references (~20 s each)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--jobs", type=int, default=12, help="parallel candidate builds")
