@@ -22,10 +22,10 @@ writes them) on a batched input, ``groups=1``, zeros padding given as integers (
 large ``K``, float64 - stays the library's call (cuDNN/oneDNN).
 
 The ``conv`` knob decides (``library``: as before; ``direct``: these kernels), so measurement
-picks; ``conv_tile`` shapes the CUDA kernel (``TILES``). The direct convolution is an NCHW
-path: the channels-last candidate (``layout=nhwc``) keeps cuDNN. On ``cuda`` it is off unless
-``KERNELLOOP_CUDA_CONV=1`` until a GPU has judged it (``scripts/gpu_conv_check.py``); on the
-CPU it is on (judged in CI).
+picks; ``conv_tile`` shapes the CUDA kernel (``TILES``, ``SLIDE_TILES``). The direct convolution
+is an NCHW path: the channels-last candidate (``layout=nhwc``) keeps cuDNN. On ``cuda`` it is on
+unless ``KERNELLOOP_CUDA_CONV=0`` (judged on GPUs since session q, ``scripts/gpu_conv_check.py``);
+on the CPU it is on (judged in CI).
 """
 from __future__ import annotations
 
