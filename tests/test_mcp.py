@@ -221,7 +221,9 @@ def test_an_agent_session_is_judged_stored_and_reported_as_eval_judges(tmp_path)
     for r in attempts_out:
         by_task.setdefault(r["task"]["name"], []).append(r)
     assert [r["candidate_source"] for r in by_task[TASK]] == [honest, cheat]
-    assert [r["correct"] for r in by_task[TASK]] == [True, False]       # clean: the cheat is flagged
+    # clean: the cheat is flagged; the honest one as the tool said (a `contended` window, which the
+    # tool's verdict may carry on a loaded host, makes it not clean in the export either)
+    assert [r["correct"] for r in by_task[TASK]] == [h["clean"], False]
     assert [r["evaluation"] for r in by_task["adversarial/task_small"]] == [None]
     # replay reuses the stored evaluations (same device, torch and configuration); compare reads both runs
     replayed = runner.invoke(app, ["replay", str(run.id), "--device", "cpu", "--tasks", TASK, "--db", str(db)])
