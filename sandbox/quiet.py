@@ -219,11 +219,13 @@ class GpuWatch:
     """One slot's GPU: foreign compute processes and foreign SM use over a timed window.
 
     A window's start is known on two clocks: the host's (``since``) and NVML's (``base``: the newest
-    stamp NVML held when the window began). NVML's stamps can run ahead of the host's clock: on
-    session ag's H100, samples read within a few milliseconds of a window's start were stamped
-    245-1,018 ms after it by the host's clock, so samples of the work just before the window (the
-    evaluation's own trials and timed runs) were judged the window's, and 22 of 400 honest
-    evaluations were flagged for the SM use of a worker of their own run. A sample tells the use over
+    stamp NVML held when the window began). On session ag's H100, samples read within a few
+    milliseconds of a window's start were stamped 245-1,018 ms after it by the host's clock, so
+    samples of the work just before the window (the evaluation's own trials and timed runs) could
+    be judged the window's, and 22 of 400 honest evaluations were flagged for the SM use of a worker
+    of their own run. Whether NVML's clock runs ahead is not settled: session ah's
+    ``scripts/nvml_lag.py`` read its newest stamp a median 95 ms behind the host's clock (at most
+    81 ms ahead, sample period 200 ms); the rule below costs nothing where it does not. A sample tells the use over
     the period before its stamp, and the next sample after ``base`` may cover up to a period before
     the window began: only samples stamped after both ``since`` plus a period and ``base`` plus two
     are judged."""
