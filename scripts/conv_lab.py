@@ -166,6 +166,9 @@ def main() -> int:
     mod = load_inline("conv_lab", CPP, cuda_sources=[CUDA.replace("#include <torch/extension.h>",
                       "#include <torch/extension.h>\n#include <ATen/cuda/CUDAContext.h>")], functions=["run"],
                       extra_cuda_cflags=["-O3"], verbose=False)
+    print(f"{torch.cuda.get_device_name()}: numerics fp32 (cuDNN's TF32 off; the lab kernel float32 FMAs); "
+          f"CUDA events, median of {args.reps} runs after 2 warm-ups; TFLOP/s = 2 x N x C_out x OH x OW x C_in x 9 / time",
+          flush=True)
     for size in (int(s) for s in args.sizes.split(",")):
         torch.manual_seed(0)
         x = torch.rand(128, 8, size, size, device="cuda")
