@@ -1,11 +1,13 @@
 """Check the builtin's direct convolution kernels (agent/builtin/conv.py, cuda_conv.cu.j2) on a GPU.
 
-For tests/fixtures/builtin/conv_direct.py (small: bias/no bias, stride 2, dilation 2, a prologue, 3-D)
+For tests/fixtures/builtin/conv_direct.py (small: bias/no bias, stride 2, dilation 2, a prologue, 3-D), conv_tail.py
 and, with --kb, every level-2 task whose cuda candidate gets a direct convolution (or those given
 with --tasks), at their published sizes: the direct-convolution candidate in each tile variant
 (``conv_tile``: by default the default tile (c8x8) and the FMA tile 4x8, ``--tiles`` for others, ``--quick``: the default only) and its cuDNN twin (``layout=nchw, conv=library``:
 the same chains as an epilogue kernel after cuDNN) are generated, built (in parallel, before any
-timing) and run beside the reference (the same seed's weights and inputs).
+timing) and run beside the reference (the same seed's weights and inputs). Where a candidate's convolution
+group ends in a tail reduction (conv_tail.py, level2/67), the same tile with the reduction as its own
+kernel (``fusion=no_prologue``) is timed beside it ("untailed").
 
 * correctness: every output against the float32 reference with cuDNN's TF32 off (a difference is
   the kernel's), against the reference under PyTorch's defaults (what the judge compares with)
@@ -30,6 +32,7 @@ import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -47,6 +50,7 @@ os.environ[CUDA_CONV_ENV] = "1"      # the CUDA direct convolutions (on by defau
 from sandbox.tasks import read_spec  # noqa: E402
 
 LIBRARY = Knobs(layout="nchw")
+TAILED = "never written"             # (cuda_conv.cu.j2's banner of a group ending in a tail reduction)
 DEFAULT_TILES = (DEFAULT_TILE, FALLBACK_TILE)     # the register-blocked default and the FMA tile before it
 
 
@@ -134,7 +138,7 @@ def main() -> int:
         return 2
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     tiles = [DEFAULT_TILE] if args.quick else (args.tiles.split(",") if args.tiles else list(DEFAULT_TILES))
-    jobs = [("fixtures/conv_direct", ROOT / "tests/fixtures/builtin/conv_direct.py")]
+    jobs = [(f"fixtures/{n}", ROOT / f"tests/fixtures/builtin/{n}.py") for n in ("conv_direct", "conv_tail")]
     if args.kb:
         kb = Path(args.kb)
         stems = args.tasks.split(",") if args.tasks else direct_tasks(kb)
@@ -147,6 +151,8 @@ def main() -> int:
             cand = generate(spec, "cuda", direct(tile))
             if _convs(cand):
                 sources[f"direct {tile}"] = cand.source
+            if TAILED in cand.source:       # and the same with the reduction its own kernel
+                sources[f"untailed {tile}"] = generate(spec, "cuda", replace(direct(tile), fusion="no_prologue")).source
         plans.append((name, spec, sources))
     start = time.time()
     with ThreadPoolExecutor(args.jobs) as pool:

@@ -298,3 +298,97 @@ def test_the_cuda_direct_convolutions_are_correct_on_a_gpu(tile):
     assert result.status is Status.correct, (result.status, result.error_message,
                                              result.build.first_error if result.build else None)
     assert all(o.mismatched == 0 for t in result.trials for o in t.outputs)
+
+
+TAIL = Path(__file__).parent / "fixtures" / "builtin" / "conv_tail.py"
+
+
+def test_a_convolution_group_ends_in_its_spatial_sum_or_mean():
+    """plan.tail_reduction: a sum or mean over every spatial dim of a direct convolution's (epilogue's)
+    value ends its group, so the kernel accumulates it and the convolution's output is never written.
+    A mean whose input is also used elsewhere, and a mean over the channels too, are not tails; nor is
+    any under ``fusion=no_prologue`` (the measured alternative: the reduction its own kernel)."""
+    spec = _spec(TAIL)
+    cand = generate(spec, "cpu", DIRECT)
+    assert [(g["kind"], g["ops"]) for g in cand.choices["groups"]] == [
+        ("conv", ["conv2d", "gelu", "mean"]), ("conv", ["conv2d", "tanh", "mul", "sum"]),
+        ("conv", ["conv3d", "relu", "mean"]), ("conv", ["conv2d", "sigmoid"]), ("reduce", ["mean"]),
+        ("ew", ["sub"]), ("conv", ["conv2d", "relu"]), ("reduce", ["mean"])]
+    split = generate(spec, "cpu", Knobs(layout="nchw", conv="direct", fusion="no_prologue"))
+    assert [g["ops"][-1] for g in split.choices["groups"] if g["kind"] == "conv"] == ["gelu", "mul", "relu", "sigmoid", "relu"]
+    cuda = generate(spec, "cuda", DIRECT)
+    src = cuda.source
+    assert src.count("never written") == 3
+    # one atomic add per warp and channel (lane 0, after the warp's shuffle sum), into a zeroed output
+    assert src.count("atomicAdd(out + n * 12 + co, red * tail_scale)") == 1
+    assert src.count("atomicAdd(out + n * 6 + co, red)") == 1 and src.count("torch::zeros(tsh") == 3
+    # the strided one takes the FMA tile; the tensor-core tile does not accumulate a tail (the FMA tile)
+    mma = generate(spec, "cuda", Knobs(layout="nchw", conv="direct", conv_tile=MMA_TILE)).source
+    assert mma.count("mma.sync.aligned") == 2 and mma.count("atomicAdd(") == 3
+
+
+def _tail_candidate() -> tuple:
+    spec = with_device_sizes(_spec(TAIL), "cpu")
+    cand = generate(spec, "cpu", DIRECT)
+    return spec, cand.source
+
+
+def test_the_tail_reductions_are_correct_in_the_cpu_sandbox():
+    """Judged correct (every output checked) and within float32 rounding of PyTorch, the squeezed, the
+    summed and the kept-dims shapes included."""
+    from builtin_candidate import reference_and_candidate
+    from sandbox.evaluate import evaluate
+    from sandbox.numerics import Numerics
+    from sandbox.result import EvalConfig, Status
+
+    spec, source = _tail_candidate()
+    cfg = EvalConfig(numerics=Numerics(), trials=2, warmup_runs=1, timed_runs=2, time_compile=False, profile=False)
+    result = evaluate(spec, source, "cpu", cfg)
+    assert result.status is Status.correct, (result.status, result.error_message,
+                                             result.build.first_error if result.build else None)
+    assert all(o.mismatched == 0 for t in result.trials for o in t.outputs)
+    task, ref, new = reference_and_candidate(spec, source)
+    inputs = task.get_inputs()
+    with torch.no_grad():
+        want, got = ref(*inputs), new(*inputs)
+    assert [tuple(t.shape) for t in got] == [(2, 12), (2, 6), (2, 4, 1, 1, 1), (2, 4, 38, 35), (2,)]
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_a_tail_that_drops_a_row_is_judged_incorrect():
+    """The partial sums of the last output row left out: judged incorrect, so the test above can fail."""
+    from sandbox.result import Status
+
+    spec, source = _tail_candidate()
+    right = "for (I r = 0; r < OD * OH; ++r)"
+    assert source.count(right) == 3
+    result = evaluate_cpu(spec, source.replace(right, "for (I r = 0; r < OD * OH - 1; ++r)"))
+    assert result.status is Status.incorrect, (result.status, result.error_message)
+
+
+def evaluate_cpu(spec, source):
+    from sandbox.evaluate import evaluate
+    from sandbox.numerics import Numerics
+    from sandbox.result import EvalConfig
+
+    return evaluate(spec, source, "cpu", EvalConfig(numerics=Numerics(), trials=1, warmup_runs=1, timed_runs=1,
+                                                     time_compile=False, profile=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", ["c8x8", "c4x8", "4x8"])
+def test_the_cuda_tail_reductions_are_correct_on_a_gpu(tile):
+    """The CUDA tail (a warp's shuffle sum, one atomic add a warp and channel) in the register-blocked
+    and the FMA tiles, judged by the sandbox on a GPU: every output checked."""
+    from sandbox.result import Status
+
+    spec = with_device_sizes(_spec(TAIL), "cuda")
+    cand = generate(spec, "cuda", Knobs(layout="nchw", conv="direct", conv_tile=tile))
+    assert cand.source.count("never written") == 3
+    from builtin_candidate import judge
+
+    result = judge(spec, cand.source, "cuda")
+    assert result.status is Status.correct, (result.status, result.error_message,
+                                             result.build.first_error if result.build else None)
+    assert all(o.mismatched == 0 for t in result.trials for o in t.outputs)

@@ -210,6 +210,11 @@ class GroupCode:
         elif kg.kind == "conv":
             lines += self._conv_sizes()
             out_shape = shape_e = "osh"
+            if kg.tail is not None:         # its tail reduction's output: (N, C_out), spatial dims kept as 1s
+                keep = kg.plan.infos[kg.tail].params["keepdim"]
+                lines.append(f"const std::vector<int64_t> tsh{{N, {kg.core_info.params['out_channels']}"
+                             + ", 1" * (rank - 2 if keep else 0) + "};")
+                out_shape = "tsh"
         else:
             lines += self._norm_sizes(rank)
             out_shape = "sp"
@@ -227,7 +232,9 @@ class GroupCode:
             lines.append(f"kl_runs(in{acc.input}, {shape}, {{{runs}}}, meta, who);")
         first = kg.space_inputs[0]
         out_dtype = at_type(kg.out_dtype)
-        lines.append(f"torch::Tensor out = torch::empty({out_shape}, in{first}.options().dtype({out_dtype}));")
+        # (a tail reduction's kernel adds its partial sums into a zeroed output)
+        alloc = "zeros" if kg.kind == "conv" and kg.tail is not None else "empty"
+        lines.append(f"torch::Tensor out = torch::{alloc}({out_shape}, in{first}.options().dtype({out_dtype}));")
         sig = [f"torch::Tensor t{i.index}" for i in kg.inputs]
         if kg.op == "batch_norm":
             sig += ["bool use_batch", "bool update", "double factor"]
@@ -239,7 +246,7 @@ class GroupCode:
         """The direct convolution's template context: its parameters, the CUDA tile, the shared
         memory it stages, and which kernel inputs are its weight and bias."""
         p = self.kg.core_info.params
-        tile = rendered_tile(p, self.knobs.conv_tile)
+        tile = rendered_tile(p, self.knobs.conv_tile, tail=self.kg.tail is not None)
         s_in, s_w = shared_floats(p, tile)
         return {**p, "tile": tile_shape(tile, p["out_channels"], p["kernel3"][2]), "s_in": s_in, "s_w": s_w,
                 "w": self.kg.params[0], "b": self.kg.params[1] if p["bias"] else None}

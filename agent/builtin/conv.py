@@ -165,12 +165,14 @@ def slide_row_floats(px: int, kw: int) -> int:
     return max(-(-(32 + kw - 1) // 4) * 4, 32 - px + 4 * slide_loads(px, kw))
 
 
-def rendered_tile(params: dict[str, Any], tile: str) -> str:
+def rendered_tile(params: dict[str, Any], tile: str, tail: bool = False) -> str:
     """The tile a kernel is written with: ``tile``; ``FALLBACK_TILE`` (an FMA tile: a matched
     convolution fits every one) where the tensor-core tile's staging (each operand twice) or a
-    register-blocked tile's (two tiles' input) would not fit ``MAX_SHARED_BYTES``, and where a
-    register-blocked tile is asked for a stride or dilation along x (its columns are consecutive)."""
-    if tile == MMA_TILE and sum(shared_floats(params, tile)) * 4 > MAX_SHARED_BYTES:
+    register-blocked tile's (two tiles' input) would not fit ``MAX_SHARED_BYTES``, where a
+    register-blocked tile is asked for a stride or dilation along x (its columns are consecutive),
+    and where the group ends in a tail reduction (``tail``), which the tensor-core tile does not
+    accumulate."""
+    if tile == MMA_TILE and (tail or sum(shared_floats(params, tile)) * 4 > MAX_SHARED_BYTES):
         return FALLBACK_TILE
     if tile in SLIDE_TILES and (params["stride3"][2] != 1 or params["dilation3"][2] != 1
                                or sum(shared_floats(params, tile)) * 4 > MAX_SHARED_BYTES):

@@ -171,6 +171,9 @@ class KernelGroup:
         infos = plan.infos
         self.nodes = group.nodes
         self.core: Optional[Node] = plan.core_of(group)
+        # a direct convolution's tail reduction (plan.tail_reduction): the group's output, one value
+        # per (sample, channel), accumulated from the epilogue's values (``tail_op``, ``tail_value``)
+        self.tail: Optional[Node] = plan.tail_of(group)
         self.core_info: Optional[OpInfo] = infos[self.core] if self.core is not None else None
         if self.core is None:
             self.kind = "ew"
@@ -180,7 +183,7 @@ class KernelGroup:
             i = group.nodes.index(self.core)
             self.kind = self.core_info.kind
             self.prologue_nodes = group.nodes[:i]
-            self.epilogue_nodes = group.nodes[i + 1:]
+            self.epilogue_nodes = group.nodes[i + 1:len(group.nodes) - (1 if self.tail is not None else 0)]
         self.op = self.core_info.op if self.core_info else "elementwise"
         self.members = set(group.nodes)
         # spaces
@@ -496,14 +499,20 @@ class KernelGroup:
         return not any(o in pro for n in self.epilogue_nodes for o in self.plan.infos[n].operands
                        if isinstance(o, Node))
 
+    @property
+    def tail_op(self) -> Optional[str]:
+        """The tail reduction's operator (``sum``, ``mean``), None without one."""
+        return self.plan.infos[self.tail].op if self.tail is not None else None
+
     def epilogue(self, core_value: str, index: str, lane: Optional[int] = None, row: Optional[str] = None,
                  chan: Optional[str] = None) -> str:
         """Statements after the core: ``t_<core> = core_value`` then the epilogue; result in ``z``
-        (``row`` and ``chan`` as for the prologue)."""
+        (``row`` and ``chan`` as for the prologue; with a tail, ``z`` is the value it reduces)."""
         lines = [f"const float {self.var(self.core)} = {core_value};"]
         body, _ = self._body(self.epilogue_nodes, self.epi_space, index, lane, "b", row=row, chan=chan)
         lines += body
-        lines.append(f"const float z = {self.var(self.out_node)};")
+        last = self.epilogue_nodes[-1] if self.epilogue_nodes else self.core
+        lines.append(f"const float z = {self.var(last if self.tail is not None else self.out_node)};")
         return "\n".join(lines)
 
     def run_params(self, itype: str) -> str:

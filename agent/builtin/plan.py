@@ -4,14 +4,16 @@ A *group* is a topologically ordered run of fusible nodes with one output (its l
 
     prologue (elementwise, on the core's input shape) -> core (reduction, norm, 2-D/3-D pooling or direct convolution) -> epilogue (elementwise)
 
-or an elementwise chain without a core. Groups grow greedily from producer to consumer;
+or an elementwise chain without a core. A direct convolution's group may end in a *tail*: a sum or
+mean over all its spatial dims (``tail_reduction``), which the kernel accumulates from its
+registers, so the convolution's output is never written (level2/67: conv, GELU, global average pool). Groups grow greedily from producer to consumer;
 afterwards any group whose intermediate value is needed outside it is cut right after
 that value, until every group has exactly one escaping value.
 
 Knobs that shape the plan:
 
-* ``fusion``: ``max`` (prologue + core + epilogue), ``no_prologue`` (a core starts a new
-  group), ``split`` (cores stand alone, elementwise chains on their own), ``elementwise``
+* ``fusion``: ``max`` (prologue + core + epilogue, and a convolution's tail reduction),
+  ``no_prologue`` (a core starts a new group: no tail either), ``split`` (cores stand alone, elementwise chains on their own), ``elementwise``
   (reductions, normalisations and pooling stay on PyTorch, only elementwise chains are fused);
 * ``cuts``: node names a group must end at (set by the feedback when a group failed);
 * ``excluded``: node names left to PyTorch.
@@ -57,6 +59,33 @@ class Plan:
 
     def core_of(self, g: Group) -> Optional[Node]:
         return next((n for n in g.nodes if self.infos[n].is_core), None)
+
+    def tail_of(self, g: Group) -> Optional[Node]:
+        """The group's tail reduction (``tail_reduction``), None where it has none."""
+        return group_tail(g.nodes, self.infos)
+
+
+def group_tail(nodes: list[Node], infos: dict[Node, OpInfo]) -> Optional[Node]:
+    """The last of ``nodes`` where it is a second core (a convolution's tail reduction), else None."""
+    cores = [n for n in nodes if infos[n].is_core]
+    return nodes[-1] if len(cores) == 2 and cores[1] is nodes[-1] else None
+
+
+# The reductions a direct convolution's group may end in: over every spatial dim of its output
+TAIL_OPS = ("sum", "mean")
+
+
+def tail_reduction(conv: Node, node: Node, infos: dict[Node, OpInfo]) -> bool:
+    """Whether ``node`` reduces a value in the space of the direct convolution ``conv`` (its output
+    shape) over all the spatial dims, by sum or mean, in float32: one value per (sample, channel),
+    which a convolution kernel can accumulate from its registers (``templates/cuda_conv.cu.j2``'s
+    ``tail``) instead of writing the convolution's output for a reduction kernel to read again."""
+    info, shape = infos[node], shape_of(conv)
+    if infos[conv].kind != "conv" or info.kind != "reduce" or info.op not in TAIL_OPS or shape is None:
+        return False
+    data = info.operands[0]
+    return (isinstance(data, Node) and shape_of(data) == shape and list(info.params["dims"]) == list(range(2, len(shape)))
+            and all(value_dtype(v) == torch.float32 for v in (data, node)))
 
 
 def classify_graph(traced: Traced) -> dict[Node, OpInfo]:
@@ -180,6 +209,7 @@ def make_plan(traced: Traced, fusion: str = "max", cuts: Iterable[str] = (),
     def core(g: Group) -> Optional[Node]:
         return next((n for n in g.nodes if infos[n].is_core), None)
 
+
     def space_shape(g: Group) -> tuple:
         c = core(g)
         return shape_of(c) if c is not None else shape_of(g.nodes[0])
@@ -190,6 +220,8 @@ def make_plan(traced: Traced, fusion: str = "max", cuts: Iterable[str] = (),
         if last.name in cuts or epochs[last] != epochs[n]:
             return False
         c = core(g)
+        if group_tail(g.nodes, infos) is not None:      # a tail reduction ends its group
+            return False
         ins = [o for o in tensor_operands(info) if group_of.get(o) is g]
         if info.kind == "ew":
             if fusion == "split" and c is not None:
@@ -204,6 +236,9 @@ def make_plan(traced: Traced, fusion: str = "max", cuts: Iterable[str] = (),
                     return False
             return True
         # a core
+        if c is not None and fusion == "max" and tail_reduction(c, n, infos):
+            # a direct convolution's tail: its value is the group's last (so no other operand of the group)
+            return info.operands[0] is last and len(tensor_operands(info)) == 1
         if c is not None or fusion in ("split", "no_prologue"):
             return False
         data = info.operands[0]
