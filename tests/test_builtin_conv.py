@@ -3,7 +3,8 @@ them as one generated kernel under ``conv=direct``, judged in the CPU sandbox (w
 bias, stride 2 / padding 1, dilation 2, a prologue whose f(0) is not 0, 3-D); a kernel planted
 wrong judged incorrect; convolutions the kernels do not reproduce, the ``library`` variant and
 the channels-last layout keep cuDNN/oneDNN; the CUDA candidates render (built on a GPU by
-scripts/gpu_conv_check.py)."""
+scripts/gpu_conv_check.py); a sum or mean over the spatial dims ends a conv group as its tail
+(conv_tail.py), judged on the CPU and, ``-m gpu``, on CUDA."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -172,7 +172,7 @@ class KernelGroup:
         self.nodes = group.nodes
         self.core: Optional[Node] = plan.core_of(group)
         # a direct convolution's tail reduction (plan.tail_reduction): the group's output, one value
-        # per (sample, channel), accumulated from the epilogue's values (``tail_op``, ``tail_value``)
+        # per (sample, channel), accumulated from the epilogue's values (``tail_op``; ``epilogue``'s ``z``)
         self.tail: Optional[Node] = plan.tail_of(group)
         self.core_info: Optional[OpInfo] = infos[self.core] if self.core is not None else None
         if self.core is None:

@@ -6,15 +6,17 @@ A *group* is a topologically ordered run of fusible nodes with one output (its l
 
 or an elementwise chain without a core. A direct convolution's group may end in a *tail*: a sum or
 mean over all its spatial dims (``tail_reduction``), which the kernel accumulates from its
-registers, so the convolution's output is never written (level2/67: conv, GELU, global average pool). Groups grow greedily from producer to consumer;
-afterwards any group whose intermediate value is needed outside it is cut right after
-that value, until every group has exactly one escaping value.
+registers, so the convolution's output is never written (level2/67: conv, GELU, global average
+pool). Groups grow greedily from producer to consumer; afterwards any group whose intermediate
+value is needed outside it is cut right after that value, until every group has exactly one
+escaping value.
 
 Knobs that shape the plan:
 
 * ``fusion``: ``max`` (prologue + core + epilogue, and a convolution's tail reduction),
-  ``no_prologue`` (a core starts a new group: no tail either), ``split`` (cores stand alone, elementwise chains on their own), ``elementwise``
-  (reductions, normalisations and pooling stay on PyTorch, only elementwise chains are fused);
+  ``no_prologue`` (a core starts a new group: no tail either), ``split`` (cores stand alone,
+  elementwise chains on their own), ``elementwise`` (reductions, normalisations and pooling stay
+  on PyTorch, only elementwise chains are fused);
 * ``cuts``: node names a group must end at (set by the feedback when a group failed);
 * ``excluded``: node names left to PyTorch.
 """
@@ -208,7 +210,6 @@ def make_plan(traced: Traced, fusion: str = "max", cuts: Iterable[str] = (),
 
     def core(g: Group) -> Optional[Node]:
         return next((n for n in g.nodes if infos[n].is_core), None)
-
 
     def space_shape(g: Group) -> tuple:
         c = core(g)
