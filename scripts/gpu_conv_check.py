@@ -50,7 +50,6 @@ os.environ[CUDA_CONV_ENV] = "1"      # the CUDA direct convolutions (on by defau
 from sandbox.tasks import read_spec  # noqa: E402
 
 LIBRARY = Knobs(layout="nchw")
-TAILED = "never written"             # (cuda_conv.cu.j2's banner of a group ending in a tail reduction)
 DEFAULT_TILES = (DEFAULT_TILE, FALLBACK_TILE)     # the register-blocked default and the FMA tile before it
 
 
@@ -60,6 +59,11 @@ def direct(tile: str) -> Knobs:
 
 def _convs(cand) -> list[str]:
     return [g["ops"][0] for g in cand.choices["groups"] if g["kind"] == "conv"]
+
+
+def _tailed(cand) -> bool:
+    """Whether a conv group of the candidate ends in a tail reduction (plan.tail_reduction)."""
+    return any(g["kind"] == "conv" and g["kinds"][-1] == "reduce" for g in cand.choices["groups"])
 
 
 def direct_tasks(kb: Path) -> list[str]:
@@ -151,7 +155,7 @@ def main() -> int:
             cand = generate(spec, "cuda", direct(tile))
             if _convs(cand):
                 sources[f"direct {tile}"] = cand.source
-            if TAILED in cand.source:       # and the same with the reduction its own kernel
+            if _tailed(cand):               # and the same with the reduction its own kernel
                 sources[f"untailed {tile}"] = generate(spec, "cuda", replace(direct(tile), fusion="no_prologue")).source
         plans.append((name, spec, sources))
     start = time.time()

@@ -249,21 +249,28 @@ def test_the_replay_checks_the_direct_convolution(monkeypatch):
 EDGES = Path(__file__).parent / "fixtures" / "builtin" / "conv_direct_edges.py"
 
 
+def _evaluate_cpu(spec, source: str):
+    """The CPU sandbox's judgement of ``source`` (two trials, every check on, no timing of compile)."""
+    from sandbox.evaluate import evaluate
+    from sandbox.numerics import Numerics
+    from sandbox.result import EvalConfig
+
+    return evaluate(spec, source, "cpu", EvalConfig(numerics=Numerics(), trials=2, warmup_runs=1, timed_runs=2,
+                                                     time_compile=False, profile=False))
+
+
 def test_the_cpu_blocking_edges_are_correct():
     """Output widths that are not whole vectors (the dropped lanes), one and two whole vectors,
     channel counts that are not whole channel blocks (the zero weights' channels never stored),
     three stride phases with dilation: judged correct in the CPU sandbox and within float32
     rounding of PyTorch."""
     from builtin_candidate import reference_and_candidate
-    from sandbox.evaluate import evaluate
-    from sandbox.numerics import Numerics
-    from sandbox.result import EvalConfig, Status
+    from sandbox.result import Status
 
     spec = with_device_sizes(_spec(EDGES), "cpu")
     cand = generate(spec, "cpu", DIRECT)
     assert len(_conv_groups(cand)) == 5
-    cfg = EvalConfig(numerics=Numerics(), trials=2, warmup_runs=1, timed_runs=2, time_compile=False, profile=False)
-    result = evaluate(spec, cand.source, "cpu", cfg)
+    result = _evaluate_cpu(spec, cand.source)
     assert result.status is Status.correct, (result.status, result.error_message,
                                              result.build.first_error if result.build else None)
     task, ref, new = reference_and_candidate(spec, cand.source)
@@ -338,13 +345,10 @@ def test_the_tail_reductions_are_correct_in_the_cpu_sandbox():
     """Judged correct (every output checked) and within float32 rounding of PyTorch, the squeezed, the
     summed and the kept-dims shapes included."""
     from builtin_candidate import reference_and_candidate
-    from sandbox.evaluate import evaluate
-    from sandbox.numerics import Numerics
-    from sandbox.result import EvalConfig, Status
+    from sandbox.result import Status
 
     spec, source = _tail_candidate()
-    cfg = EvalConfig(numerics=Numerics(), trials=2, warmup_runs=1, timed_runs=2, time_compile=False, profile=False)
-    result = evaluate(spec, source, "cpu", cfg)
+    result = _evaluate_cpu(spec, source)
     assert result.status is Status.correct, (result.status, result.error_message,
                                              result.build.first_error if result.build else None)
     assert all(o.mismatched == 0 for t in result.trials for o in t.outputs)
@@ -364,17 +368,8 @@ def test_a_tail_that_drops_a_row_is_judged_incorrect():
     spec, source = _tail_candidate()
     right = "for (I r = 0; r < OD * OH; ++r)"
     assert source.count(right) == 3
-    result = evaluate_cpu(spec, source.replace(right, "for (I r = 0; r < OD * OH - 1; ++r)"))
+    result = _evaluate_cpu(spec, source.replace(right, "for (I r = 0; r < OD * OH - 1; ++r)"))
     assert result.status is Status.incorrect, (result.status, result.error_message)
-
-
-def evaluate_cpu(spec, source):
-    from sandbox.evaluate import evaluate
-    from sandbox.numerics import Numerics
-    from sandbox.result import EvalConfig
-
-    return evaluate(spec, source, "cpu", EvalConfig(numerics=Numerics(), trials=1, warmup_runs=1, timed_runs=1,
-                                                     time_compile=False, profile=False))
 
 
 @pytest.mark.gpu

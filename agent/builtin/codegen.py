@@ -233,7 +233,7 @@ class GroupCode:
         first = kg.space_inputs[0]
         out_dtype = at_type(kg.out_dtype)
         # (a tail reduction's kernel adds its partial sums into a zeroed output)
-        alloc = "zeros" if kg.kind == "conv" and kg.tail is not None else "empty"
+        alloc = "zeros" if kg.tail is not None else "empty"
         lines.append(f"torch::Tensor out = torch::{alloc}({out_shape}, in{first}.options().dtype({out_dtype}));")
         sig = [f"torch::Tensor t{i.index}" for i in kg.inputs]
         if kg.op == "batch_norm":
