@@ -1,13 +1,15 @@
 """Check the builtin's direct convolution kernels (agent/builtin/conv.py, cuda_conv.cu.j2) on a GPU.
 
-For tests/fixtures/builtin/conv_direct.py (small: bias/no bias, stride 2, dilation 2, a prologue, 3-D), conv_tail.py
+For tests/fixtures/builtin/conv_direct.py (small: bias/no bias, stride 2, dilation 2, a prologue, 3-D), conv_tail.py, conv_bn.py
 and, with --kb, every level-2 task whose cuda candidate gets a direct convolution (or those given
 with --tasks), at their published sizes: the direct-convolution candidate in each tile variant
 (``conv_tile``: by default the default tile (c8x8) and the FMA tile 4x8, ``--tiles`` for others, ``--quick``: the default only) and its cuDNN twin (``layout=nchw, conv=library``:
 the same chains as an epilogue kernel after cuDNN) are generated, built (in parallel, before any
 timing) and run beside the reference (the same seed's weights and inputs). Where a candidate's convolution
 group ends in a tail reduction (conv_tail.py, level2/67), the same tile with the reduction as its own
-kernel (``fusion=no_prologue``) is timed beside it ("untailed").
+kernel (``fusion=no_prologue``) is timed beside it ("untailed"); where a batch norm takes its statistics from
+the convolution (conv_bn.py, level2/73: conv_stats.py), the same tile with the norm's own statistics pass
+("unlinked").
 
 * correctness: every output against the float32 reference with cuDNN's TF32 off (a difference is
   the kernel's), against the reference under PyTorch's defaults (what the judge compares with)
@@ -64,6 +66,11 @@ def _convs(cand) -> list[str]:
 def _tailed(cand) -> bool:
     """Whether a conv group of the candidate ends in a tail reduction (plan.tail_reduction)."""
     return any(g["kind"] == "conv" and g["kinds"][-1] == "reduce" for g in cand.choices["groups"])
+
+
+def _linked(cand) -> bool:
+    """Whether a batch norm of the candidate takes its statistics from its convolution (conv_stats.py)."""
+    return any("stats_from" in g for g in cand.choices["groups"])
 
 
 def direct_tasks(kb: Path) -> list[str]:
@@ -142,7 +149,7 @@ def main() -> int:
         return 2
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     tiles = [DEFAULT_TILE] if args.quick else (args.tiles.split(",") if args.tiles else list(DEFAULT_TILES))
-    jobs = [(f"fixtures/{n}", ROOT / f"tests/fixtures/builtin/{n}.py") for n in ("conv_direct", "conv_tail")]
+    jobs = [(f"fixtures/{n}", ROOT / f"tests/fixtures/builtin/{n}.py") for n in ("conv_direct", "conv_tail", "conv_bn")]
     if args.kb:
         kb = Path(args.kb)
         stems = args.tasks.split(",") if args.tasks else direct_tasks(kb)
@@ -157,6 +164,8 @@ def main() -> int:
                 sources[f"direct {tile}"] = cand.source
             if _tailed(cand):               # and the same with the reduction its own kernel
                 sources[f"untailed {tile}"] = generate(spec, "cuda", replace(direct(tile), fusion="no_prologue")).source
+            if _linked(cand):               # and the same with the norm's own statistics pass
+                sources[f"unlinked {tile}"] = generate(spec, "cuda", replace(direct(tile), fusion="no_prologue")).source
         plans.append((name, spec, sources))
     start = time.time()
     with ThreadPoolExecutor(args.jobs) as pool:

@@ -64,25 +64,28 @@ BUILTIN_FIXTURES = ROOT / "tests" / "fixtures" / "builtin"
 
 
 @pytest.mark.parametrize("variant", ["conv:4x16", "conv:2x16", "conv:4x8", "conv:8x8", "conv:c8x8", "conv:c4x8", "conv:3xtf32",
-                                     "tail:c8x8", "tail:4x8", "tail:3xtf32", "pool:nchw", "pool:nhwc"])
+                                     "tail:c8x8", "tail:4x8", "tail:3xtf32", "stats:c8x8", "stats:4x8", "pool:nchw", "pool:nhwc"])
 def test_builtin_conv_and_pool_kernels_build(sandbox, variant):
     """The direct convolution in every CUDA tile (conv_direct.py: stride, dilation, 3-D, a prologue),
     the tensor-core one (3xTF32 mma.sync) included, its tail reductions (conv_tail.py: the tensor-core
-    tile falls back to the FMA one there) and the fused pools in both layouts (conv_pool.py):
-    templates cuda_conv / cuda_pool compile."""
+    tile falls back to the FMA one there), the batch norms' statistics summed by the convolutions
+    (conv_bn.py, conv_stats.py) and the fused pools in both layouts (conv_pool.py):
+    templates cuda_conv / cuda_norm / cuda_pool compile."""
     from agent.builtin import generate
     from agent.builtin.codegen import Knobs
     from agent.builtin.conv import MMA_TILE, SLIDE_TILES, TILES
 
     kind, value = variant.split(":")
-    if kind in ("conv", "tail"):
+    if kind in ("conv", "tail", "stats"):
         assert value in [*TILES, *SLIDE_TILES, MMA_TILE]
-        name = "conv_direct" if kind == "conv" else "conv_tail"
+        name = {"conv": "conv_direct", "tail": "conv_tail", "stats": "conv_bn"}[kind]
         spec = read_spec(BUILTIN_FIXTURES / f"{name}.py", name=f"fixtures/{name}")
         cand = generate(spec, "cuda", Knobs(layout="nchw", conv="direct", conv_tile=value))
         if kind == "tail":
             assert [g["ops"][-1] for g in cand.choices["groups"] if g["kind"] == "conv"][:3] == ["mean", "sum", "mean"]
-            kind = "conv"
+        if kind == "stats":
+            assert cand.source.count("_kl_stats_kl_g") == 6
+        kind = "conv"
     else:
         spec = read_spec(BUILTIN_FIXTURES / "conv_pool.py", name="fixtures/conv_pool")
         cand = generate(spec, "cuda", Knobs(layout=value))

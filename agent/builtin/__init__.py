@@ -22,7 +22,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from agent.builtin import attention, recurrent, unrolled_rnn
+from agent.builtin import attention, conv_stats, recurrent, unrolled_rnn
 from agent.builtin.codegen import HEADER_PREFIX, Knobs, Rendered, body_hash, render_candidate
 from agent.builtin.dtypes import precision_of
 from agent.builtin.feedback import (Feedback, _knobs_of, fp32_reference_convolution, parse_header, read_history,
@@ -111,6 +111,7 @@ class _Generator:
                     excluded |= lone
                     continue
                 excluded |= {n.name for n in bad.nodes}
+            conv_stats.link(kgroups, self.device, fusion)     # a batch norm's statistics from its convolution
             self._plans[key] = (plan, kgroups, excluded)
         return self._plans[key]
 
@@ -176,7 +177,9 @@ class _Generator:
                tc: list[str]) -> dict[str, Any]:
         infos = plan.infos
         groups = [{"name": kg.name, "kind": kg.kind, "ops": kg.ops, "nodes": [n.name for n in kg.nodes],
-                   "kinds": [infos[n].kind for n in kg.nodes]} for kg in kgroups]
+                   "kinds": [infos[n].kind for n in kg.nodes],
+                   # a batch norm whose statistics its convolution sums (conv_stats.py)
+                   **({"stats_from": kg.stats_from} if getattr(kg, "stats_from", None) else {})} for kg in kgroups]
         # attention.py's spans and recurrent.py's layers
         inside = {n for kg in kgroups if kg.kind in ("attention", "recurrent") for n in kg.nodes}
         return {

@@ -13,6 +13,7 @@ from torch.fx import Node
 
 from agent.builtin import graphed, pysource
 from agent.builtin.conv import DEFAULT_TILE, rendered_tile, shared_floats, tile_shape
+from agent.builtin.conv_stats import amend_wrapper, stats_var
 from agent.builtin.dtypes import at_type, c_type
 from agent.builtin.gemm import TcGemm, tc3_gemms
 from agent.builtin.kernels import (LANES, NARROW_MAX_ELEMENTS, LAUNCH_VARIANTS, KernelGroup, narrow_indices_on,
@@ -238,15 +239,17 @@ class GroupCode:
         sig = [f"torch::Tensor t{i.index}" for i in kg.inputs]
         if kg.op == "batch_norm":
             sig += ["bool use_batch", "bool update", "double factor"]
-        return {"name": kg.name, "describe": _c_str(kg.describe()), "signature": ", ".join(sig),
-                "body": lines, "in_ptrs": ", ".join(f"in{i.index}.data_ptr<{i.ctype}>()" for i in kg.inputs),
-                "out_ptr": f"out.data_ptr<{c_type(kg.out_dtype)}>()", "fmeta": fmeta}
+        w = {"name": kg.name, "describe": _c_str(kg.describe()), "signature": ", ".join(sig),
+             "body": lines, "in_ptrs": ", ".join(f"in{i.index}.data_ptr<{i.ctype}>()" for i in kg.inputs),
+             "out_ptr": f"out.data_ptr<{c_type(kg.out_dtype)}>()", "fmeta": fmeta}
+        amend_wrapper(kg, w, self._conv_ctx()["tile"] if kg.kind == "conv" else None)   # (conv_stats.py)
+        return w
 
     def _conv_ctx(self) -> dict[str, Any]:
         """The direct convolution's template context: its parameters, the CUDA tile, the shared
         memory it stages, and which kernel inputs are its weight and bias."""
         p = self.kg.core_info.params
-        tile = rendered_tile(p, self.knobs.conv_tile, tail=self.kg.tail is not None)
+        tile = rendered_tile(p, self.knobs.conv_tile, tail=self.kg.tail is not None or self.kg.stats_to is not None)
         s_in, s_w = shared_floats(p, tile)
         return {**p, "tile": tile_shape(tile, p["out_channels"], p["kernel3"][2]), "s_in": s_in, "s_w": s_w,
                 "w": self.kg.params[0], "b": self.kg.params[1] if p["bias"] else None}
@@ -327,7 +330,8 @@ class GroupCode:
     def python_call(self) -> list[str]:
         kg = self.kg
         args = [i.py for i in kg.inputs]
-        out = var(kg.out_node)
+        out = var(kg.out_node) + (f", {stats_var(kg.name)}" if kg.stats_to else "")
+        args += [stats_var(kg.stats_from)] if kg.stats_from else []
         if kg.op != "batch_norm":
             return [f"{out} = _ext.{self.fn}({', '.join(args)})"]
         path = kg.core_info.params["module"]

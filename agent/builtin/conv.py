@@ -170,8 +170,8 @@ def rendered_tile(params: dict[str, Any], tile: str, tail: bool = False) -> str:
     convolution fits every one) where the tensor-core tile's staging (each operand twice) or a
     register-blocked tile's (two tiles' input) would not fit ``MAX_SHARED_BYTES``, where a
     register-blocked tile is asked for a stride or dilation along x (its columns are consecutive),
-    and where the group ends in a tail reduction (``tail``), which the tensor-core tile does not
-    accumulate."""
+    and where the group ends in a tail reduction or sums a batch norm's statistics (``tail``;
+    conv_stats.py), which the tensor-core tile does not accumulate."""
     if tile == MMA_TILE and (tail or sum(shared_floats(params, tile)) * 4 > MAX_SHARED_BYTES):
         return FALLBACK_TILE
     if tile in SLIDE_TILES and (params["stride3"][2] != 1 or params["dilation3"][2] != 1

@@ -215,6 +215,10 @@ class KernelGroup:
         self.out_ctype = c_type(self.out_dtype)
         self.ops = [infos[n].op for n in group.nodes]
         self.meta: list[str] = []          # C++ expressions pushed by the wrapper, in order
+        # a batch norm's statistics summed by the direct convolution before it (conv_stats.py): on the
+        # convolution's group, the norm group's name; on the norm's, the convolution group's
+        self.stats_to: Optional[str] = None
+        self.stats_from: Optional[str] = None
         self.knobs_used: set[str] = set()
 
     # ---------------------------------------------------------------------------------
