@@ -62,9 +62,8 @@ def test_the_statistics_from_the_convolution_are_correct_on_a_gpu(tile):
     forwards and an eval-mode forward, against the reference's, in one process."""
     import torch
 
-    from builtin_candidate import judge
+    from builtin_candidate import judge, reference_and_candidate
     from sandbox.result import Status
-    from sandbox.tasks import load_task
 
     spec = with_device_sizes(_spec(), "cuda")
     cand = generate(spec, "cuda", Knobs(layout="nchw", conv="direct", conv_tile=tile))
@@ -73,13 +72,8 @@ def test_the_statistics_from_the_convolution_are_correct_on_a_gpu(tile):
     assert result.status is Status.correct, (result.status, result.error_message,
                                              result.build.first_error if result.build else None)
     assert all(o.mismatched == 0 for t in result.trials for o in t.outputs)
-    ns: dict = {}
-    exec(compile(cand.source, "conv_bn_candidate.py", "exec"), ns)
-    task = load_task(spec)
-    torch.manual_seed(0)
-    ref = task.Model(*task.get_init_inputs()).cuda()
-    torch.manual_seed(0)
-    new = ns["ModelNew"](*task.get_init_inputs()).cuda()
+    task, ref, new = reference_and_candidate(spec, cand.source)
+    ref, new = ref.cuda(), new.cuda()
     torch.manual_seed(1)
     inputs = [x.cuda() for x in task.get_inputs()]
     with torch.no_grad():
