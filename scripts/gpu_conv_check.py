@@ -162,10 +162,10 @@ def main() -> int:
             cand = generate(spec, "cuda", direct(tile))
             if _convs(cand):
                 sources[f"direct {tile}"] = cand.source
-            if _tailed(cand):               # and the same with the reduction its own kernel
-                sources[f"untailed {tile}"] = generate(spec, "cuda", replace(direct(tile), fusion="no_prologue")).source
-            if _linked(cand):               # and the same with the norm's own statistics pass
-                sources[f"unlinked {tile}"] = generate(spec, "cuda", replace(direct(tile), fusion="no_prologue")).source
+            # and the same with the reduction its own kernel, the norm's own statistics pass (one twin for both)
+            twin = "/".join(w for w, on in (("untailed", _tailed(cand)), ("unlinked", _linked(cand))) if on)
+            if twin:
+                sources[f"{twin} {tile}"] = generate(spec, "cuda", replace(direct(tile), fusion="no_prologue")).source
         plans.append((name, spec, sources))
     start = time.time()
     with ThreadPoolExecutor(args.jobs) as pool:
