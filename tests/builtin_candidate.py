@@ -32,6 +32,16 @@ def judge(spec: TaskSpec, source: str, device: str = "cpu", numerics=None):
     return evaluate(with_device_sizes(spec, device), source, device, cfg)
 
 
+def assert_judged_correct(result, *context) -> None:
+    """The builtin tests' check of a verdict: correct, and no output of any trial with a mismatched
+    element (``context``: what a failure shows first, before the status, error, flags and build error)."""
+    from sandbox.result import Status
+
+    assert result.status is Status.correct, (*context, result.status, result.error_message, result.flags,
+                                             result.build.first_error if result.build else None)
+    assert all(o.mismatched == 0 for t in result.trials for o in t.outputs)
+
+
 def flat_outputs(out) -> list:
     """A forward's outputs as a list (one tensor, or a tuple/list of them)."""
     return list(out) if isinstance(out, (tuple, list)) else [out]

@@ -298,14 +298,12 @@ def test_the_cuda_direct_convolutions_are_correct_on_a_gpu(tile):
     run on a GPU yet), judged by the sandbox on a GPU: the six convolutions of the fixture (bias or
     not, stride 2 / padding 1, dilation 2, a prologue whose f(0) is not 0, 3-D), each one kernel with
     its chains, every output checked."""
-    from sandbox.result import Status
+    from builtin_candidate import assert_judged_correct
 
     cand = generate(with_device_sizes(_spec(), "cuda"), "cuda", Knobs(layout="nchw", conv="direct", conv_tile=tile))
     assert len(_conv_groups(cand)) == 6
     result = _judge(cand.source, "cuda")
-    assert result.status is Status.correct, (result.status, result.error_message,
-                                             result.build.first_error if result.build else None)
-    assert all(o.mismatched == 0 for t in result.trials for o in t.outputs)
+    assert_judged_correct(result)
 
 
 TAIL = Path(__file__).parent / "fixtures" / "builtin" / "conv_tail.py"
@@ -344,14 +342,11 @@ def _tail_candidate() -> tuple:
 def test_the_tail_reductions_are_correct_in_the_cpu_sandbox():
     """Judged correct (every output checked) and within float32 rounding of PyTorch, the squeezed, the
     summed and the kept-dims shapes included."""
-    from builtin_candidate import reference_and_candidate
-    from sandbox.result import Status
+    from builtin_candidate import assert_judged_correct, reference_and_candidate
 
     spec, source = _tail_candidate()
     result = _evaluate_cpu(spec, source)
-    assert result.status is Status.correct, (result.status, result.error_message,
-                                             result.build.first_error if result.build else None)
-    assert all(o.mismatched == 0 for t in result.trials for o in t.outputs)
+    assert_judged_correct(result)
     task, ref, new = reference_and_candidate(spec, source)
     inputs = task.get_inputs()
     with torch.no_grad():
@@ -377,14 +372,11 @@ def test_a_tail_that_drops_a_row_is_judged_incorrect():
 def test_the_cuda_tail_reductions_are_correct_on_a_gpu(tile):
     """The CUDA tail (a warp's shuffle sum, one atomic add a warp and channel) in the register-blocked
     and the FMA tiles, judged by the sandbox on a GPU: every output checked."""
-    from sandbox.result import Status
+    from builtin_candidate import assert_judged_correct, judge
 
     spec = with_device_sizes(_spec(TAIL), "cuda")
     cand = generate(spec, "cuda", Knobs(layout="nchw", conv="direct", conv_tile=tile))
     assert cand.source.count("never written") == 3
-    from builtin_candidate import judge
 
     result = judge(spec, cand.source, "cuda")
-    assert result.status is Status.correct, (result.status, result.error_message,
-                                             result.build.first_error if result.build else None)
-    assert all(o.mismatched == 0 for t in result.trials for o in t.outputs)
+    assert_judged_correct(result)

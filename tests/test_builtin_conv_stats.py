@@ -62,16 +62,13 @@ def test_the_statistics_from_the_convolution_are_correct_on_a_gpu(tile):
     forwards and an eval-mode forward, against the reference's, in one process."""
     import torch
 
-    from builtin_candidate import judge, reference_and_candidate
-    from sandbox.result import Status
+    from builtin_candidate import assert_judged_correct, judge, reference_and_candidate
 
     spec = with_device_sizes(_spec(), "cuda")
     cand = generate(spec, "cuda", Knobs(layout="nchw", conv="direct", conv_tile=tile))
     assert cand.source.count("_kl_stats_kl_g") == 6
     result = judge(spec, cand.source, "cuda")
-    assert result.status is Status.correct, (result.status, result.error_message,
-                                             result.build.first_error if result.build else None)
-    assert all(o.mismatched == 0 for t in result.trials for o in t.outputs)
+    assert_judged_correct(result)
     task, ref, new = reference_and_candidate(spec, cand.source)
     ref, new = ref.cuda(), new.cuda()
     torch.manual_seed(1)

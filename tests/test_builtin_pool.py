@@ -323,14 +323,12 @@ def test_a_3d_pool_reading_the_wrong_depth_is_judged_incorrect():
 def test_the_cuda_pool_kernels_are_correct_on_a_gpu(layout):
     """The CUDA pooling kernels (templates/cuda_pool.cu.j2) in both layouts, judged by the sandbox on
     a GPU: the fixture's three pools, each one kernel with its chains, every output checked."""
-    from sandbox.result import Status
+    from builtin_candidate import assert_judged_correct
 
     cand = generate(with_device_sizes(_spec(), "cuda"), "cuda", Knobs(layout=layout))
     assert len(_pool_groups(cand)) == 3
     result = _judge(cand.source, "cuda")
-    assert result.status is Status.correct, (result.status, result.error_message,
-                                             result.build.first_error if result.build else None)
-    assert all(o.mismatched == 0 for t in result.trials for o in t.outputs)
+    assert_judged_correct(result)
 
 
 @pytest.mark.gpu
@@ -340,12 +338,8 @@ def test_the_cuda_3d_pool_kernels_are_correct_on_a_gpu(layout):
     so the check is of the pool kernels: under the default numerics cuDNN may run the candidate's
     channels-last 3-D convolution in TF32 where the reference's NCDHW one is IEEE (which layout is
     acceptable is the judge's call on each task, not this test's)."""
-    from builtin_candidate import judge
+    from builtin_candidate import assert_judged_correct, judge
     from sandbox.numerics import Numerics
-    from sandbox.result import Status
 
     result = judge(_spec(CONV3D_POOL), _candidate_3d(layout, "cuda"), "cuda", Numerics(math="strict"))
-    errors = [o.max_abs_err for t in result.trials for o in t.outputs]
-    assert result.status is Status.correct, (result.status, result.error_message, errors,
-                                             result.build.first_error if result.build else None)
-    assert all(o.mismatched == 0 for t in result.trials for o in t.outputs)
+    assert_judged_correct(result, [o.max_abs_err for t in result.trials for o in t.outputs])

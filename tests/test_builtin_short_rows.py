@@ -86,14 +86,11 @@ def test_short_rows_are_correct_in_the_cpu_sandbox():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("reduce", ["onepass", "twopass"])
 def test_short_rows_are_correct_on_a_gpu(reduce):
-    from builtin_candidate import judge
-    from sandbox.result import Status
+    from builtin_candidate import assert_judged_correct, judge
 
     cand = generate(with_device_sizes(_spec(), "cuda"), "cuda", Knobs(reduce=reduce, graph="off"))
     result = judge(_spec(), cand.source, "cuda")
-    assert result.status is Status.correct, (result.status, result.error_message,
-                                             result.build.first_error if result.build else None)
-    assert all(o.mismatched == 0 for t in result.trials for o in t.outputs)
+    assert_judged_correct(result)
 
 
 @pytest.mark.gpu
