@@ -95,7 +95,8 @@ def _summary_table(progress: list[Any], title: str) -> Table:
         table.add_column(col, justify="left" if col in ("task", "stopped") else "right")
     table.caption = ("correct: the verdict; clean: correct with no disqualifying flag (no custom kernel, fallback, "
                      "inaccurate, suspicious, ...); "
-                     "best ms and speedups: the fastest clean attempt, reference and candidate timed in one evaluation")
+                     "best ms and speedups: the clean attempt with the highest speedup vs eager, reference and candidate "
+                     "timed in one evaluation (not always the lowest ms: each attempt is read against its own reference)")
     fractions = {p.name: p.floor_ms / p.best_ms for p in progress if p.floor_ms and p.best_ms}
     for p in progress:
         table.add_row(p.name, str(p.round), str(p.attempts), str(p.correct), str(p.clean), _fmt(p.eager_ms),

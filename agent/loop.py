@@ -99,7 +99,8 @@ def best_clean(views: list[AttemptView]) -> Optional[AttemptView]:
 
 
 def choose_parents(views: list[AttemptView], limit: int = 3) -> list[int]:
-    """The fastest clean attempt, then the latest instructive failures of distinct kinds."""
+    """The best clean attempt (``best_clean``: the highest speedup vs eager, each read against the
+    reference timed in its own evaluation), then the latest instructive failures of distinct kinds."""
     parents: list[int] = []
     best = best_clean(views)
     if best is not None:

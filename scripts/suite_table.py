@@ -5,9 +5,9 @@ resumes a lane or hands out a lane's remaining tasks adds runs to it. This reads
 (``STORE[:RUN,...]``; every optimisation run of the store where no run is named), keeps each
 task's evaluations from all of them, and prints in markdown:
 
-* per task: its best clean attempt vs eager and vs torch.compile (each the fastest clean attempt
-  against that baseline, as ``report`` counts it), floor fraction, and the best vs compile after
-  each round;
+* per task: its best clean attempt vs eager and vs torch.compile (each the clean attempt with the
+  highest speedup against that baseline, as ``report`` counts it), floor fraction, and the best vs
+  compile after each round;
 * per kind of task (GEMM/Matmul, Conv2d, Conv3d, ConvTranspose, other) and over all: tasks, clean
   tasks, geomeans vs eager and vs compile, tasks faster than compile, the slowest vs compile;
 * the geomean vs compile of the best after each round (a task's best so far: it never falls, so

@@ -306,7 +306,7 @@ def test_attempts_rounds_samples_parse_status_and_parents(first_run: LoopRun) ->
     assert t["D"]["sha256"] is None
     assert query(first_run.db, "SELECT parse_error FROM attempts WHERE id = ?", (t["D"]["attempt_id"],))[0][0]
     # Round 0 has no parents; round 1's parents are round-0 attempts: the correct one first where its
-    # evaluation is clean (``loop.choose_parents``: the fastest clean attempt, then the latest failures
+    # evaluation is clean (``loop.choose_parents``: the best clean attempt, then the latest failures
     # of distinct kinds by round and sample). Where it carries a flag (on a loaded CI host a contended
     # CPU timing, likely) it is no best, and both come in sample order (CI, session ac: [B, A]).
     round0 = {t["A"]["attempt_id"], t["B"]["attempt_id"]}

@@ -28,8 +28,8 @@ fastest correct attempt it was derived from, ``changed``: the knobs it sets diff
   changes that move work between the library and the kernels (fusion cuts) are tried first;
   where it is large (``KERNEL_BOUND``) the kernels' own knobs come first.
 
-The incumbent is never lost: the loop's best is the fastest clean attempt of all rounds, so
-each round's best-so-far is at least the previous round's.
+The incumbent is never lost: the loop's best is the clean attempt of all rounds with the highest
+speedup vs eager (``loop.best_clean``), so each round's best-so-far is at least the previous round's.
 """
 from __future__ import annotations
 
