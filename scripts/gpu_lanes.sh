@@ -16,7 +16,7 @@
 # file in task-number order from the i-th, N the number of lanes: $LANE and $LANES), and `suite SECONDS ARGS`
 # runs `optimize` on them for at most SECONDS (boxed: `box` cannot run a shell function itself),
 # resuming the lane's last run over those same tasks where the call carried its store back in
-# ($STORES/lane_i.db, e.g. .gpu-store/l2) or a call before it on the warm machine left one; SUITE=level2
+# ($STORES/lane_i.db or lane_i.db.xz, e.g. .gpu-store/l2) or a call before it on the warm machine left one; SUITE=level2
 # by default:
 #
 #   STORES=.gpu-store/l2 bash scripts/gpu_lanes.sh 'suite 505 --rounds 4 --samples 1' 'suite 505 --rounds 4 --samples 1' ...
@@ -36,7 +36,8 @@ for cmd in "$@"; do
   (
     export CUDA_VISIBLE_DEVICES=$i OUT="$OUT/lane_$i" KERNELLOOP_DB=/tmp/lane_$i.db PYTHONUNBUFFERED=1 MAX_JOBS=16
     export KERNELLOOP_KERNELBENCH=$PWD/.kb LANE=$i LANES=$#
-    [ -n "${STORES:-}" ] && [ -f "$STORES/lane_$i.db" ] && cp "$STORES/lane_$i.db" /tmp/lane_$i.db
+    if [ -n "${STORES:-}" ] && [ -f "$STORES/lane_$i.db" ]; then cp "$STORES/lane_$i.db" /tmp/lane_$i.db
+    elif [ -n "${STORES:-}" ] && [ -f "$STORES/lane_$i.db.xz" ]; then xz -dc "$STORES/lane_$i.db.xz" > /tmp/lane_$i.db; fi
     echo "lane $i (GPU $i, cores $((16 * i))-$((16 * i + 15))): $cmd"
     timeout --kill-after=10 $(( ${LANE_S:-540} + 40 )) taskset -c $((16 * i))-$((16 * i + 15)) bash -c "
       source scripts/gpu_env.sh
@@ -49,6 +50,11 @@ for cmd in "$@"; do
     # a consistent copy, the write-ahead log's pages included (a store cut off mid-run may have them there)
     [ -f /tmp/lane_$i.db ] && python3 -c "import sqlite3, sys; sqlite3.connect(sys.argv[1]).backup(sqlite3.connect(sys.argv[2]))" \
       /tmp/lane_$i.db "$OUT/../lane_$i.db"
+    # a file over 16 MiB does not come back from the device (a level-2 run's store passes it by its second
+    # call): such a store comes back as lane_i.db.xz (a few per cent of its size), which STORES also resumes
+    if [ -f "$OUT/../lane_$i.db" ] && [ "$(stat -c %s "$OUT/../lane_$i.db")" -gt $((15 << 20)) ]; then
+      xz -T4 -6 -f "$OUT/../lane_$i.db" && echo "lane $i: its store came back as lane_$i.db.xz (xz -dk to read it)"
+    fi
   ) 2>&1 | grep -v USDT > "$OUT/lane_$i.txt" &
   pids+=($!)
   i=$((i + 1))
