@@ -16,7 +16,7 @@
 # file in task-number order from the i-th, N the number of lanes: $LANE and $LANES), and `suite SECONDS ARGS`
 # runs `optimize` on them for at most SECONDS (boxed: `box` cannot run a shell function itself),
 # resuming the lane's last run over those same tasks where the call carried its store back in
-# ($STORES/lane_i.db or lane_i.db.xz, e.g. .gpu-store/l2) or a call before it on the warm machine left one; SUITE=level2
+# ($STORES/lane_i.db, else lane_i.db.xz, e.g. .gpu-store/l2) or a call before it on the warm machine left one; SUITE=level2
 # by default:
 #
 #   STORES=.gpu-store/l2 bash scripts/gpu_lanes.sh 'suite 505 --rounds 4 --samples 1' 'suite 505 --rounds 4 --samples 1' ...
