@@ -2,8 +2,9 @@
 
 For each shape: time (CUDA events) and relative RMS / max relative error against a float64
 result of fp32 SGEMM and of split-TF32 GEMMs whose big x big product is accumulated in K-chunks
-of several sizes (the whole K = plain 3xTF32), plus a bmm. Needs a CUDA GPU. The weight is split
-once, outside the timed call, as ``kl_tc_linear`` keeps an ``nn.Linear``'s split.
+of several sizes (the whole K = plain 3xTF32), or in one batched GEMM of 256-chunks into partial
+outputs summed after (``bmm c256``, where they fit in 2 GiB), plus a bmm. Needs a CUDA GPU. The weight
+is split once, outside the timed call, as ``kl_tc_linear`` keeps an ``nn.Linear``'s split.
 
     python scripts/bench_tc3.py                        # the shapes below
     python scripts/bench_tc3.py 1024x8192x8192         # M x K x N: level 2's GEMMs (32 tasks, session ak:
@@ -46,8 +47,22 @@ def gemm_case(M, K, N):
             torch.backends.cuda.matmul.allow_tf32 = False
             return y
         return f
+    def batched(chunk):
+        # every chunk's xb.wb^T in one batched GEMM into its own [M, N] slice, summed in float32 after
+        # (K/chunk partial outputs in memory instead of K/chunk GEMMs adding into y)
+        def f():
+            xb, xs = split(x)
+            torch.backends.cuda.matmul.allow_tf32 = True
+            y = torch.addmm(b, xs, wb.t()); y.addmm_(xb, ws.t())
+            nb = K // chunk
+            parts = torch.bmm(xb.view(M, nb, chunk).transpose(0, 1), wb.view(N, nb, chunk).permute(1, 2, 0))
+            torch.backends.cuda.matmul.allow_tf32 = False
+            return y.add_(parts.sum(0))
+        return f
     for c in (K, 1024, 512, 256, 128):
         if c <= K: res[f"3x c{c}"] = mk(c)
+    if K % 256 == 0 and (K // 256) * M * N * 4 <= 2 << 30:
+        res["3x bmm c256"] = batched(256)
     line = [f"gemm {M}x{K}x{N}:"]
     for name, f in res.items():
         t = tm(f); r, mx = errs(f(), ref)
