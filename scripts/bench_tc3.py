@@ -37,32 +37,26 @@ def gemm_case(M, K, N):
     torch.backends.cuda.matmul.allow_tf32 = False
     res["fp32"] = lambda: torch.addmm(b, x, w.t())
     wb, ws = split(w)
-    def mk(chunk):
+    def mk(chunk, batched=False):
+        # batched: every chunk's xb.wb^T in one batched GEMM into its own [M, N] slice, summed in float32
+        # after (K/chunk partial outputs in memory instead of K/chunk GEMMs adding into y)
         def f():
             xb, xs = split(x)
             torch.backends.cuda.matmul.allow_tf32 = True
             y = torch.addmm(b, xs, wb.t()); y.addmm_(xb, ws.t())
-            for k0 in range(0, K, chunk):
-                y.addmm_(xb[:, k0:k0 + chunk], wb[:, k0:k0 + chunk].t())
+            if batched:
+                nb = K // chunk
+                y.add_(torch.bmm(xb.view(M, nb, chunk).transpose(0, 1), wb.view(N, nb, chunk).permute(1, 2, 0)).sum(0))
+            else:
+                for k0 in range(0, K, chunk):
+                    y.addmm_(xb[:, k0:k0 + chunk], wb[:, k0:k0 + chunk].t())
             torch.backends.cuda.matmul.allow_tf32 = False
             return y
-        return f
-    def batched(chunk):
-        # every chunk's xb.wb^T in one batched GEMM into its own [M, N] slice, summed in float32 after
-        # (K/chunk partial outputs in memory instead of K/chunk GEMMs adding into y)
-        def f():
-            xb, xs = split(x)
-            torch.backends.cuda.matmul.allow_tf32 = True
-            y = torch.addmm(b, xs, wb.t()); y.addmm_(xb, ws.t())
-            nb = K // chunk
-            parts = torch.bmm(xb.view(M, nb, chunk).transpose(0, 1), wb.view(N, nb, chunk).permute(1, 2, 0))
-            torch.backends.cuda.matmul.allow_tf32 = False
-            return y.add_(parts.sum(0))
         return f
     for c in (K, 1024, 512, 256, 128):
         if c <= K: res[f"3x c{c}"] = mk(c)
     if K % 256 == 0 and (K // 256) * M * N * 4 <= 2 << 30:
-        res["3x bmm c256"] = batched(256)
+        res["3x bmm c256"] = mk(256, batched=True)
     line = [f"gemm {M}x{K}x{N}:"]
     for name, f in res.items():
         t = tm(f); r, mx = errs(f(), ref)
